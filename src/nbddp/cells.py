@@ -1,0 +1,63 @@
+"""Where a job's cells come from: a notebook file read with nbformat, or sources handed over directly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from .errors import NotebookError
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One code cell. ``index`` is its 1-based position among all the notebook's cells, as a person counts."""
+
+    index: int
+    source: str
+    origin: str = "<cells>"
+
+    @property
+    def first_line(self) -> str:
+        return next((ln.strip() for ln in self.source.splitlines() if ln.strip()), "")
+
+
+def read_notebook(path: str | Path) -> list[Cell]:
+    """The code cells of the notebook at ``path``, validated by nbformat.
+
+    Raises ``NotebookError`` with a one-line reason for a missing file, bad encoding, invalid JSON or a
+    notebook that fails nbformat's schema.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise NotebookError(f"{path}: no such notebook") from None
+    except OSError as exc:
+        raise NotebookError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise NotebookError(f"{path}: not UTF-8 (byte {exc.start}); save the notebook as UTF-8") from None
+    try:
+        nb = nbformat.reads(text, as_version=4)
+    except json.JSONDecodeError as exc:
+        raise NotebookError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except Exception as exc:  # nbformat raises several types for structurally wrong files
+        raise NotebookError(f"{path}: not a notebook: {exc}") from None
+    try:
+        nbformat.validate(nb)
+    except nbformat.ValidationError as exc:
+        raise NotebookError(f"{path}: invalid notebook: {exc.message}") from None
+    return [
+        Cell(index=i, source=cell.source, origin=str(path))
+        for i, cell in enumerate(nb.cells, start=1)
+        if cell.cell_type == "code"
+    ]
+
+
+def cells_from_sources(sources: list[str], origin: str = "<cells>") -> list[Cell]:
+    """Cells from plain source strings, numbered 1, 2, …"""
+    return [Cell(index=i, source=src, origin=origin) for i, src in enumerate(sources, start=1)]

@@ -1,0 +1,96 @@
+"""``nbddp convert | run``: a thin shell over the API. Errors meant for the user print without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import NbddpError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nbddp", description="Train a notebook on every GPU through torchrun.")
+    p.add_argument("--version", action="version", version=f"nbddp {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="write the DDP training script for a notebook")
+    c.add_argument("notebook", type=Path)
+    c.add_argument("-o", "--output", type=Path, help="script path (default: print to stdout)")
+    c.add_argument("--diff", action="store_true", help="print a unified diff from the notebook's code to the script")
+    c.add_argument("--explain", action="store_true", help="list each change with its cell and line")
+    c.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
+
+    r = sub.add_parser("run", help="convert a notebook and train it under torchrun")
+    r.add_argument("notebook", type=Path)
+    r.add_argument("--nproc", type=int, default=None, help="processes (default: one per GPU; 2 without GPUs)")
+    r.add_argument("--skip-installs", action="store_true", help="do not run the notebook's pip installs")
+    r.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
+    r.add_argument("--runs-dir", type=Path, help="where run directories go (default: ./nbddp_runs)")
+    r.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
+    r.epilog = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # everything after -- belongs to torchrun
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1 :]
+    args = _parser().parse_args(argv)
+    args.torchrun_args = extra
+    try:
+        return _COMMANDS[args.command](args)
+    except NbddpError as exc:
+        print(f"nbddp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("nbddp: interrupted", file=sys.stderr)
+        return 130
+
+
+def _convert(args) -> int:
+    from .convert import convert_notebook
+
+    script = convert_notebook(args.notebook, skip_bad_cells=args.skip_bad_cells)
+    for w in script.warnings:
+        print(f"nbddp: warning: {w}", file=sys.stderr)
+    if args.output:
+        script.write(args.output)
+        print(f"nbddp: wrote {args.output} ({len(script.changes)} changes, {len(script.installs)} installs)", file=sys.stderr)
+    if args.explain:
+        for change in script.changes:
+            print(f"{change}  [{change.rule}]")
+        for inst in script.installs:
+            print(f"cell {inst.cell}, line {inst.line}: install before launch: {inst.command}  [install]")
+    if args.diff:
+        sys.stdout.write(script.diff())
+    if not (args.output or args.explain or args.diff):
+        sys.stdout.write(script.text)
+    return 0
+
+
+def _run(args) -> int:
+    from .display import failure_report, summary
+    from .job import run_notebook
+
+    script, result = run_notebook(
+        args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
+        runs_dir=args.runs_dir, timeout_s=args.timeout, torchrun_args=args.torchrun_args,
+    )
+    for w in script.warnings:
+        print(f"nbddp: warning: {w}", file=sys.stderr)
+    if result.failure:
+        sys.stderr.write(failure_report(result.failure))
+    elif not result.ok and not result.interrupted:
+        print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
+    print(summary(result), file=sys.stderr)
+    return 0 if result.ok else (130 if result.interrupted else 1)
+
+
+_COMMANDS = {"convert": _convert, "run": _run}
+
+if __name__ == "__main__":
+    sys.exit(main())

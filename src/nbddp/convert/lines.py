@@ -1,0 +1,31 @@
+"""Line alignment between two versions of a piece of code, the basis of every source map.
+
+Rewrites keep most lines and change, add or indent a few. Aligning on the stripped text maps each kept
+line exactly; a changed line maps to the line it replaced; an added line maps to the kept line before it.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+
+def align(before: list[str], after: list[str]) -> list[int | None]:
+    """For each line of ``after``, the 0-based index of the line of ``before`` it comes from, or None."""
+    out: list[int | None] = [None] * len(after)
+    matcher = difflib.SequenceMatcher(a=[s.strip() for s in before], b=[s.strip() for s in after], autojunk=False)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            for k in range(b1 - b0):
+                out[b0 + k] = a0 + k
+        elif tag == "replace":
+            for k in range(b1 - b0):
+                out[b0 + k] = min(a0 + k, a1 - 1)
+        elif tag == "insert" and a0 > 0:
+            for k in range(b1 - b0):
+                out[b0 + k] = a0 - 1
+    return out
+
+
+def compose(first: list[int | None], second: list[int | None]) -> list[int | None]:
+    """Chain two alignments: ``second`` maps C → B, ``first`` maps B → A; the result maps C → A."""
+    return [None if j is None or j >= len(first) else first[j] for j in second]

@@ -1,0 +1,182 @@
+"""Assemble the training script: a prelude, every cleaned and rewritten cell, an epilogue, a source map."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libcst as cst
+
+from .. import __version__
+from ..cells import Cell, read_notebook
+from ..errors import CellError
+from .clean import CleanCell, Install, clean_cell
+from .lines import align
+from .rules import apply_rules, gather_facts
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change nbddp made, at a notebook cell and line."""
+
+    cell: int
+    line: int
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"cell {self.cell}, line {self.line}: {self.message}"
+
+
+@dataclass(frozen=True)
+class SourceMap:
+    """Script line (1-based) → (cell, line in that cell), for the lines that came from a cell."""
+
+    origin: str
+    lines: dict[int, tuple[int, int]]
+
+    def lookup(self, script_line: int) -> tuple[int, int] | None:
+        return self.lines.get(script_line)
+
+    def to_json(self) -> str:
+        return json.dumps({"origin": self.origin, "lines": {str(k): list(v) for k, v in self.lines.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> "SourceMap":
+        data = json.loads(text)
+        return cls(data["origin"], {int(k): (v[0], v[1]) for k, v in data["lines"].items()})
+
+
+@dataclass(frozen=True)
+class Script:
+    """The generated script and what it took to make it."""
+
+    text: str
+    source_map: SourceMap
+    cells: tuple[Cell, ...]
+    installs: tuple[Install, ...] = ()
+    changes: tuple[Change, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def cell_source_line(self, cell: int, line: int) -> str:
+        for c in self.cells:
+            if c.index == cell:
+                lines = c.source.splitlines()
+                return lines[line - 1] if 0 < line <= len(lines) else ""
+        return ""
+
+    def diff(self) -> str:
+        """A unified diff from the notebook's code cells to the script."""
+        before = []
+        for c in self.cells:
+            before += [f"# [cell {c.index}]"] + c.source.splitlines() + [""]
+        return "".join(
+            difflib.unified_diff(
+                [ln + "\n" for ln in before],
+                self.text.splitlines(keepends=True),
+                fromfile=f"{self.source_map.origin} (code cells)",
+                tofile="script.py",
+            )
+        )
+
+    def write(self, path: str | Path) -> Path:
+        """Write the script and its source map (``<path>.map.json``) atomically."""
+        from ..runtime.io import atomic_write_text
+
+        path = Path(path)
+        atomic_write_text(path, self.text)
+        atomic_write_text(map_path(path), self.source_map.to_json())
+        return path
+
+
+def map_path(script_path: str | Path) -> Path:
+    return Path(f"{script_path}.map.json")
+
+
+def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Script:
+    """Read a notebook with nbformat and convert its code cells."""
+    return convert_cells(read_notebook(path), origin=Path(path).name, skip_bad_cells=skip_bad_cells)
+
+
+def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False) -> Script:
+    """Clean every cell, apply the rewrite rules, and assemble the script with its source map."""
+    cleaned: list[CleanCell] = []
+    warnings: list[str] = []
+    for cell in cells:
+        try:
+            cleaned.append(clean_cell(cell))
+        except CellError as exc:
+            if not skip_bad_cells:
+                raise
+            warnings.append(f"skipped {exc}")
+    modules = [cst.parse_module(c.code) for c in cleaned]
+    facts = gather_facts(modules)
+    if facts.last_training is None:
+        warnings.append(
+            "no training call found (trainer.train(), unsloth_train(…)): every cell runs on every rank"
+        )
+
+    changes: list[Change] = []
+    body_lines: list[str] = []
+    body_map: list[tuple[int, int] | None] = []
+    for pos, (clean, module) in enumerate(zip(cleaned, modules)):
+        cell = clean.cell
+        changes += [Change(cell.index, note.line, "ipython", note.message) for note in clean.notes]
+        new_module, rule_changes = apply_rules(module, facts, pos)
+        to_cell = lambda j: clean.line_map[j] if j is not None and j < len(clean.line_map) else None  # noqa: E731
+        for rule, line, message in rule_changes:
+            changes.append(Change(cell.index, to_cell(line - 1) or 1, rule, message))
+        code_lines = new_module.code.splitlines()
+        back = align(clean.code.splitlines(), code_lines)
+        body_lines.append(f"# [cell {cell.index}]")
+        body_map.append(None)
+        for inst in clean.installs:
+            body_lines.append(f"# nbddp: `{inst.command}` (line {inst.line}) runs once before launch")
+            body_map.append(None)
+        for text, j in zip(code_lines, back):
+            body_lines.append(text)
+            src = to_cell(j)
+            body_map.append((cell.index, src) if src is not None else None)
+        body_lines.append("")
+        body_map.append(None)
+
+    installs = tuple(i for c in cleaned for i in c.installs)
+    prelude = _prelude(origin, changes, installs, warnings)
+    epilogue = ["# [nbddp] every rank ends here: wait for the others, then leave the process group", "_nbddp.cleanup()"]
+    lines = prelude + body_lines + epilogue
+    mapping = {n: src for n, src in enumerate([None] * len(prelude) + body_map, start=1) if src is not None}
+    return Script(
+        text="\n".join(lines) + "\n",
+        source_map=SourceMap(origin, mapping),
+        cells=tuple(c.cell for c in cleaned),
+        installs=installs,
+        changes=tuple(changes),
+        warnings=tuple(warnings),
+    )
+
+
+def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], warnings: list[str]) -> list[str]:
+    out = [
+        f"# Generated by nbddp {__version__} from {origin}: a DDP training script, one process per GPU.",
+        "# Run it with:  torchrun --standalone --nproc_per_node=NUM_GPUS <this file>",
+        "# Lines under '# [cell N]' come from notebook cell N.",
+    ]
+    if installs:
+        out.append("# Installs, run once before launch (not by every rank):")
+        out += [f"#   cell {i.cell}, line {i.line}: {i.command}" for i in installs]
+    if changes:
+        out.append("# What nbddp changed:")
+        out += [f"#   {c}" for c in changes]
+    out += [f"# Warning: {w}" for w in warnings]
+    out += [
+        "import os",
+        "",
+        "import nbddp.runtime as _nbddp",
+        "from nbddp.runtime import display  # display() prints on rank 0 outside a notebook",
+        "",
+        "_nbddp.setup()  # this rank's device, the process group, error reports",
+        "",
+    ]
+    return out

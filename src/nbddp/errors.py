@@ -1,0 +1,25 @@
+"""Typed errors. Each carries what a person needs to find the problem: the notebook, cell and line."""
+
+from __future__ import annotations
+
+
+class NbddpError(Exception):
+    """Base class: the message is meant for the user, printed as is, with no nbddp traceback."""
+
+
+class NotebookError(NbddpError):
+    """The notebook file cannot be read: missing, not JSON, not a valid notebook, wrong encoding."""
+
+
+class CellError(NbddpError):
+    """A cell cannot be converted. ``cell`` is 1-based among all the notebook's cells, like the UI."""
+
+    def __init__(self, message: str, *, cell: int, line: int | None = None, source: str = ""):
+        self.cell, self.line, self.source = cell, line, source
+        where = f"cell {cell}" + (f", line {line}" if line else "")
+        detail = f"\n    {source.strip()}" if source.strip() else ""
+        super().__init__(f"{where}: {message}{detail}")
+
+
+class LaunchError(NbddpError):
+    """torchrun could not be started, or an install step before launch failed."""

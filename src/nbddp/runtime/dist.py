@@ -1,0 +1,208 @@
+"""Set a rank up and tear it down: device, process group, error reports.
+
+Imported by the generated script in every rank; nothing here imports IPython, nbformat or libcst. Run
+without torchrun (plain ``python script.py``) it behaves as a single process of rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+#: Seconds a collective may wait before the process group gives up (``NBDDP_TIMEOUT``).
+DEFAULT_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_info: RankInfo | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def rank_info() -> RankInfo:
+    """This process's rank, from torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``)."""
+    if _info is not None:
+        return _info
+    import torch
+
+    local = _env_int("LOCAL_RANK", 0)
+    cuda = torch.cuda.is_available()
+    return RankInfo(
+        rank=_env_int("RANK", 0),
+        local_rank=local,
+        world_size=_env_int("WORLD_SIZE", 1),
+        backend="nccl" if cuda else "gloo",
+        device=f"cuda:{local}" if cuda else "cpu",
+    )
+
+
+def setup() -> RankInfo:
+    """Pick this rank's device, join the process group, and record uncaught errors for the launcher.
+
+    Idempotent. The backend is nccl with GPUs and gloo without; ``NBDDP_TIMEOUT`` bounds collectives.
+    """
+    global _info
+    if _info is not None:
+        return _info
+    _record_uncaught_errors()
+    import torch
+    import torch.distributed as dist
+
+    info = rank_info()
+    if info.device.startswith("cuda"):
+        torch.cuda.set_device(info.local_rank)
+    if info.world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=_env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
+        dist.init_process_group(backend=info.backend, timeout=timeout)
+    _info = info
+    from . import metrics
+
+    metrics.attach()
+    if info.is_main:
+        print(
+            f"nbddp: {info.world_size} process(es), backend {info.backend}, "
+            f"rank 0 on {info.device}",
+            flush=True,
+        )
+    return info
+
+
+def cleanup() -> None:
+    """Wait for every rank, then leave the process group. Safe to call twice or without ``setup()``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a plain single process)."""
+    return rank_info().rank == 0
+
+
+def is_local_main_process() -> bool:
+    """True on the first process of each machine."""
+    return rank_info().local_rank == 0
+
+
+@contextlib.contextmanager
+def main_process_first(local: bool = True):
+    """Let rank 0 (of the node, by default) run the block first, the others after it: for caches and downloads."""
+    import torch.distributed as dist
+
+    first = is_local_main_process() if local else is_main_process()
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped and not first:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if grouped and first:
+            dist.barrier()
+
+
+def device_map() -> dict:
+    """A ``from_pretrained`` device map putting the whole model on this rank's device."""
+    info = rank_info()
+    return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on rank 0 only."""
+    if is_main_process():
+        print(*args, **kwargs)
+
+
+def display(*objs, **kwargs) -> None:
+    """The notebook's ``display()`` outside a notebook: the objects' text form, printed on rank 0."""
+    for obj in objs:
+        print0(obj if isinstance(obj, str) else repr(obj))
+
+
+def shell(command: str) -> int:
+    """A notebook ``!command``: run once per machine (the first process), the others wait; non-zero fails."""
+    import subprocess
+
+    code = 0
+    with main_process_first():
+        if is_local_main_process():
+            code = subprocess.run(command, shell=True).returncode  # the user's own shell line, as in the notebook
+    if code:
+        raise RuntimeError(f"shell command failed with exit code {code}: {command}")
+    return code
+
+
+def getoutput(command: str) -> list[str]:
+    """A notebook ``x = !command``: its output lines."""
+    import subprocess
+
+    return subprocess.run(command, shell=True, capture_output=True, text=True).stdout.splitlines()
+
+
+def write_file(path: str, text: str, append: bool = False) -> None:
+    """A ``%%writefile`` cell: written once per machine, read by all after."""
+    with main_process_first():
+        if is_local_main_process():
+            with open(path, "a" if append else "w", encoding="utf-8") as fh:
+                fh.write(text)
+
+
+def _record_uncaught_errors() -> None:
+    """Write uncaught exceptions to torchrun's per-rank error file, in torch elastic's ``error.json`` format.
+
+    ``@record`` does this for a function; a notebook's code runs at module level, so an excepthook does it
+    here, with the traceback of the exception itself.
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or getattr(sys.excepthook, "_nbddp", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        with contextlib.suppress(Exception):
+            write_error_file(os.environ["TORCHELASTIC_ERROR_FILE"], exc_type, exc, tb)
+        previous(exc_type, exc, tb)
+
+    hook._nbddp = True
+    sys.excepthook = hook
+
+
+def write_error_file(path: str, exc_type, exc, tb) -> None:
+    import json
+    import time
+    import traceback
+
+    data = {
+        "message": {
+            "message": f"{exc_type.__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
