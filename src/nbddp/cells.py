@@ -42,9 +42,11 @@ def read_notebook(path: str | Path) -> list[Cell]:
     except UnicodeDecodeError as exc:
         raise NotebookError(f"{path}: not UTF-8 (byte {exc.start}); save the notebook as UTF-8") from None
     try:
-        nb = nbformat.reads(text, as_version=4)
+        json.loads(text)
     except json.JSONDecodeError as exc:
         raise NotebookError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    try:
+        nb = nbformat.reads(text, as_version=4)
     except Exception as exc:  # nbformat raises several types for structurally wrong files
         raise NotebookError(f"{path}: not a notebook: {exc}") from None
     try:

@@ -10,6 +10,7 @@ Cell magics (``%%capture``, ``%%time``, ``%%bash``, …) are handled before, fro
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from ..cells import Cell
 from ..errors import CellError
-from .lines import align, compose
+from .lines import align
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(
@@ -107,20 +108,20 @@ def clean_cell(cell: Cell) -> CleanCell:
         transformed = TransformerManager().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
         raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
+    t_map = align(body, transformed.splitlines())  # transformed line → body line
     try:
+        ast.parse(transformed)  # CPython's parser points at the line a person would fix
         module = cst.parse_module(transformed)
-    except cst.ParserSyntaxError as exc:
-        src_line = _source_line(lines, offset, body, transformed, exc.raw_line)
-        raise CellError(
-            f"not valid Python: {exc.message}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)
-        ) from None
+    except (SyntaxError, cst.ParserSyntaxError) as exc:
+        raw = getattr(exc, "lineno", None) or getattr(exc, "raw_line", 1)
+        src_line = _body_line(t_map, raw, offset)
+        msg = exc.msg if isinstance(exc, SyntaxError) else exc.message
+        raise CellError(f"not valid Python: {msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
 
     rewriter = _IPythonCalls(cell)
-    new_code = MetadataWrapper(module).visit(rewriter).code
-    # transformed line j → body line; new line k → transformed line j.
-    t_map = align(body, transformed.splitlines())
-    n_map = align(transformed.splitlines(), new_code.splitlines())
-    line_map = tuple(None if j is None else j + 1 + offset for j in compose(t_map, n_map))
+    new_code = _finish(MetadataWrapper(module).visit(rewriter).code)
+    # Every replacement is one line for one line, so new line k is transformed line k.
+    line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
     installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in rewriter.installs)
     notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in rewriter.notes]
     return CleanCell(cell, new_code, line_map, installs, tuple(notes))
@@ -131,9 +132,28 @@ def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> i
     return (j if j is not None else transformed_line - 1) + 1 + offset
 
 
-def _source_line(lines, offset, body, transformed, raw_line) -> int:
-    t_map = align(body, transformed.splitlines())
-    return _body_line(t_map, raw_line or 1, offset)
+_DROPPED = "_NBDDP_DROPPED_"
+_DROPPED_LINE = re.compile(rf"^(\s*){_DROPPED}  # (.*)$", re.M)
+
+
+def _dropped(what: str) -> cst.SimpleStatementLine:
+    """A placeholder for a statement that leaves the script; ``_finish`` turns it into a comment."""
+    return cst.SimpleStatementLine(
+        [cst.Expr(cst.Name(_DROPPED))],
+        trailing_whitespace=cst.TrailingWhitespace(
+            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(f"# nbddp: {what}")
+        ),
+    )
+
+
+def _finish(code: str) -> str:
+    """Placeholders become comments, or ``pass  # …`` where a block would be left empty."""
+    as_comments = _DROPPED_LINE.sub(r"\1# \2", code)
+    try:
+        ast.parse(as_comments)
+        return as_comments
+    except SyntaxError:
+        return _DROPPED_LINE.sub(r"\1pass  # \2", code)
 
 
 def _line_at(lines: list[str], line: int) -> str:
@@ -209,7 +229,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
             command = _string_arg(call, 0)
             if command is not None and is_install(command) and not _interpolates(command):
                 self.installs.append((line, command.strip()))
-                return cst.RemovalSentinel.REMOVE
+                return _dropped(f"`{command.strip()}` runs once before launch")
             return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", call.args))])
         if method == "run_line_magic":
             name, arg = _string_arg(call, 0), _string_arg(call, 1) or ""
@@ -221,7 +241,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
             command = f"{name} {arg}".strip() if name != "uv" else f"uv {arg}"
             if is_install(command) and not _interpolates(command):
                 self.installs.append((line, command))
-                return cst.RemovalSentinel.REMOVE
+                return _dropped(f"`{command}` runs once before launch")
             return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", [cst.Arg(cst.SimpleString(repr(command)))]))])
         if name in STATEMENT_LINE_MAGICS:
             try:
@@ -234,13 +254,13 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
             key, _, value = arg.replace("=", " ", 1).partition(" ")
             if not key or not value.strip():
                 self.notes.append((line, "%env without a value dropped"))
-                return cst.RemovalSentinel.REMOVE
+                return _dropped(f"%env {arg} dropped")
             return cst.parse_statement(f"os.environ[{key!r}] = {value.strip()!r}\n")
         if name == "cd":
             return cst.parse_statement(f"os.chdir(os.path.expanduser({arg.strip()!r}))\n")
         if name in DROPPED_LINE_MAGICS or name is None:
             self.notes.append((line, f"%{name} dropped (notebook-only)"))
-            return cst.RemovalSentinel.REMOVE
+            return _dropped(f"%{name} {arg}".rstrip() + " dropped (notebook-only)")
         raise CellError(
             f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train",
             cell=self.cell.index,

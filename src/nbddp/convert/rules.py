@@ -230,7 +230,8 @@ class RankZeroTailRule(Rule):
 
 
 def _strip_leading(stmt):
-    return stmt.with_changes(leading_lines=[ln for ln in stmt.leading_lines if ln.comment is not None])
+    # the guard carries the statement's leading blank lines and comments
+    return stmt.with_changes(leading_lines=[])
 
 
 #: The rules in the order they are applied.

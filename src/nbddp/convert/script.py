@@ -132,9 +132,6 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
         back = align(clean.code.splitlines(), code_lines)
         body_lines.append(f"# [cell {cell.index}]")
         body_map.append(None)
-        for inst in clean.installs:
-            body_lines.append(f"# nbddp: `{inst.command}` (line {inst.line}) runs once before launch")
-            body_map.append(None)
         for text, j in zip(code_lines, back):
             body_lines.append(text)
             src = to_cell(j)

@@ -1,0 +1,56 @@
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from nbddp.convert.script import SourceMap
+from nbddp.launch import map_traceback, plan, terminate_tree
+
+
+def test_traceback_frames_in_the_script_point_at_cells(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("x\n" * 20)
+    smap = SourceMap("nb.ipynb", {12: (4, 2), 13: (4, 3)})
+    tb = textwrap.dedent(f'''\
+        Traceback (most recent call last):
+          File "{script}", line 12, in <module>
+            f()
+          File "/lib/other.py", line 5, in f
+            g()
+          File "{script}", line 13, in g
+            raise ValueError("x")
+        ValueError: x''')
+    mapped, cell, line = map_traceback(tb, script, smap)
+    assert (cell, line) == (4, 3)
+    assert 'File "nb.ipynb", cell 4, line 2, in <module>' in mapped
+    assert 'File "/lib/other.py", line 5, in f' in mapped
+
+
+def test_plan_passes_arguments_as_argv_and_finds_its_runtime(tmp_path):
+    p = plan(tmp_path / "s.py", tmp_path, nproc=2, torchrun_args=["--max-restarts=0", "a b;c"])
+    assert p.argv[:3] == (sys.executable, "-m", "torch.distributed.run")
+    assert "--standalone" in p.argv and "--nproc_per_node=2" in p.argv and "a b;c" in p.argv
+    assert str(Path(__file__).resolve().parent.parent / "src") in p.env["PYTHONPATH"]
+    multi = plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=["--nnodes=2", "--rdzv-endpoint=h:1"])
+    assert "--standalone" not in multi.argv
+
+
+def test_terminate_tree_ends_grandchildren_in_their_own_sessions():
+    child = textwrap.dedent('''
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        time.sleep(600)
+    ''')
+    proc = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    deadline = time.time() + 10
+    while not psutil.Process(proc.pid).children() and time.time() < deadline:
+        time.sleep(0.05)
+    grandchild = psutil.Process(proc.pid).children()[0]
+    started = time.monotonic()
+    terminate_tree(proc)
+    assert time.monotonic() - started < 5
+    assert proc.poll() is not None
+    assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
