@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
     r.add_argument("--runs-dir", type=Path, help="where run directories go (default: ./nbddp_runs)")
     r.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
+    r.add_argument("--shim", action="append", default=[], metavar="NAME", help="force a compatibility shim on")
+    r.add_argument("--no-shim", action="append", default=[], metavar="NAME", help="force a compatibility shim off")
     r.epilog = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
     return p
 
@@ -79,6 +81,7 @@ def _run(args) -> int:
     script, result = run_notebook(
         args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
         runs_dir=args.runs_dir, timeout_s=args.timeout, torchrun_args=args.torchrun_args,
+        env=shim_env(on=args.shim, off=args.no_shim),
     )
     for w in script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
@@ -88,6 +91,13 @@ def _run(args) -> int:
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     print(summary(result), file=sys.stderr)
     return 0 if result.ok else (130 if result.interrupted else 1)
+
+
+def shim_env(on=(), off=()) -> dict[str, str]:
+    """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read."""
+    env = {f"NBDDP_SHIM_{n.upper()}": "1" for n in on}
+    env.update({f"NBDDP_SHIM_{n.upper()}": "0" for n in off})
+    return env
 
 
 _COMMANDS = {"convert": _convert, "run": _run}

@@ -77,7 +77,7 @@ def setup() -> RankInfo:
         timeout = timedelta(seconds=_env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend=info.backend, timeout=timeout)
     _info = info
-    from . import metrics
+    from . import metrics, shims
 
     metrics.attach()
     if info.is_main:
@@ -86,6 +86,7 @@ def setup() -> RankInfo:
             f"rank 0 on {info.device}",
             flush=True,
         )
+    shims.apply_all(log=lambda line: print0(line, flush=True))
     return info
 
 
