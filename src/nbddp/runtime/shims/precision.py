@@ -67,18 +67,20 @@ def current_device(use_cpu: bool = False) -> Device:
 
 
 def detect() -> bool:
-    """Needed where a request could be wrong: transformers present and a CPU or a pre-Ampere GPU."""
-    if not installed("transformers"):
-        return False
-    device = current_device()
-    return decide(device, bf16=True, fp16=True) != Precision(True, True)
+    """Needed where TRL's default would be changed: transformers present and a CPU or a pre-Ampere GPU."""
+    return installed("transformers") and _default_change(current_device()) is not None
 
 
 def apply() -> str:
     when_imported("transformers.training_args", patch)
     device = current_device()
-    reason = decide(device, bf16=True, fp16=False).reason or "mixed precision as requested"
+    reason = _default_change(device) or "mixed precision as requested"
     return f"precision on {device.label}: {reason}; training arguments that ask otherwise are adjusted"
+
+
+def _default_change(device: Device) -> str | None:
+    """Why TRL's default (bf16 on) would be changed on ``device``; None where it is right."""
+    return decide(device, bf16=True, fp16=False).reason
 
 
 def patch(module) -> bool:
