@@ -319,6 +319,7 @@ def test_unsloth_shim_gives_loaders_the_rank_device_map(fake_unsloth, rank_one_o
     assert load("m", device_map="auto")["device_map"] == {"": 1}
     assert load("m", 2048, None, True, None, "balanced")["device_map"] == {"": 1}  # positional too
     assert load("m", device_map={"": "cuda:0"})["device_map"] == {"": "cuda:0"}  # the notebook's own map stays
+    assert load("m", device_map=torch.device("cuda", 0))["device_map"] == torch.device("cuda", 0)
     assert unsloth.FastModel.from_pretrained("m")["device_map"] == {"": 1}  # a loader taking **kwargs
     assert unsloth_loader.patch(unsloth) == 0  # idempotent
 

@@ -51,7 +51,7 @@ def _rank_device_map(from_pretrained):
         if dist.rank_info().world_size > 1:
             bound = signature.bind_partial(*args, **kwargs)
             given = bound.arguments.get("device_map") if named else kwargs.get("device_map")
-            if given is None or given in PLANNERS:
+            if given is None or (isinstance(given, str) and given in PLANNERS):
                 if named:
                     bound.arguments["device_map"] = dist.device_map()
                     args, kwargs = bound.args, bound.kwargs
