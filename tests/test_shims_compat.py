@@ -373,3 +373,20 @@ def test_setup_imports_none_of_the_notebooks_libraries(tmp_path):
                          env={**os.environ, "PYTHONPATH": src})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "imported: []" in out.stdout and "callback: True" in out.stdout
+
+
+def test_precision_wrapper_turns_bf16_into_fp16_on_a_t4(monkeypatch, capsys):
+    """The T4 path of the wrapped ``__post_init__``, with the device a T4 reports (no T4 here)."""
+    import types
+
+    monkeypatch.setattr(precision, "current_device", lambda use_cpu=False: CPU if use_cpu else T4)
+    monkeypatch.setattr(precision, "_said", set())
+    seen = []
+    post_init = precision._adjusting_precision(lambda self: seen.append((self.bf16, self.fp16)))
+    args = types.SimpleNamespace(bf16=True, fp16=False, bf16_full_eval=False, fp16_full_eval=False, use_cpu=False)
+    post_init(args)
+    assert seen == [(False, True)]  # transformers validates what the shim chose
+    assert "nbddp: SimpleNamespace: Tesla T4 (compute capability 7.5) has no native bf16" in capsys.readouterr().out
+    explicit_cpu = types.SimpleNamespace(bf16=True, fp16=False, use_cpu=True)
+    post_init(explicit_cpu)
+    assert seen[-1] == (False, False)
