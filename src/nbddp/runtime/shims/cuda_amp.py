@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ._patch import MARK
-
 NAME = "cuda_amp"
 
 #: Where the old names live: the package and the modules it re-exports them from.
@@ -46,14 +44,14 @@ def custom_bwd(bwd):
 
 
 REPLACEMENTS = {"autocast": autocast, "GradScaler": GradScaler, "custom_fwd": custom_fwd, "custom_bwd": custom_bwd}
-for _replacement in REPLACEMENTS.values():
-    setattr(_replacement, MARK, True)
 
 
 def detect() -> bool:
-    """Needed where torch marks ``torch.cuda.amp.autocast`` deprecated, or has removed it."""
-    import torch.cuda.amp as amp
-
+    """Needed where torch marks ``torch.cuda.amp.autocast`` deprecated, or has removed it (not the package)."""
+    try:
+        import torch.cuda.amp as amp
+    except ImportError:
+        return False
     current = getattr(amp, "autocast", None)
     return current is None or (current is not autocast and hasattr(current, "__deprecated__"))
 
