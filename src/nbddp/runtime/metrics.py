@@ -17,16 +17,23 @@ STEP_INTERVAL_S = 0.25
 
 
 def attach() -> bool:
-    """Register the callback with transformers' defaults; False when there is nothing to do."""
+    """Register the callback with transformers' defaults; False when there is nothing to do.
+
+    Registered once the notebook imports ``transformers.trainer``, not by importing it here: Unsloth must be
+    imported before transformers, and a notebook that uses it does so after ``setup()``.
+    """
     path = os.environ.get("NBDDP_METRICS")
     if not path or importlib.util.find_spec("transformers") is None:
         return False
-    import transformers.trainer as hf_trainer
+    from .shims._patch import when_imported
 
-    callback = make_callback(path)
-    if not any(getattr(cb, "_nbddp", False) for cb in hf_trainer.DEFAULT_CALLBACKS):
-        hf_trainer.DEFAULT_CALLBACKS.append(callback)
+    when_imported("transformers.trainer", lambda hf_trainer: _register(hf_trainer, path))
     return True
+
+
+def _register(hf_trainer, path: str) -> None:
+    if not any(getattr(cb, "_nbddp", False) for cb in hf_trainer.DEFAULT_CALLBACKS):
+        hf_trainer.DEFAULT_CALLBACKS.append(make_callback(path))
 
 
 def make_callback(path: str):

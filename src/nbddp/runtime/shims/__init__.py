@@ -18,7 +18,13 @@ import os
 from dataclasses import dataclass
 
 #: Shim modules in the order they are applied.
-SHIMS: tuple[str, ...] = ()
+SHIMS: tuple[str, ...] = (
+    "cuda_amp",
+    "precision",
+    "peft_kwargs",
+    "xformers_bias",
+    "unsloth_loader",
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,54 @@
+"""What the shims share: is a library installed, patch it when it is imported, wrap an attribute once.
+
+Shims act on libraries the notebook imports after ``setup()``. Importing them at setup would cost time for
+libraries a notebook may never use and would break import order for Unsloth (it must be imported before
+transformers, TRL and PEFT), so patches run through wrapt's post-import hooks: at once when the module is
+already imported, else right after the notebook's own import of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from typing import Callable
+
+#: Attribute set on every wrapper a shim installs, so that applying a shim twice wraps nothing twice.
+MARK = "_nbddp_shim"
+
+
+def installed(name: str) -> bool:
+    """Whether a top-level module can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def when_imported(name: str, patch: Callable) -> None:
+    """Call ``patch(module)`` once module ``name`` is imported: now if it already is, else after its import."""
+    import wrapt
+
+    wrapt.register_post_import_hook(patch, name)
+
+
+def is_patched(func) -> bool:
+    return getattr(func, MARK, False)
+
+
+def wrap(owner, attr: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
+    """Replace ``owner.attr`` with ``make_wrapper(original)`` unless a shim already did.
+
+    Keeps a ``staticmethod`` or ``classmethod`` what it was, and gives the wrapper the original's name,
+    docstring and signature (``functools.wraps``: libraries that inspect the signature still see the real
+    one). Returns False when the attribute was already wrapped.
+    """
+    raw = inspect.getattr_static(owner, attr)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    original = raw.__func__ if kind else raw
+    if is_patched(original):
+        return False
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, MARK, True)
+    setattr(owner, attr, kind(wrapper) if kind else wrapper)
+    return True
