@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 #: Shim modules in the order they are applied.
 SHIMS: tuple[str, ...] = ()
+SHIMS += ("no_ckpt", "grad_ckpt")  # gradient checkpointing: the escape hatch, then DDP × checkpointing
 
 
 @dataclass(frozen=True)
