@@ -37,8 +37,10 @@ x = torch.randn(3, requires_grad=True)
 torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True).sum().backward()
 print("direct checkpoint ran the block", len(calls), "time(s)")""",
     """args = SFTConfig(output_dir="out", max_steps=3, per_device_train_batch_size=4, max_length=32,
-                 learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", bf16=False, fp16=False)
+                 learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", bf16=False, fp16=False,
+                 use_cpu=not torch.cuda.is_available())  # without it the HF Trainer does not use DDP on a CPU
 print("trainer argument gradient_checkpointing:", args.gradient_checkpointing)
+print("parallel mode:", args.parallel_mode)
 trainer = SFTTrainer(model=model, args=args, train_dataset=demo.arithmetic_dataset(64), processing_class=tokenizer)
 trainer.train()""",
     """print("checkpointing after training:", model.is_activation_checkpointing)""",
@@ -65,6 +67,8 @@ def test_no_checkpointing_turns_every_route_into_a_plain_call(tmp_path, notebook
         "direct checkpoint ran the block 2 time(s)",  # forward, and again in the backward
         "trainer argument gradient_checkpointing: True",
         "checkpointing after training: True",
+        "parallel mode: ParallelMode.DISTRIBUTED",
+        "nbddp: Gradient checkpointing detected on",  # DDP wrapped a checkpointed model
     ):
         assert line in out, out[-3000:]
     assert "Gradient checkpointing disabled" not in out
@@ -78,6 +82,7 @@ def test_no_checkpointing_turns_every_route_into_a_plain_call(tmp_path, notebook
         "direct checkpoint ran the block 1 time(s)",
         "trainer argument gradient_checkpointing: False",
         "checkpointing after training: False",
+        "parallel mode: ParallelMode.DISTRIBUTED",
     ):
         assert line in out, out[-3000:]
     assert "Gradient checkpointing detected" not in out
