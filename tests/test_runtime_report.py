@@ -89,3 +89,23 @@ def test_a_bad_seed_is_named(monkeypatch):
     monkeypatch.setenv("NBDDP_SEED", "abc")
     with pytest.raises(ValueError, match="NBDDP_SEED must be a whole number"):
         seed_everything()
+
+
+@pytest.mark.e2e
+def test_every_rank_starts_from_the_same_seed_and_rank_0_reports_the_job(tmp_path, notebook):
+    from nbddp.job import run_notebook
+
+    nb = notebook(["import random\nimport torch\nprint('draw', random.random(), torch.rand(1).item(), flush=True)"])
+    chunks = []
+    _, result = run_notebook(
+        nb, nproc=2, runs_dir=tmp_path / "runs", env={"NBDDP_SEED": "1234"}, sink=lambda s, t: chunks.append(t)
+    )
+    assert result.ok
+    out = "".join(chunks)
+    assert "nbddp: 2 process(es), backend " in out and ", seed 1234" in out
+    draw0 = next(line for line in out.splitlines() if line.startswith("draw"))
+    draw1 = next(line for line in result.rank_log(1).read_text().splitlines() if line.startswith("draw"))
+    assert draw0 == draw1
+    random.seed(1234)
+    torch.manual_seed(1234)
+    assert draw0 == f"draw {random.random()} {torch.rand(1).item()}"

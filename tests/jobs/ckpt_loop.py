@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nbddp.runtime as rt
 
-rt.setup()
+device = rt.setup().device
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from nbddp import demo  # noqa: E402
 
 env = os.environ.get
-model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), dtype=torch.float32).to(device)
 model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 ckpt = env("CKPT", "none")
 if ckpt in ("hf", "empty", "reentrant"):
@@ -48,7 +48,7 @@ for step in range(int(env("STEPS", "4"))):
     if env("VARY") == "1":
         varying._disable_adapters = step % 2 == 1
     for micro in range(accum):
-        ids = torch.randint(4, 40, (2, 12), generator=gen)
+        ids = torch.randint(4, 40, (2, 12), generator=gen).to(device)
         with ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext():
             loss = ddp(input_ids=ids, labels=ids).loss / accum
             loss.backward()
