@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nbddp.runtime import dist, shims
-from nbddp.runtime.shims import _patch, cuda_amp, peft_kwargs, precision, unsloth_loader, xformers_bias
+from nbddp.runtime import patching
+from nbddp.runtime.shims import cuda_amp, peft_kwargs, precision, unsloth_loader, xformers_bias
 
 
 def restore_after(monkeypatch, owner, *names):
@@ -348,8 +349,8 @@ def test_wrap_keeps_static_and_class_methods(monkeypatch):
     def add_one(original):
         return lambda *a, **k: original(*a, **k)
 
-    assert _patch.wrap(Loader, "static", add_one) and _patch.wrap(Loader, "klass", add_one)
-    assert not _patch.wrap(Loader, "static", add_one)
+    assert patching.wrap(Loader, "static", add_one) and patching.wrap(Loader, "klass", add_one)
+    assert not patching.wrap(Loader, "static", add_one)
     assert isinstance(vars(Loader)["static"], staticmethod) and isinstance(vars(Loader)["klass"], classmethod)
     assert Loader.static(1) == 1 and Loader.klass(2) == (Loader, 2)
 

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
     r.add_argument("--shim", action="append", default=[], metavar="NAME", help="force a compatibility shim on")
     r.add_argument("--no-shim", action="append", default=[], metavar="NAME", help="force a compatibility shim off")
+    r.add_argument("--no-checkpointing", action="store_true",
+                   help="run every gradient checkpoint as a plain call (more memory; NBDDP_DISABLE_CHECKPOINTING=1)")
     r.epilog = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
     return p
 
@@ -81,7 +83,7 @@ def _run(args) -> int:
     script, result = run_notebook(
         args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
         runs_dir=args.runs_dir, timeout_s=args.timeout, torchrun_args=args.torchrun_args,
-        env=shim_env(on=args.shim, off=args.no_shim),
+        env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing),
     )
     for w in script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
@@ -93,10 +95,13 @@ def _run(args) -> int:
     return 0 if result.ok else (130 if result.interrupted else 1)
 
 
-def shim_env(on=(), off=()) -> dict[str, str]:
-    """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read."""
+def shim_env(on=(), off=(), no_checkpointing: bool = False) -> dict[str, str]:
+    """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read;
+    ``--no-checkpointing`` as ``NBDDP_DISABLE_CHECKPOINTING=1``."""
     env = {f"NBDDP_SHIM_{n.upper()}": "1" for n in on}
     env.update({f"NBDDP_SHIM_{n.upper()}": "0" for n in off})
+    if no_checkpointing:
+        env["NBDDP_DISABLE_CHECKPOINTING"] = "1"
     return env
 
 

@@ -62,6 +62,7 @@ def setup() -> RankInfo:
     """Pick this rank's device, join the process group, and record uncaught errors for the launcher.
 
     Idempotent. The backend is nccl with GPUs and gloo without; ``NBDDP_TIMEOUT`` bounds collectives.
+    Seeds every rank alike (``NBDDP_SEED``), prints the job's configuration once (rank 0), applies the shims.
     """
     global _info
     if _info is not None:
@@ -78,16 +79,44 @@ def setup() -> RankInfo:
         dist.init_process_group(backend=info.backend, timeout=timeout)
     _info = info
     from . import metrics, shims
+    from .report import get_multi_gpu_config
 
+    seed = seed_everything()
     metrics.attach()
     if info.is_main:
-        print(
-            f"nbddp: {info.world_size} process(es), backend {info.backend}, "
-            f"rank 0 on {info.device}",
-            flush=True,
-        )
+        print(get_multi_gpu_config(info, seed).summary(), flush=True)
     shims.apply_all(log=lambda line: print0(line, flush=True))
     return info
+
+
+#: The seed every rank starts from unless ``NBDDP_SEED`` says otherwise.
+DEFAULT_SEED = 0
+
+
+def seed_everything(seed: int | str | None = None) -> int | None:
+    """Seed Python's, NumPy's and torch's generators (every GPU's too) with the same value on every rank.
+
+    ``seed`` defaults to ``NBDDP_SEED``, else ``DEFAULT_SEED``; "off" leaves them alone and returns None.
+    A script that seeds itself later (``set_seed``, the Trainer's ``seed``) simply overrides this.
+    """
+    import random
+
+    import torch
+
+    value = str(os.environ.get("NBDDP_SEED", DEFAULT_SEED) if seed is None else seed).strip().lower()
+    if value in ("off", "none", ""):
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"NBDDP_SEED must be a whole number or 'off', not {value!r}") from None
+    random.seed(number)
+    torch.manual_seed(number)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(number % 2**32)
+    return number
 
 
 def cleanup() -> None:

@@ -25,7 +25,7 @@ def attach() -> bool:
     path = os.environ.get("NBDDP_METRICS")
     if not path or importlib.util.find_spec("transformers") is None:
         return False
-    from .shims._patch import when_imported
+    from .patching import when_imported
 
     when_imported("transformers.trainer", lambda hf_trainer: _register(hf_trainer, path))
     return True

@@ -24,6 +24,8 @@ SHIMS: tuple[str, ...] = (
     "peft_kwargs",
     "xformers_bias",
     "unsloth_loader",
+    "no_ckpt",  # gradient checkpointing: the escape hatch first,
+    "grad_ckpt",  # then DDP × checkpointing
 )
 
 

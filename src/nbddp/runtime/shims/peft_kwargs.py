@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
-from ._patch import installed, wrap, when_imported
+from ..patching import installed, wrap, when_imported
 
 NAME = "peft_kwargs"
 

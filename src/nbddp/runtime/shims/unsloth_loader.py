@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 
-from ._patch import installed, wrap, when_imported
+from ..patching import installed, wrap, when_imported
 
 NAME = "unsloth"
 

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from ._patch import installed, wrap, when_imported
+from ..patching import installed, wrap, when_imported
 
 NAME = "xformers_bias"
 

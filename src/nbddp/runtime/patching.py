@@ -1,4 +1,4 @@
-"""What the shims share: is a library installed, patch it when it is imported, wrap an attribute once.
+"""What every patch of a library shares: is it installed, patch it when it is imported, wrap an attribute once.
 
 Shims act on libraries the notebook imports after ``setup()``. Importing them at setup would cost time for
 libraries a notebook may never use and would break import order for Unsloth (it must be imported before
@@ -13,8 +13,8 @@ import importlib.util
 import inspect
 from typing import Callable
 
-#: Attribute set on every wrapper a shim installs, so that applying a shim twice wraps nothing twice.
-MARK = "_nbddp_shim"
+#: Attribute set on every wrapper nbddp installs, so that applying a patch twice wraps nothing twice.
+MARK = "_nbddp_patched"
 
 
 def installed(name: str) -> bool:
@@ -37,18 +37,24 @@ def is_patched(func) -> bool:
 
 
 def wrap(owner, attr: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
-    """Replace ``owner.attr`` with ``make_wrapper(original)`` unless a shim already did.
+    """Replace ``owner.attr`` with ``make_wrapper(original)`` unless nbddp already did.
 
     Keeps a ``staticmethod`` or ``classmethod`` what it was, and gives the wrapper the original's name,
     docstring and signature (``functools.wraps``: libraries that inspect the signature still see the real
-    one). Returns False when the attribute was already wrapped.
+    one). Returns False, changing nothing, when the attribute is missing or already wrapped, or when
+    ``make_wrapper`` hands the original back (nothing to change).
     """
-    raw = inspect.getattr_static(owner, attr)
+    raw = inspect.getattr_static(owner, attr, None)
+    if raw is None:
+        return False
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     original = raw.__func__ if kind else raw
     if is_patched(original):
         return False
-    wrapper = functools.wraps(original)(make_wrapper(original))
+    wrapper = make_wrapper(original)
+    if wrapper is original:
+        return False
+    wrapper = functools.wraps(original)(wrapper)
     setattr(wrapper, MARK, True)
     setattr(owner, attr, kind(wrapper) if kind else wrapper)
     return True
