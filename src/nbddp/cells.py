@@ -10,6 +10,9 @@ import nbformat
 
 from .errors import NotebookError
 
+#: Cells carrying this tag are never part of a job: a template's launch cell, a plot, a note to self.
+SKIP_TAG = "nbddp-skip"
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -25,7 +28,7 @@ class Cell:
 
 
 def read_notebook(path: str | Path) -> list[Cell]:
-    """The code cells of the notebook at ``path``, validated by nbformat.
+    """The code cells of the notebook at ``path``, validated by nbformat, less those tagged ``nbddp-skip``.
 
     Raises ``NotebookError`` with a one-line reason for a missing file, bad encoding, invalid JSON or a
     notebook that fails nbformat's schema.
@@ -56,7 +59,7 @@ def read_notebook(path: str | Path) -> list[Cell]:
     return [
         Cell(index=i, source=cell.source, origin=str(path))
         for i, cell in enumerate(nb.cells, start=1)
-        if cell.cell_type == "code"
+        if cell.cell_type == "code" and SKIP_TAG not in cell.metadata.get("tags", [])
     ]
 
 
