@@ -144,7 +144,12 @@ def test_exported_script_launches_itself_on_two_ranks(tmp_path):
     imports = next(c for c in nb.cells if "from trl import" in c.source)
     imports.source += "\nimport nbddp.runtime\nprint('runtime from', nbddp.runtime.__file__, flush=True)"
     train_args = next(c for c in nb.cells if "max_steps=60" in c.source)
-    train_args.source = train_args.source.replace("max_steps=60", "max_steps=12").replace("logging_steps=5", "logging_steps=3")
+    train_args.source = (
+        train_args.source.replace("max_steps=60", "max_steps=12").replace("logging_steps=5", "logging_steps=3")
+        # without GPUs, accelerate runs the Trainer's DDP over CPU processes only when told to
+        .replace('report_to="none",', 'report_to="none",\n    use_cpu=not torch.cuda.is_available(),')
+    )
+    nb.cells.append(nbformat.v4.new_code_cell("print('trainer world size', training_args.world_size)"))
     nbformat.write(nb, str(tmp_path / "quickstart.ipynb"))
     result = export_kaggle(tmp_path / "quickstart.ipynb", tmp_path / "kernel", kernel_id="me/quickstart-ddp")
 
@@ -157,6 +162,7 @@ def test_exported_script_launches_itself_on_two_ranks(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert out.count("nbddp: installing: ") == 1  # the notebook's install ran once, before launch
     assert "nbddp: 2 process(es), backend gloo" in out
+    assert "trainer world size 2" in out  # one DDP job of two processes
     assert "Adapter saved to outputs/lora_adapter" in out
     assert (work / "outputs" / "lora_adapter" / "adapter_model.safetensors").exists()
     (run,) = (work / "nbddp_logs").iterdir()

@@ -56,8 +56,13 @@ def read_notebook(path: str | Path) -> list[Cell]:
         nbformat.validate(nb)
     except nbformat.ValidationError as exc:
         raise NotebookError(f"{path}: invalid notebook: {exc.message}") from None
+    return notebook_cells(nb, origin=str(path))
+
+
+def notebook_cells(nb: nbformat.NotebookNode, origin: str = "<notebook>") -> list[Cell]:
+    """The code cells of a notebook already in memory, less those tagged ``nbddp-skip``."""
     return [
-        Cell(index=i, source=cell.source, origin=str(path))
+        Cell(index=i, source=cell.source, origin=origin)
         for i, cell in enumerate(nb.cells, start=1)
         if cell.cell_type == "code" and SKIP_TAG not in cell.metadata.get("tags", [])
     ]
