@@ -121,9 +121,13 @@ def test_export_stops_at_a_secret_and_shows_the_kaggle_way(tmp_path):
     assert "cell 3, line 1: a Hugging Face token" in proc.stderr
     assert 'UserSecretsClient().get_secret("HF_TOKEN")' in proc.stderr and "--allow-secrets" in proc.stderr
     assert "aB3dE5fG7hJ9" not in proc.stderr  # the message itself does not repeat the token
-    proc = nbddp_cli("export", nb, "--kaggle", tmp_path / "out", "--id", "me/run-one", "--allow-secrets")
+    proc = nbddp_cli("export", nb, "--kaggle", tmp_path / "out", "--id", "me/run-one", "--allow-secrets",
+                     "--public", "--accelerator", "NvidiaTeslaP100", "--dataset", "me/sums", "--dataset", "me/more")
     assert proc.returncode == 0, proc.stderr
     assert "kaggle kernels push -p" in proc.stderr and (tmp_path / "out" / "run-one.py").exists()
+    meta = json.loads((tmp_path / "out" / "kernel-metadata.json").read_text())
+    assert meta["is_private"] is False and meta["machine_shape"] == "NvidiaTeslaP100"
+    assert meta["dataset_sources"] == ["me/sums", "me/more"]
 
 
 def test_cells_tagged_nbddp_skip_are_not_exported(tmp_path):

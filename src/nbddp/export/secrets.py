@@ -90,8 +90,9 @@ def check_secrets(cells: list[Cell]) -> None:
     first = found[0]
     name = _SECRET_NAMES.get(first.kind, "MY_SECRET")
     others = "".join(f"\n  also cell {f.cell}, line {f.line}: {f.kind}" for f in found[1:])
+    article = "an" if first.kind[0] in "AEIOU" else "a"
     message = (
-        f"a {first.kind} is written in the notebook; the export would publish it with the kernel's code:\n"
+        f"{article} {first.kind} is written in the notebook; the export would publish it with the kernel's code:\n"
         f"    {first.masked}{others}\n"
         f"Store it as a Kaggle secret (notebook editor → Add-ons → Secrets, name {name}) and read it at run time:\n"
         f"    from kaggle_secrets import UserSecretsClient\n"
