@@ -26,13 +26,17 @@ import nbformat
 HERE = Path(__file__).resolve().parent
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
+COMMANDS = (
+    ("papermill --cwd templates templates/{name}.ipynb out.ipynb -p max_steps 200", "papermill (--help-notebook lists parameters)"),
+    ("nbddp run templates/{name}.ipynb", "the nbddp CLI, defaults"),
+    ("nbddp export templates/{name}.ipynb --kaggle kernel/ --id USER/{slug}", "a Kaggle Script on two T4s"),
+)
+
 HOW_TO_RUN = """
 **Run it** (each process is one GPU; without GPUs, two CPU processes):
 
 ```bash
-papermill --cwd templates templates/{name}.ipynb out.ipynb -p max_steps 200   # papermill (--help-notebook lists parameters)
-nbddp run templates/{name}.ipynb                                             # the nbddp CLI, defaults
-nbddp export templates/{name}.ipynb --kaggle kernel/ --id USER/{slug}         # a Kaggle Script on two T4s
+{commands}
 ```
 
 In Jupyter or Kaggle, run the parameters cell, then the last cell: it trains the cells between them on every
@@ -321,12 +325,19 @@ if rank == 0:  # one process saves
 }
 
 
+def commands(name: str) -> str:
+    """The ways to run a template, comments aligned."""
+    lines = [(cmd.format(name=name, slug=name.replace("_", "-")), why) for cmd, why in COMMANDS]
+    width = max(len(cmd) for cmd, _ in lines)
+    return "\n".join(f"{cmd.ljust(width)}   # {why}" for cmd, why in lines)
+
+
 def build(name: str) -> nbformat.NotebookNode:
     """One template as a notebook, with fixed cell ids so that rebuilding gives the same file."""
     spec = TEMPLATES[name]
     slug = name.replace("_", "-")
     cells = [
-        nbformat.v4.new_markdown_cell(f"# {spec['title']}\n\n{spec['intro']}\n" + HOW_TO_RUN.format(name=name, slug=slug)),
+        nbformat.v4.new_markdown_cell(f"# {spec['title']}\n\n{spec['intro']}\n" + HOW_TO_RUN.format(commands=commands(name))),
         nbformat.v4.new_code_cell(spec["parameters"], metadata={"tags": ["parameters"]}),
         nbformat.v4.new_markdown_cell("## Training: these cells run in every process (tag `skip-execution`: not in this kernel)"),
     ]
