@@ -10,6 +10,9 @@ import nbformat
 
 from .errors import NotebookError
 
+#: Cells carrying this tag are never part of a job: a template's launch cell, a plot, a note to self.
+SKIP_TAG = "nbddp-skip"
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -25,7 +28,7 @@ class Cell:
 
 
 def read_notebook(path: str | Path) -> list[Cell]:
-    """The code cells of the notebook at ``path``, validated by nbformat.
+    """The code cells of the notebook at ``path``, validated by nbformat, less those tagged ``nbddp-skip``.
 
     Raises ``NotebookError`` with a one-line reason for a missing file, bad encoding, invalid JSON or a
     notebook that fails nbformat's schema.
@@ -53,10 +56,15 @@ def read_notebook(path: str | Path) -> list[Cell]:
         nbformat.validate(nb)
     except nbformat.ValidationError as exc:
         raise NotebookError(f"{path}: invalid notebook: {exc.message}") from None
+    return notebook_cells(nb, origin=str(path))
+
+
+def notebook_cells(nb: nbformat.NotebookNode, origin: str = "<notebook>") -> list[Cell]:
+    """The code cells of a notebook already in memory, less those tagged ``nbddp-skip``."""
     return [
-        Cell(index=i, source=cell.source, origin=str(path))
+        Cell(index=i, source=cell.source, origin=origin)
         for i, cell in enumerate(nb.cells, start=1)
-        if cell.cell_type == "code"
+        if cell.cell_type == "code" and SKIP_TAG not in cell.metadata.get("tags", [])
     ]
 
 

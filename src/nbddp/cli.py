@@ -1,4 +1,4 @@
-"""``nbddp convert | run``: a thin shell over the API. Errors meant for the user print without a traceback."""
+"""``nbddp convert | run | export``: a thin shell over the API. Errors meant for the user print without a traceback."""
 
 from __future__ import annotations
 
@@ -34,6 +34,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-checkpointing", action="store_true",
                    help="run every gradient checkpoint as a plain call (more memory; NBDDP_DISABLE_CHECKPOINTING=1)")
     r.epilog = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
+
+    e = sub.add_parser("export", help="write a self-launching Kaggle Script kernel and its kernel-metadata.json")
+    e.add_argument("notebook", type=Path)
+    e.add_argument("--kaggle", type=Path, required=True, metavar="DIR", help="folder for `kaggle kernels push -p DIR`")
+    e.add_argument("--id", required=True, dest="kernel_id", metavar="USER/SLUG", help="the kernel's Kaggle id")
+    e.add_argument("--title", help="the kernel's title (default: made from the slug; must slug to it)")
+    e.add_argument("--accelerator", default="NvidiaTeslaT4", help="NvidiaTeslaT4 (two T4s), NvidiaTeslaP100 or none")
+    e.add_argument("--dataset", action="append", default=[], metavar="OWNER/SLUG", help="a dataset to attach (repeatable)")
+    vis = e.add_mutually_exclusive_group()
+    vis.add_argument("--private", dest="private", action="store_true", default=True, help="a private kernel (default)")
+    vis.add_argument("--public", dest="private", action="store_false", help="a public kernel")
+    e.add_argument("--allow-secrets", action="store_true", help="export even if a cell holds a token or key")
+    e.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
     return p
 
 
@@ -105,7 +118,21 @@ def shim_env(on=(), off=(), no_checkpointing: bool = False) -> dict[str, str]:
     return env
 
 
-_COMMANDS = {"convert": _convert, "run": _run}
+def _export(args) -> int:
+    from .export import export_kaggle
+
+    result = export_kaggle(
+        args.notebook, args.kaggle, kernel_id=args.kernel_id, title=args.title, accelerator=args.accelerator,
+        datasets=args.dataset, private=args.private, allow_secrets=args.allow_secrets,
+        skip_bad_cells=args.skip_bad_cells,
+    )
+    for w in result.warnings:
+        print(f"nbddp: warning: {w}", file=sys.stderr)
+    print(f"nbddp: {result}", file=sys.stderr)
+    return 0
+
+
+_COMMANDS = {"convert": _convert, "run": _run, "export": _export}
 
 if __name__ == "__main__":
     sys.exit(main())

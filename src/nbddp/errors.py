@@ -23,3 +23,7 @@ class CellError(NbddpError):
 
 class LaunchError(NbddpError):
     """torchrun could not be started, or an install step before launch failed."""
+
+
+class SecretError(CellError):
+    """A notebook cell holds what looks like a hard-coded credential; exporting it would publish it."""

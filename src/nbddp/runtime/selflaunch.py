@@ -1,0 +1,79 @@
+"""A training script that launches itself, for places that run one file with plain ``python`` (Kaggle Scripts).
+
+The exported script calls ``main(__file__, installs)`` before any training code. Run plainly, ``main`` runs
+the notebook's installs once, starts ``torchrun`` on the same file with one process per GPU (two gloo
+processes on a machine without GPUs) and exits with torchrun's exit code. Under torchrun it returns at once,
+and the rest of the file trains. Every rank's output goes to ``nbddp_logs/`` under the working directory;
+rank 0's is also shown on the console.
+
+Only the standard library (and torch, to count GPUs) is used: this module runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Iterable, Sequence
+
+#: Where torchrun writes every rank's stdout/stderr (relative to the working directory; ``NBDDP_LOG_DIR``).
+LOG_DIR = "nbddp_logs"
+
+
+def under_torchrun() -> bool:
+    """True inside a process that torchrun (torch elastic) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def process_count() -> int:
+    """``NBDDP_NPROC`` when set, else one process per visible GPU, else two (CPU, gloo)."""
+    if os.environ.get("NBDDP_NPROC"):
+        return int(os.environ["NBDDP_NPROC"])
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def install_argv(argv: Sequence[str]) -> list[str]:
+    """``pip …`` runs as ``<this python> -m pip …`` so packages land in the interpreter that trains."""
+    argv = list(argv)
+    if argv and re.fullmatch(r"pip[0-9.]*", argv[0]):
+        return [sys.executable, "-m", "pip", *argv[1:]]
+    return argv
+
+
+def run_installs(installs: Iterable[Sequence[str]]) -> None:
+    """Run each install once, in order; a failing install stops the launch with its exit code."""
+    for argv in installs:
+        argv = install_argv(argv)
+        print(f"nbddp: installing: {' '.join(argv)}", flush=True)
+        code = subprocess.run(argv).returncode
+        if code:
+            raise SystemExit(f"nbddp: install failed (exit {code}): {' '.join(argv)}")
+
+
+def torchrun_argv(script: str, nproc: int, log_dir: str) -> list[str]:
+    """torchrun on ``script``: standalone rendezvous, every rank logged to files, rank 0 teed to the console."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc_per_node={nproc}",
+        f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
+        script,
+    ]
+
+
+def launch_self(script: str, installs: Iterable[Sequence[str]] = ()) -> int:
+    """Run the installs, then torchrun on ``script``; torchrun's exit code."""
+    run_installs(installs)
+    nproc = process_count()
+    log_dir = os.path.abspath(os.environ.get("NBDDP_LOG_DIR") or LOG_DIR)
+    print(f"nbddp: starting {nproc} processes with torchrun; every rank's log goes to {log_dir}", flush=True)
+    return subprocess.run(torchrun_argv(os.path.abspath(script), nproc, log_dir)).returncode
+
+
+def main(script: str, installs: Iterable[Sequence[str]] = ()) -> None:
+    """Return under torchrun; otherwise launch the script on every GPU and exit with torchrun's code."""
+    if under_torchrun():
+        return
+    sys.exit(launch_self(script, installs))
