@@ -29,6 +29,13 @@ Hook = Callable[[Any], None]
 
 _adjusters: dict[str, Adjuster] = {}
 _hooks: dict[str, Hook] = {}
+#: The argument names the caller of the construction under way wrote out (see ``caller_passed``).
+_given: frozenset[str] = frozenset()
+
+
+def caller_passed(name: str) -> bool:
+    """Inside an adjuster: whether whoever builds this wrapper passed ``name`` (a value to keep, not a default)."""
+    return name in _given
 
 
 def register_adjuster(name: str, fn: Adjuster) -> None:
@@ -61,13 +68,18 @@ def install() -> bool:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
+        global _given
         bound = signature.bind(self, *args, **kwargs)
         given = set(bound.arguments) - {"self"}
         bound.apply_defaults()
         effective = {k: v for k, v in bound.arguments.items() if k != "self"}
         module = effective.pop("module")
-        for adjust in list(_adjusters.values()):
-            effective = adjust(module, dict(effective))
+        _given = frozenset(given)
+        try:
+            for adjust in list(_adjusters.values()):
+                effective = adjust(module, dict(effective))
+        finally:
+            _given = frozenset()
         passed = {k: v for k, v in effective.items() if k in given or k not in defaults or v is not defaults[k]}
         original(self, module, **passed)
         for hook in list(_hooks.values()):

@@ -26,6 +26,7 @@ SHIMS: tuple[str, ...] = (
     "unsloth_loader",
     "no_ckpt",  # gradient checkpointing: the escape hatch first,
     "grad_ckpt",  # then DDP × checkpointing
+    "ddp_defaults",  # performance defaults that cannot change the result
 )
 
 

@@ -1,0 +1,39 @@
+"""Builds DDP wrappers the way users and libraries do and prints, on rank 0, the settings DDP ended up with.
+
+Models: a plain Linear stack with a constant buffer (like rotary inv_freq), a BatchNorm model (running
+statistics that training changes), and a wrapper whose caller asks for broadcast_buffers=True and
+gradient_as_bucket_view=False explicitly. One training step each, so the settings are really used.
+"""
+
+import json
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nbddp.runtime as rt
+
+rt.setup()
+
+
+class WithConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.inv_freq.sum()
+
+
+models = {
+    "constant_buffer": DDP(WithConstant()),
+    "batchnorm": DDP(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))),
+    "explicit": DDP(WithConstant(), broadcast_buffers=True, gradient_as_bucket_view=False),
+}
+seen = {}
+for name, model in models.items():
+    model(torch.randn(4, 8)).sum().backward()
+    seen[name] = {"broadcast_buffers": model.broadcast_buffers, "gradient_as_bucket_view": model.gradient_as_bucket_view}
+rt.print0("DDP_ARGS " + json.dumps(seen), flush=True)
+rt.cleanup()
