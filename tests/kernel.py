@@ -34,10 +34,13 @@ class RecordingClient(NotebookClient):
         return super().process_message(msg, cell, cell_index)
 
 
-def execute(path: Path, sources: list[str], timeout: int = 600, **env: str) -> tuple[nbformat.NotebookNode, RecordingClient]:
-    """Write ``sources`` as a notebook at ``path``, run it in a kernel started in its folder, save it back."""
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
-    nbformat.write(nb, str(path))
+def execute(path: Path, sources: list[str] | None = None, timeout: int = 600,
+            **env: str) -> tuple[nbformat.NotebookNode, RecordingClient]:
+    """Run the notebook at ``path`` (first written from ``sources`` if given) in a kernel started in its
+    folder; save it back with its outputs and return it as read from disk."""
+    if sources is not None:
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources]), str(path))
+    nb = nbformat.read(str(path), as_version=4)
     client = RecordingClient(nb, kernel_name="python3", timeout=timeout, allow_errors=True,
                              resources={"metadata": {"path": str(path.parent)}})
     client.execute(env=kernel_env(**env))

@@ -46,6 +46,8 @@ def test_registry_replaces_a_rerun_cell_in_its_place():
     reg.add("%%ddp_setup\nb = 1", 6)  # no cell id: the same source is the same cell
     reg.add("%%ddp_setup\nb = 1", 7)
     assert len(reg) == 3
+    assert reg.describe().splitlines() == ["nbddp: 3 cell(s) registered for the job", "  In [5]: a = 2",
+                                           "  In [3]: b = 1", "  In [7]: b = 1"]
     assert reg.add("%%ddp_setup\n", 8) is None and len(reg) == 3
     reg.clear()
     assert reg.cells == ()

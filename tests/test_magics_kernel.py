@@ -2,80 +2,62 @@
 
 import base64
 import re
+import shutil
 
 import pytest
 
-from conftest import no_rank_processes, write_notebook
+from conftest import ROOT, no_rank_processes, write_notebook
 from kernel import errors, execute, rendered, stream
 
 pytestmark = pytest.mark.e2e
 
-SETUP = '''%%ddp_setup
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import SFTConfig, SFTTrainer
-from nbddp import demo
-
-tokenizer = AutoTokenizer.from_pretrained(demo.tiny_model())
-model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), device_map="auto", dtype=torch.float32)
-model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-args = SFTConfig(output_dir="outputs", per_device_train_batch_size=8, max_steps=20, learning_rate=5e-3, logging_steps=2,
-                 max_length=32, bf16=False, fp16=False, save_strategy="no", report_to="none", seed=0)
-trainer = SFTTrainer(model=model, args=args, train_dataset=demo.arithmetic_dataset(256), processing_class=tokenizer)'''
-
-TRAIN = '''%%ddp_train --nproc 2 --env NBDDP_TEST_GREETING=hello
-trainer.train()
-model.save_pretrained("outputs/adapter")
-print("greeting:", os.environ["NBDDP_TEST_GREETING"])'''
-
-AFTER = '''from peft import PeftConfig
-print("kernel has model:", "model" in dir())
-print("steps:", _ddp.steps, "losses:", len(_ddp.losses), "runtime:", "train_runtime" in _ddp.metrics)
-print("adapter:", PeftConfig.from_pretrained(str(_ddp.adapters[0])).r, _ddp.adapters[0].name)
-print("output_dir:", _ddp.output_dir.name, "script:", _ddp.script_path.name, "logs:", _ddp.log_dir.is_dir())'''
+EXAMPLE = ROOT / "notebooks" / "magics.ipynb"
 
 
-def test_a_registered_job_trains_with_a_live_panel_and_leaves_its_result(tmp_path):
-    nb, client = execute(tmp_path / "train.ipynb", ["%load_ext nbddp", "import os", SETUP, TRAIN, AFTER],
-                         NBDDP_CACHE=str(tmp_path / "cache"))
-    setup, train, after = nb.cells[2], nb.cells[3], nb.cells[4]
+def test_the_example_notebook_trains_with_a_live_panel_and_leaves_its_result(tmp_path):
+    path = tmp_path / EXAMPLE.name
+    shutil.copy(EXAMPLE, path)
+    nb, client = execute(path, NBDDP_CACHE=str(tmp_path / "cache"))
+    setup, train, result, inference = nb.cells[2], nb.cells[4], nb.cells[6], nb.cells[8]
     assert "registered for the job" in stream(setup, "stdout")
-    assert not errors(train), errors(train)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert not any(errors(cell) for cell in code), [errors(cell) for cell in code]
 
-    # the job: the registered cell plus the magic cell, numbered as the kernel numbers them
+    # the job: the registered cells plus the magic cell, numbered as the kernel numbers them
     out = stream(train, "stdout")
-    assert "2 cells from %%ddp_setup cells (registered): In [3], In [4]" in out
-    assert "nbddp: 2 process(es), backend gloo" in out and "greeting: hello" in out
-    assert re.search(r"finished in [\d.]+ s · 20 steps · [\d.]+ steps/s · [\d.]+ samples/s · loss [\d.]+ → [\d.]+", out)
-    assert f"adapter saved in {tmp_path / 'outputs' / 'adapter'}" in out
+    assert "3 cells from %%ddp_setup cells (registered): In [2], In [3], In [4]" in out
+    assert "nbddp: 2 process(es), backend gloo" in out
+    assert re.search(r"finished in [\d.]+ s · 30 steps · [\d.]+ steps/s · [\d.]+ samples/s · loss [\d.]+ → [\d.]+", out)
+    assert f"adapter saved in {tmp_path / 'outputs' / 'lora_adapter'}" in out
 
     # the panel: a status line and a loss curve, both updated in place through their display ids
     displays = [o for o in train.outputs if o.output_type == "display_data"]
     status, plot = displays[0], displays[1]
-    assert "done" in status.data["text/plain"] and "step 20/20" in status.data["text/plain"]
+    assert "done" in status.data["text/plain"] and "step 30/30" in status.data["text/plain"]
     assert base64.b64decode(plot.data["image/png"]).startswith(b"\x89PNG\r\n\x1a\n")
-    status_id, plot_id = [d for c, kind, d, _ in client.messages if c == 3 and kind == "display_data"]
+    train_index = nb.cells.index(train)
+    status_id, plot_id = [d for c, kind, d, _ in client.messages if c == train_index and kind == "display_data"]
     updates = [(d, mimes) for c, kind, d, mimes in client.messages if kind == "update_display_data"]
     assert (plot_id, ("image/png", "text/plain")) in updates
     assert len([u for u in updates if u[0] == status_id]) >= 2
 
     # the Trainer's bar: redrawn in place in the front end, so no line is left at an intermediate step (a
-    # warning printed while the bar stood at 0/20 keeps that line, as it would in a terminal)
+    # warning printed while the bar stood at 0/30 keeps that line, as it would in a terminal)
     shown = rendered(stream(train, "stderr"))
-    assert len(re.findall(r"\b20/20 \[", shown)) == 1
-    assert not re.search(r"\b([1-9]|1\d)/20 \[", shown)
+    assert len(re.findall(r"\b30/30 \[", shown)) == 1
+    assert not re.search(r"\b([1-9]|[12]\d)/30 \[", shown)
 
-    # the next cell sees the result; the registered cell never ran in the kernel
-    text = stream(after, "stdout")
-    assert "kernel has model: False" in text
-    assert "steps: 20 losses: 10 runtime: True" in text  # rank 0's 10 logs: one Trainer in DDP, not two alone
-    assert "adapter: 8 adapter" in text
-    assert "output_dir: outputs script: script.py logs: True" in text
+    # the next cells: the result, then the adapter loaded in the kernel for inference
+    text = stream(result, "stdout")
+    losses = [float(x) for x in re.search(r"loss: \[(.*)\]", text).group(1).split(",")]
+    assert len(losses) == 10 and losses[-1] < losses[0]  # rank 0's 10 logs: one Trainer in DDP, not two alone
+    assert f"adapter: {tmp_path / 'outputs' / 'lora_adapter'}" in text
+    assert stream(inference, "stdout").startswith("Q: 12+7=? A:")
     assert no_rank_processes(str(tmp_path))
 
 
-FAIL = '''%%ddp_train --nproc 2
+FAIL = '''%%ddp_train --nproc 2 --env NBDDP_TEST_GREETING=hello
+print("greeting:", os.environ["NBDDP_TEST_GREETING"], flush=True)
 if os.environ["RANK"] == "1":
     raise ValueError("boom on rank 1")
 time.sleep(60)'''
@@ -112,9 +94,9 @@ def test_notebook_cells_a_failing_rank_and_a_whole_notebook_file(tmp_path):
     assert "2 cells from nb.ipynb (notebook): cell 2, cell 4" in stream(fail, "stdout")
     (error,) = errors(fail)
     assert error.ename == "JobFailed"
-    assert error.evalue.startswith("rank 1 failed in cell 4, line 3: ValueError: boom on rank 1")
-    assert any('File "nb.ipynb", cell 4, line 3, in <module>' in line for line in error.traceback)
-    assert "failed in" in stream(fail, "stdout")
+    assert error.evalue.startswith("rank 1 failed in cell 4, line 4: ValueError: boom on rank 1")
+    assert any('File "nb.ipynb", cell 4, line 4, in <module>' in line for line in error.traceback)
+    assert "greeting: hello" in stream(fail, "stdout") and "failed in" in stream(fail, "stdout")
 
     # %ddp_train NOTEBOOK: the whole file; tqdm's redraws reach the notebook collapsed, one bar in the end
     assert not errors(whole)
@@ -137,9 +119,16 @@ def test_history_source_doctor_and_usage_errors(tmp_path):
         "%%ddp_train --dry-run --source notebook\nprint(x)",
         "%%ddp_train --nproc two\nprint(x)",
         "print(get_ipython().find_cell_magic('ddp_train').__doc__)",  # what %ddp_train? shows
+        "%%ddp_train --dry-run --env NOEQUALS\nprint(x)",
+        "%%ddp_setup\nhidden = 1",
+        "%%ddp_setup --also-here\nshared = 2",
+        "print('here:', 'hidden' in dir(), shared)\n%ddp_setup --list",
+        "%%ddp_train --dry-run\nprint(hidden + shared)",
+        "%ddp_setup --clear",
     ]
     nb, _ = execute(tmp_path / "hist.ipynb", sources)
     doctor, dry, forced, bad, help_ = nb.cells[3], nb.cells[4], nb.cells[5], nb.cells[6], nb.cells[7]
+    env, listed, registered, cleared = nb.cells[8], nb.cells[11], nb.cells[12], nb.cells[13]
 
     report = stream(doctor, "stdout")
     assert re.search(r"ok\s+all-reduce\s+2 processes over gloo: correct", report)
@@ -159,3 +148,14 @@ def test_history_source_doctor_and_usage_errors(tmp_path):
     for option in ("--nproc", "--dry-run", "--show-script", "--diff", "--timeout", "--no-shim", "--env", "--save",
                    "--out", "--source", "torchrun"):
         assert option in shown, option
+
+    (error,) = errors(env)
+    assert error.ename == "NbddpError" and "--env expects NAME=VALUE, got 'NOEQUALS'" in error.evalue
+
+    # %%ddp_setup: registered and not run here, unless --also-here; registered cells then make the job
+    text = stream(listed, "stdout")
+    assert "here: False 2" in text
+    assert "2 cell(s) registered for the job\n  In [10]: hidden = 1\n  In [11]: shared = 2" in text
+    assert "3 cells from %%ddp_setup cells (registered): In [10], In [11], In [13]" in stream(registered, "stdout")
+    assert "hidden = 1" in stream(registered, "stdout") and "x = 1" not in stream(registered, "stdout")
+    assert "0 cell(s) registered" in stream(cleared, "stdout")

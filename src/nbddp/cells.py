@@ -162,6 +162,14 @@ class Registry:
     def __len__(self) -> int:
         return len(self._cells)
 
+    def describe(self) -> str:
+        """How many cells are registered, and each one's ``[N]`` and first line of code."""
+        lines = [f"nbddp: {len(self)} cell(s) registered for the job"]
+        for c in self.cells:
+            code = next((ln.strip() for ln in c.source.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
+            lines.append(f"  In [{c.index}]: {code}")
+        return "\n".join(lines)
+
 
 def find_notebook(user_ns: Mapping, environ: Mapping, cwd: str | Path) -> Path | None:
     """The notebook file the kernel runs, where the front end tells: VS Code's ``__vsc_ipynb_file__``,

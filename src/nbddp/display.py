@@ -288,7 +288,12 @@ class LivePanel:
             print(summary(job), flush=True)
 
     def _draw_plot(self) -> None:
-        png = loss_plot_png(self.progress.losses, self.progress.eval_losses, self.progress.max_steps)
+        try:
+            png = loss_plot_png(self.progress.losses, self.progress.eval_losses, self.progress.max_steps)
+        except Exception as exc:  # a plot must never stop training: say so once and stop plotting
+            self.plot = None
+            self._write("stderr", f"nbddp: no loss plot ({type(exc).__name__}: {exc})\n")
+            return
         if png is not None:
             self._plotted = len(self.progress.losses)
             encoded = base64.b64encode(png).decode("ascii")

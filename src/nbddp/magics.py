@@ -18,7 +18,7 @@ from IPython.utils.process import arg_split
 from . import doctor
 from .cells import SOURCES, Registry, find_notebook, select_cells
 from .convert import convert_cells, convert_notebook
-from .display import LivePanel, failure_report, outcome_error
+from .display import LivePanel, outcome_error
 from .errors import NbddpError
 from .job import JobResult, parse_env, run_script, shim_env, split_torchrun_args
 from .launch import default_nproc
@@ -91,7 +91,8 @@ class NbddpMagics(Magics):
             )
             print("\n".join([selection.describe(), *(f"nbddp: note: {n}" for n in selection.notes)]))
             script = convert_cells(list(selection.cells), origin=selection.origin)
-            cwd, name, label = Path.cwd(), Path(selection.origin).stem if selection.source == "notebook" else "kernel", selection.label
+            name = Path(selection.origin).stem if selection.source == "notebook" else "kernel"
+            cwd, label = Path.cwd(), selection.label
         for warning in script.warnings:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
         if args.save:
@@ -131,9 +132,7 @@ class NbddpMagics(Magics):
         if cell is None:
             if args.clear:
                 self.registry.clear()
-            cells = self.registry.cells
-            print(f"nbddp: {len(cells)} cell(s) registered for the job" + "".join(
-                f"\n  In [{c.index}]: {c.first_line}" for c in cells))
+            print(self.registry.describe())
             return
         added = self.registry.add(f"%%ddp_setup {line}\n{cell}", self._execution_count(), self._cell_id)
         where = "run here too" if args.also_here else "not run here"
