@@ -74,7 +74,7 @@ def test_notebook_cells_a_failing_rank_and_a_whole_notebook_file(tmp_path):
     sources = [
         "%load_ext nbddp",
         "import os\nimport time",
-        "%%ddp_train --dry-run --save saved.py\nprint('dry')",
+        "%%ddp_train --dry-run --diff --save saved.py\nprint('dry')",
         FAIL,
         f"%ddp_train {other.name} --nproc 2 --out other_result",
         "print('other ok:', other_result.ok)",
@@ -87,6 +87,7 @@ def test_notebook_cells_a_failing_rank_and_a_whole_notebook_file(tmp_path):
     text = stream(dry, "stdout")
     assert "2 cells from nb.ipynb (notebook): cell 2, cell 3" in text
     assert "# [cell 2]" in text and "_nbddp.setup()" in text and "print('dry')" in text
+    assert "\n+_nbddp.setup()" in text  # --diff: from the cells' code to the script
     assert (tmp_path / "saved.py").exists() and (tmp_path / "saved.py.map.json").exists()
 
     # the failing rank's traceback, at the notebook's cell and line, as the cell's error; earlier
