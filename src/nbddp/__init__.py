@@ -1,3 +1,24 @@
 """nbddp — train a notebook's fine-tune on every GPU of the machine, from one cell, through torchrun."""
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbddp``: register ``%%ddp_train``, ``%%ddp_setup`` and ``%ddp_doctor``.
+
+    The magics module (and what it imports) loads only here, so ``import nbddp`` stays cheap.
+    """
+    from .magics import NbddpMagics
+
+    global _magics
+    _magics = NbddpMagics(ipython)
+    ipython.register_magics(_magics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext nbddp``: stop following cell runs (the magics stay until the kernel restarts)."""
+    if _magics is not None:
+        _magics.unregister()
+
+
+_magics = None

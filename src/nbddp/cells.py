@@ -1,14 +1,18 @@
-"""Where a job's cells come from: a notebook file read with nbformat, or sources handed over directly."""
+"""Where a job's cells come from: a notebook file read with nbformat, sources handed over directly, or —
+for a job started from a kernel — the cells ``%%ddp_setup`` registered, the notebook file above the magic
+cell, or the kernel's input history."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import nbformat
 
-from .errors import NotebookError
+from .errors import NbddpError, NotebookError
 
 #: Cells carrying this tag are never part of a job: a template's launch cell, a plot, a note to self.
 SKIP_TAG = "nbddp-skip"
@@ -71,3 +75,203 @@ def notebook_cells(nb: nbformat.NotebookNode, origin: str = "<notebook>") -> lis
 def cells_from_sources(sources: list[str], origin: str = "<cells>") -> list[Cell]:
     """Cells from plain source strings, numbered 1, 2, …"""
     return [Cell(index=i, source=src, origin=origin) for i, src in enumerate(sources, start=1)]
+
+
+#: Where a ``%%ddp_train`` job's cells can come from, in the order ``auto`` tries them.
+SOURCES = ("registered", "notebook", "history")
+
+#: nbddp's own line magics, which have no place in a training script.
+_NBDDP_LINE = re.compile(r"^\s*%(?:ddp_\w+|(?:re)?load_ext\s+nbddp\b)")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The cells of a job started from a kernel, and where they came from.
+
+    ``numbering`` says what ``Cell.index`` counts: ``"notebook"``, the position among the notebook's cells,
+    or ``"execution"``, the kernel's execution count shown beside a cell as ``[N]``.
+    """
+
+    cells: tuple[Cell, ...]
+    source: str
+    origin: str
+    numbering: str = "notebook"
+    notes: tuple[str, ...] = ()
+
+    def label(self, index: int | None) -> str:
+        return f"In [{index}]" if self.numbering == "execution" else f"cell {index}"
+
+    def describe(self) -> str:
+        """One line a person checks before training: which cells, from where."""
+        taken = ", ".join(self.label(c.index) for c in self.cells)
+        return f"nbddp: {len(self.cells)} cells from {self.origin} ({self.source}): {taken}"
+
+
+def split_cell_magic(source: str) -> tuple[str, str, str] | None:
+    """``(name, arguments, body)`` when ``source`` starts with a ``%%name arguments`` line, else None."""
+    lines = source.splitlines()
+    first = next((i for i, ln in enumerate(lines) if ln.strip()), None)
+    if first is None or not lines[first].lstrip().startswith("%%"):
+        return None
+    name, _, args = lines[first].strip()[2:].partition(" ")
+    return name, args.strip(), "\n".join(lines[first + 1 :])
+
+
+def job_source(source: str) -> str | None:
+    """A cell's source as a job takes it, or None for a cell that belongs to no job.
+
+    ``%%ddp_train`` cells are other jobs and are left out. The ``%%ddp_setup`` line and nbddp's own line
+    magics (``%load_ext nbddp``, ``%ddp_doctor``, …) become comments, so every other line keeps its number.
+    """
+    magic = split_cell_magic(source)
+    if magic and magic[0] == "ddp_train":
+        return None
+    setup = bool(magic and magic[0] == "ddp_setup")
+    out = []
+    for text in source.splitlines():
+        if _NBDDP_LINE.match(text) or (setup and text.lstrip().startswith("%%ddp_setup")):
+            text = "# " + text.strip()
+        out.append(text)
+    if not any(ln.strip() and not ln.lstrip().startswith("#") for ln in out):
+        return None
+    return "\n".join(out)
+
+
+def train_cell(index: int, args: str, body: str, origin: str) -> Cell:
+    """The ``%%ddp_train`` cell itself: its header becomes a comment, so body lines keep their numbers."""
+    return Cell(index=index, source=f"# %%ddp_train {args}".rstrip() + "\n" + body, origin=origin)
+
+
+class Registry:
+    """The cells ``%%ddp_setup`` registered in this kernel, in the order they were first run.
+
+    Running a cell again replaces what it registered before, in its place: the cell is known by the front
+    end's cell id where one is sent, else by its source.
+    """
+
+    def __init__(self) -> None:
+        self._cells: dict[str, Cell] = {}
+
+    def add(self, source: str, execution_count: int, cell_id: str | None = None) -> Cell | None:
+        code = job_source(source)
+        if code is None:
+            return None
+        cell = Cell(index=execution_count, source=code, origin="In")
+        self._cells[f"id:{cell_id}" if cell_id else f"source:{code}"] = cell
+        return cell
+
+    def clear(self) -> None:
+        self._cells.clear()
+
+    @property
+    def cells(self) -> tuple[Cell, ...]:
+        return tuple(self._cells.values())
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+    def describe(self) -> str:
+        """How many cells are registered, and each one's ``[N]`` and first line of code."""
+        lines = [f"nbddp: {len(self)} cell(s) registered for the job"]
+        for c in self.cells:
+            code = next((ln.strip() for ln in c.source.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
+            lines.append(f"  In [{c.index}]: {code}")
+        return "\n".join(lines)
+
+
+def find_notebook(user_ns: Mapping, environ: Mapping, cwd: str | Path) -> Path | None:
+    """The notebook file the kernel runs, where the front end tells: VS Code's ``__vsc_ipynb_file__``,
+    papermill's ``PAPERMILL_INPUT_PATH``, Jupyter's ``__session__``/``JPY_SESSION_NAME`` (a path relative to
+    the server's root, while the kernel starts in the notebook's folder)."""
+    cwd = Path(cwd)
+    candidates = (
+        user_ns.get("__vsc_ipynb_file__"),
+        user_ns.get("PAPERMILL_INPUT_PATH"),
+        environ.get("PAPERMILL_INPUT_PATH"),
+        user_ns.get("__session__"),
+        environ.get("JPY_SESSION_NAME"),
+    )
+    for value in candidates:
+        if not isinstance(value, str) or not value.endswith(".ipynb"):
+            continue
+        path = Path(value).expanduser()
+        for candidate in [path] if path.is_absolute() else [cwd / path, cwd / path.name]:
+            if candidate.is_file():
+                return candidate.resolve()
+    return None
+
+
+def cells_above(path: str | Path, args: str, body: str) -> Selection | None:
+    """The code cells of the saved notebook above the ``%%ddp_train`` cell whose body is ``body``, plus that
+    cell; None when the saved file holds no such cell (not saved since the cell was edited)."""
+    path = Path(path)
+    cells = read_notebook(path)
+    at = None
+    for pos, cell in enumerate(cells):
+        magic = split_cell_magic(cell.source)
+        if magic and magic[0] == "ddp_train" and magic[2].rstrip() == body.rstrip():
+            at = pos
+    if at is None:
+        return None
+    taken = [Cell(c.index, src, c.origin) for c in cells[:at] if (src := job_source(c.source)) is not None]
+    here = train_cell(cells[at].index, args, body, str(path))
+    return Selection(cells=(*taken, here), source="notebook", origin=path.name)
+
+
+def cells_from_history(inputs: Sequence[str], args: str, body: str) -> Selection:
+    """The kernel's history: ``inputs[n]`` is ``In[n]``, the last one the running ``%%ddp_train`` cell.
+
+    Cells run more than once with the same source are taken once, at their first run.
+    """
+    current = len(inputs) - 1
+    taken, seen, repeated = [], set(), 0
+    for n in range(1, current):
+        src = job_source(inputs[n])
+        if src is None:
+            continue
+        if src in seen:
+            repeated += 1
+            continue
+        seen.add(src)
+        taken.append(Cell(n, src, "In"))
+    notes = (f"{repeated} cell(s) run again with the same code were taken once",) if repeated else ()
+    here = train_cell(current, args, body, "In")
+    return Selection((*taken, here), source="history", origin="the kernel's history", numbering="execution", notes=notes)
+
+
+def select_cells(
+    args: str,
+    body: str,
+    *,
+    source: str = "auto",
+    registered: Sequence[Cell] = (),
+    notebook: str | Path | None = None,
+    history: Sequence[str] = (),
+) -> Selection:
+    """The cells of a ``%%ddp_train`` job: ``registered`` cells if any, else the ``notebook`` file above the
+    magic cell, else the kernel's ``history`` (``In``). ``source`` forces one of them.
+
+    Raises ``NbddpError`` when the forced source has nothing to give.
+    """
+    if source not in ("auto", *SOURCES):
+        raise NbddpError(f"--source must be one of auto, {', '.join(SOURCES)}; got {source!r}")
+    current = max(len(history) - 1, 0)
+    if source == "registered" or (source == "auto" and registered):
+        if not registered:
+            raise NbddpError("no cells registered: mark the cells of the job with %%ddp_setup first")
+        here = train_cell(current, args, body, "In")
+        return Selection((*registered, here), source="registered", origin="%%ddp_setup cells", numbering="execution")
+    notes: tuple[str, ...] = ()
+    if source in ("auto", "notebook"):
+        if notebook is None:
+            reason = "the kernel does not say which notebook file it runs"
+        else:
+            found = cells_above(notebook, args, body)
+            if found is not None:
+                return found
+            reason = f"{Path(notebook).name} on disk does not hold this cell as it is now (save the notebook)"
+        if source == "notebook":
+            raise NbddpError(f"cannot take the cells from the notebook file: {reason}")
+        notes = (f"{reason}; the kernel's history is used",)
+    selection = cells_from_history(history, args, body)
+    return Selection(selection.cells, selection.source, selection.origin, selection.numbering, notes + selection.notes)

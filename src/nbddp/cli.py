@@ -1,4 +1,4 @@
-"""``nbddp convert | run | export``: a thin shell over the API. Errors meant for the user print without a traceback."""
+"""``nbddp convert | run | export | doctor``: a thin shell over the API. Errors meant for the user print without a traceback."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     vis.add_argument("--public", dest="private", action="store_false", help="a public kernel")
     e.add_argument("--allow-secrets", action="store_true", help="export even if a cell holds a token or key")
     e.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
+
+    d = sub.add_parser("doctor", help="pre-flight checks: GPUs, precision, /dev/shm, an all-reduce across every GPU")
+    d.add_argument("--nproc", type=int, default=None, help="processes for the all-reduce (default: one per GPU; 2 without GPUs)")
+    d.add_argument("--timeout", type=float, default=90.0, help="give up the all-reduce after this many seconds")
     return p
 
 
@@ -91,7 +95,7 @@ def _convert(args) -> int:
 
 def _run(args) -> int:
     from .display import failure_report, summary
-    from .job import run_notebook
+    from .job import JobResult, run_notebook, shim_env
 
     script, result = run_notebook(
         args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
@@ -104,18 +108,9 @@ def _run(args) -> int:
         sys.stderr.write(failure_report(result.failure))
     elif not result.ok and not result.interrupted:
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
-    print(summary(result), file=sys.stderr)
-    return 0 if result.ok else (130 if result.interrupted else 1)
-
-
-def shim_env(on=(), off=(), no_checkpointing: bool = False) -> dict[str, str]:
-    """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read;
-    ``--no-checkpointing`` as ``NBDDP_DISABLE_CHECKPOINTING=1``."""
-    env = {f"NBDDP_SHIM_{n.upper()}": "1" for n in on}
-    env.update({f"NBDDP_SHIM_{n.upper()}": "0" for n in off})
-    if no_checkpointing:
-        env["NBDDP_DISABLE_CHECKPOINTING"] = "1"
-    return env
+    job = JobResult.from_run(result, args.notebook.resolve().parent)
+    print(summary(job), file=sys.stderr)
+    return 0 if job.ok else (130 if job.interrupted else 1)
 
 
 def _export(args) -> int:
@@ -132,7 +127,15 @@ def _export(args) -> int:
     return 0
 
 
-_COMMANDS = {"convert": _convert, "run": _run, "export": _export}
+def _doctor(args) -> int:
+    from .doctor import run
+
+    report = run(nproc=args.nproc, timeout_s=args.timeout)
+    print(report.text())
+    return 0 if report.ok else 1
+
+
+_COMMANDS = {"convert": _convert, "run": _run, "export": _export, "doctor": _doctor}
 
 if __name__ == "__main__":
     sys.exit(main())

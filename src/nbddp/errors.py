@@ -6,6 +6,10 @@ from __future__ import annotations
 class NbddpError(Exception):
     """Base class: the message is meant for the user, printed as is, with no nbddp traceback."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for this error in a cell: the message alone, not nbddp's frames."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class NotebookError(NbddpError):
     """The notebook file cannot be read: missing, not JSON, not a valid notebook, wrong encoding."""
@@ -27,3 +31,19 @@ class LaunchError(NbddpError):
 
 class SecretError(CellError):
     """A notebook cell holds what looks like a hard-coded credential; exporting it would publish it."""
+
+
+class JobFailed(NbddpError):
+    """A job started from a notebook ended badly. ``report`` is what the cell shows: the failing rank's
+    traceback mapped to the notebook's cells, or why torchrun stopped."""
+
+    def __init__(self, message: str, report: str = ""):
+        super().__init__(message)
+        self.report = report
+
+    def _render_traceback_(self) -> list[str]:
+        return [*self.report.rstrip().splitlines(), f"{type(self).__name__}: {self}"]
+
+
+class JobInterrupted(NbddpError):
+    """The user interrupted a job started from a notebook; every process of it has been stopped."""

@@ -4,6 +4,8 @@ templates all go through ``run_script``/``run_notebook`` so they behave the same
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -11,7 +13,7 @@ from . import launch as _launch
 from .cells import notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
-from .launch import RunResult, Sink
+from .launch import RankFailure, RunResult, Sink
 
 #: Where run directories go unless told otherwise (``NBDDP_RUNS``).
 DEFAULT_RUNS = "nbddp_runs"
@@ -85,3 +87,149 @@ def run_template(
     script = convert_cells(notebook_cells(nb, origin=str(path)), origin=path.name)
     kwargs.setdefault("cwd", path.resolve().parent)
     return script, run_script(script, name=path.stem, **kwargs)
+
+
+def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``[ours…, "--", torchrun's…]`` → ``(ours, torchrun's)``: after ``--`` everything goes to torchrun."""
+    if "--" not in argv:
+        return list(argv), []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :]
+
+
+def shim_env(on: Iterable[str] = (), off: Iterable[str] = (), no_checkpointing: bool = False) -> dict[str, str]:
+    """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read;
+    ``--no-checkpointing`` as ``NBDDP_DISABLE_CHECKPOINTING=1``."""
+    env = {f"NBDDP_SHIM_{n.upper()}": "1" for n in on}
+    env.update({f"NBDDP_SHIM_{n.upper()}": "0" for n in off})
+    if no_checkpointing:
+        env["NBDDP_DISABLE_CHECKPOINTING"] = "1"
+    return env
+
+
+def parse_env(pairs: Iterable[str]) -> dict[str, str]:
+    """``["K=V", …]`` as a dict; raises ``NbddpError`` for an item without ``=`` or a name."""
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise NbddpError(f"--env expects NAME=VALUE, got {pair!r}")
+        env[key.strip()] = value
+    return env
+
+
+#: Keys nbddp adds to each Trainer log record (``runtime/metrics.py``); the rest is the Trainer's own.
+_RECORD_KEYS = frozenset({"event", "max_steps", "time", "output_dir"})
+#: Folders never searched for adapters a run wrote.
+_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "wandb"})
+
+
+@dataclass(frozen=True, repr=False)
+class JobResult:
+    """What a finished job leaves for the next cell (``_ddp`` after ``%%ddp_train``): the Trainer's logs and
+    final metrics, where its outputs and adapters went, the script and every rank's logs.
+
+    ``output_dir`` is the Trainer's ``output_dir`` as rank 0 saw it; ``adapters`` are the folders holding an
+    ``adapter_config.json`` written during the run, under ``output_dir`` or the folder the ranks ran in.
+    """
+
+    run: RunResult
+    cwd: Path
+    output_dir: Path | None = None
+    adapters: tuple[Path, ...] = ()
+
+    @classmethod
+    def from_run(cls, run: RunResult, cwd: str | os.PathLike) -> "JobResult":
+        cwd = Path(cwd).resolve()
+        begin = next((r for r in run.log_history if r.get("event") == "begin" and r.get("output_dir")), None)
+        output_dir = (cwd / begin["output_dir"]).resolve() if begin else None
+        since = time.time() - run.duration_s - 1.0
+        roots = [p for p in (output_dir, cwd) if p is not None and p.is_dir()]
+        return cls(run, cwd, output_dir, _adapters_written(roots, since, skip=run.run_dir.parent))
+
+    @property
+    def ok(self) -> bool:
+        """Finished by itself with exit code 0 (torchrun can exit 0 when it is stopped)."""
+        return self.run.ok and not self.run.interrupted and not self.run.timed_out
+
+    @property
+    def failure(self) -> RankFailure | None:
+        return self.run.failure
+
+    @property
+    def interrupted(self) -> bool:
+        return self.run.interrupted
+
+    @property
+    def timed_out(self) -> bool:
+        return self.run.timed_out
+
+    @property
+    def duration_s(self) -> float:
+        return self.run.duration_s
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.run_dir
+
+    @property
+    def script_path(self) -> Path:
+        return self.run.script
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run.run_dir / "logs"
+
+    @property
+    def log_history(self) -> list[dict]:
+        """The Trainer's ``state.log_history`` as rank 0 logged it: one dict per ``on_log``."""
+        return [
+            {k: v for k, v in r.items() if k not in _RECORD_KEYS} for r in self.run.log_history if r.get("event") == "log"
+        ]
+
+    @property
+    def metrics(self) -> dict:
+        """The Trainer's final metrics (``train_runtime``, ``train_loss``, ``train_samples_per_second``, …)."""
+        return next((h for h in reversed(self.log_history) if "train_runtime" in h), {})
+
+    @property
+    def steps(self) -> int:
+        return max((int(r.get("step") or 0) for r in self.run.log_history), default=0)
+
+    @property
+    def max_steps(self) -> int:
+        return max((int(r.get("max_steps") or 0) for r in self.run.log_history), default=0)
+
+    @property
+    def losses(self) -> list[float]:
+        return self.run.losses
+
+    def rank_log(self, rank: int, stream: str = "stdout") -> Path | None:
+        return self.run.rank_log(rank, stream)
+
+    def __repr__(self) -> str:
+        state = "ok" if self.ok else ("interrupted" if self.interrupted else "failed")
+        loss = f", loss={self.losses[-1]:.4g}" if self.losses else ""
+        out = f", output_dir='{self.output_dir}'" if self.output_dir else ""
+        return f"JobResult({state}, steps={self.steps}{loss}{out}, run_dir='{self.run_dir}')"
+
+
+def _adapters_written(roots: list[Path], since: float, skip: Path, depth: int = 3, limit: int = 5000) -> tuple[Path, ...]:
+    """Folders under ``roots`` (at most ``depth`` levels down) with an ``adapter_config.json`` newer than
+    ``since``; hidden folders, the runs folder and package trees are not searched."""
+    found: dict[Path, None] = {}
+    seen = 0
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = Path(dirpath)
+            seen += 1
+            if seen > limit:
+                return tuple(found)
+            if "adapter_config.json" in filenames and (here / "adapter_config.json").stat().st_mtime >= since:
+                found[here] = None
+            level = len(here.relative_to(root).parts)
+            dirnames[:] = [
+                d for d in sorted(dirnames)
+                if level < depth and not d.startswith(".") and d not in _SKIP_DIRS and here / d != skip
+            ]
+    return tuple(found)

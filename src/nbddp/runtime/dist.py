@@ -74,6 +74,10 @@ def setup() -> RankInfo:
     info = rank_info()
     if info.device.startswith("cuda"):
         torch.cuda.set_device(info.local_rank)
+    elif info.world_size > 1:
+        # Without this, accelerate (and so the Trainer) sees no GPU, picks "not parallel", and every rank
+        # trains alone on the whole dataset; with it, the Trainer runs DDP over gloo (MULTI_CPU).
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     if info.world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=_env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend=info.backend, timeout=timeout)

@@ -2,7 +2,8 @@
 
 ``attach()`` adds ``MetricsCallback`` to every ``transformers`` Trainer made in this process (through the
 Trainer's default callbacks) when the launcher set ``NBDDP_METRICS`` to a file path. One line per event:
-``{"event": "begin"|"step"|"log"|"end", "step": …, "max_steps": …, "time": …, <the Trainer's logs>}``.
+``{"event": "begin"|"step"|"log"|"end", "step": …, "max_steps": …, "time": …, <the Trainer's logs>}``;
+"begin" also says where the Trainer's ``output_dir`` is.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def make_callback(path: str):
                 fh.write(json.dumps(record, default=float) + "\n")
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self._write(state, "begin")
+            self._write(state, "begin", output_dir=os.path.abspath(args.output_dir or "."))
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.monotonic()

@@ -1,0 +1,159 @@
+"""IPython magics: ``%%ddp_train``, ``%%ddp_setup``, ``%ddp_doctor``. ``%load_ext nbddp`` registers them.
+
+Thin on purpose: parse the arguments, call the API (``cells``, ``convert``, ``job``, ``doctor``), render with
+``display``. ``%ddp_train?`` shows every option.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.utils.process import arg_split
+
+from . import doctor
+from .cells import SOURCES, Registry, find_notebook, select_cells
+from .convert import convert_cells, convert_notebook
+from .display import LivePanel, outcome_error
+from .errors import NbddpError
+from .job import JobResult, parse_env, run_script, shim_env, split_torchrun_args
+from .launch import default_nproc
+
+
+@magics_class
+class NbddpMagics(Magics):
+    """nbddp's magics, with the cells ``%%ddp_setup`` registered in this kernel."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.registry = Registry()
+        self._cell_id: str | None = None
+        shell.events.register("pre_run_cell", self._remember_cell_id)
+
+    def _remember_cell_id(self, info) -> None:
+        """Front ends that send a cell id (JupyterLab, VS Code) let a re-run cell replace its registration."""
+        self._cell_id = getattr(info, "cell_id", None)
+
+    def _execution_count(self) -> int:
+        """The running cell's ``[N]``: its history entry is stored before it runs (in every IPython version,
+        while ``shell.execution_count`` moves before or after the cell depending on the version)."""
+        return len(self.shell.history_manager.input_hist_raw) - 1
+
+    def unregister(self) -> None:
+        self.shell.events.unregister("pre_run_cell", self._remember_cell_id)
+
+    @magic_arguments()
+    @argument("notebook", nargs="?", help="as a line magic: a notebook file to train whole")
+    @argument("--nproc", default="auto", metavar="N|auto", help="processes: one per GPU by default, 2 without GPUs")
+    @argument("--dry-run", action="store_true", help="show the cells taken and the script; do not train")
+    @argument("--show-script", action="store_true", help="show the generated script before training")
+    @argument("--diff", action="store_true", help="show a unified diff from the cells' code to the script")
+    @argument("--timeout", type=float, metavar="S", help="stop every rank after S seconds")
+    @argument("--shim", action="append", default=[], metavar="NAME", help="force a compatibility shim on")
+    @argument("--no-shim", action="append", default=[], metavar="NAME", help="force a compatibility shim off")
+    @argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off everywhere (more memory)")
+    @argument("--env", action="append", default=[], metavar="K=V", help="an environment variable for the ranks")
+    @argument("--save", metavar="PATH", help="also write the script (and PATH.map.json) to PATH")
+    @argument("--out", default="_ddp", metavar="VAR", help="the variable that gets the result (default: _ddp)")
+    @argument("--source", default="auto", choices=("auto", *SOURCES),
+              help="where the job's cells come from: %%%%ddp_setup cells, the notebook file above this cell, "
+                   "or the kernel's history (auto: the first of these that has them)")
+    @argument("--skip-installs", action="store_true", help="do not run the cells' pip installs before launch")
+    @argument("--runs-dir", metavar="DIR", help="where run directories go (default: ./nbddp_runs)")
+    @line_cell_magic
+    def ddp_train(self, line: str, cell: str | None = None):
+        """Train on every GPU: the cells before this one plus this cell, as a DDP script run by torchrun.
+
+        Rank 0's output streams into the cell with a live panel (progress, speed, ETA, loss curve); the
+        result lands in ``_ddp`` (or ``--out VAR``): metrics, log_history, output_dir, adapters, script_path,
+        log_dir. A failing rank's traceback is shown at its notebook cell and line; interrupting the kernel
+        stops every rank. As a line magic, ``%ddp_train path/to/notebook.ipynb`` trains a whole notebook.
+        Arguments after ``--`` go to torchrun, e.g. ``%%ddp_train -- --nnodes=2 --node-rank=0 ...``.
+        """
+        ours, torchrun_args = split_torchrun_args(arg_split(line, posix=True))
+        args = self.ddp_train.parser.parse_args(ours)
+        if (cell is None) == (args.notebook is None):
+            raise UsageError("%ddp_train NOTEBOOK.ipynb trains a notebook file; %%ddp_train (a cell) trains the cells above it")
+        if not args.out.isidentifier():
+            raise UsageError(f"--out takes a variable name, not {args.out!r}")
+        nproc = None if args.nproc == "auto" else _positive_int(args.nproc)
+        env = {**parse_env(args.env), **shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing)}
+        if cell is None:
+            script = convert_notebook(args.notebook)
+            cwd, name, label = Path(args.notebook).resolve().parent, Path(args.notebook).stem, None
+        else:
+            selection = select_cells(
+                line, cell, source=args.source, registered=self.registry.cells, history=self.shell.history_manager.input_hist_raw,
+                notebook=find_notebook(self.shell.user_ns, os.environ, Path.cwd()),
+            )
+            print("\n".join([selection.describe(), *(f"nbddp: note: {n}" for n in selection.notes)]))
+            script = convert_cells(list(selection.cells), origin=selection.origin)
+            name = Path(selection.origin).stem if selection.source == "notebook" else "kernel"
+            cwd, label = Path.cwd(), selection.label
+        for warning in script.warnings:
+            print(f"nbddp: warning: {warning}", file=sys.stderr)
+        if args.save:
+            print(f"nbddp: script written to {script.write(args.save)}")
+        if args.dry_run or args.show_script:
+            print(script.text)
+        if args.diff:
+            print(script.diff())
+        if args.dry_run:
+            return
+        warning = doctor.kernel_memory_warning()
+        if warning:
+            print(f"nbddp: warning: {warning}", file=sys.stderr)
+        panel = LivePanel(nproc or default_nproc())
+        run = run_script(
+            script, name=name, nproc=nproc, cwd=cwd, runs_dir=args.runs_dir, torchrun_args=torchrun_args, env=env,
+            skip_installs=args.skip_installs, timeout_s=args.timeout, sink=panel.sink, on_metrics=panel.on_metrics,
+        )
+        job = JobResult.from_run(run, cwd)
+        self.shell.user_ns[args.out] = job
+        panel.close(job)
+        error = outcome_error(job, label)
+        if error:
+            raise error
+
+    @magic_arguments()
+    @argument("--also-here", action="store_true", help="run the cell in this kernel too")
+    @argument("--list", action="store_true", help="as a line magic: list the registered cells")
+    @argument("--clear", action="store_true", help="as a line magic: forget every registered cell")
+    @line_cell_magic
+    def ddp_setup(self, line: str, cell: str | None = None):
+        """Mark a cell as part of the next ``%%ddp_train`` job without running it here, so the kernel does not
+        load the model onto a GPU the ranks need. Running the cell again replaces what it registered.
+        ``%ddp_setup --list`` shows the registered cells, ``%ddp_setup --clear`` forgets them.
+        """
+        args = parse_argstring(self.ddp_setup, line)
+        if cell is None:
+            if args.clear:
+                self.registry.clear()
+            print(self.registry.describe())
+            return
+        added = self.registry.add(f"%%ddp_setup {line}\n{cell}", self._execution_count(), self._cell_id)
+        where = "run here too" if args.also_here else "not run here"
+        state = "registered for the job" if added else "empty: nothing registered"
+        print(f"nbddp: {state} ({len(self.registry)} cell(s) in all); {where}")
+        if args.also_here and not self.shell.run_cell(cell, store_history=False).success:
+            raise NbddpError("the cell failed in this kernel (traceback above); it is registered for the job all the same")
+
+    @magic_arguments()
+    @argument("--nproc", type=int, help="processes for the all-reduce (default: one per GPU, 2 without GPUs)")
+    @argument("--timeout", type=float, default=doctor.DEFAULT_TIMEOUT_S, metavar="S", help="give up the all-reduce after S seconds")
+    @line_magic
+    def ddp_doctor(self, line: str):
+        """Pre-flight checks: GPUs and precisions, GPU memory this kernel holds, /dev/shm, an all-reduce across
+        every GPU (gloo on CPU), and the DataParallel trap of training in a kernel that sees several GPUs."""
+        args = parse_argstring(self.ddp_doctor, line)
+        print(doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout).text())
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--nproc takes a number of processes or auto, not {text!r}")
+    return int(text)

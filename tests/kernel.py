@@ -1,0 +1,62 @@
+"""Running notebooks that use nbddp's magics in a real kernel (nbclient), importing nbddp from this tree."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+from conftest import ROOT
+
+
+def kernel_env(**extra: str) -> dict[str, str]:
+    """The environment of a test kernel: this checkout's nbddp first on the path, the tests' model cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JPY_SESSION_NAME", "PAPERMILL_INPUT_PATH")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+class RecordingClient(NotebookClient):
+    """An nbclient client that also keeps every output message it saw: (cell index, type, display id, mime types)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.messages: list[tuple[int, str, str | None, tuple[str, ...]]] = []
+
+    def process_message(self, msg, cell, cell_index):
+        content = msg["content"]
+        display_id = (content.get("transient") or {}).get("display_id")
+        self.messages.append((cell_index, msg["msg_type"], display_id, tuple(sorted(content.get("data", {})))))
+        return super().process_message(msg, cell, cell_index)
+
+
+def execute(path: Path, sources: list[str] | None = None, timeout: int = 600,
+            **env: str) -> tuple[nbformat.NotebookNode, RecordingClient]:
+    """Run the notebook at ``path`` (first written from ``sources`` if given) in a kernel started in its
+    folder; save it back with its outputs and return it as read from disk."""
+    if sources is not None:
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources]), str(path))
+    nb = nbformat.read(str(path), as_version=4)
+    client = RecordingClient(nb, kernel_name="python3", timeout=timeout, allow_errors=True,
+                             resources={"metadata": {"path": str(path.parent)}})
+    client.execute(env=kernel_env(**env))
+    nbformat.write(nb, str(path))
+    return nbformat.read(str(path), as_version=4), client
+
+
+def stream(cell, name: str) -> str:
+    """A cell's saved ``name`` stream, all its outputs joined."""
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == name)
+
+
+def rendered(text: str) -> str:
+    """What a Jupyter front end shows of stream text: text after ``\\r`` replaces the line (nbclient's rule)."""
+    return re.sub(r"[^\n]*\r(?=[^\n])", "", text.replace("\r\n", "\n"))
+
+
+def errors(cell) -> list:
+    return [o for o in cell.outputs if o.output_type == "error"]

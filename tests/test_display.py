@@ -1,0 +1,132 @@
+"""The notebook view of a job: carriage returns, progress, the loss plot, the summary and the cell's error."""
+
+import os
+import time
+
+from nbddp.display import CarriageReturns, Progress, loss_plot_png, outcome_error, summary
+from nbddp.errors import JobFailed, JobInterrupted
+from nbddp.job import JobResult
+from nbddp.launch import RankFailure, RunResult
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_redraws_of_a_line_collapse_to_the_last():
+    cr = CarriageReturns(interval_s=0.5, clock=Clock())
+    assert cr.feed("start\n\r 10%\r 20%\r 30%\n") == "start\n\r 30%\n"
+    assert cr.feed("plain text, no newline yet") == "plain text, no newline yet"
+
+
+def test_a_line_still_being_redrawn_is_passed_on_at_most_every_interval():
+    clock = Clock()
+    cr = CarriageReturns(interval_s=0.5, clock=clock)
+    assert cr.feed("\r 1%") == "\r 1%"
+    clock.now = 0.1
+    assert cr.feed("\r 2%") == ""  # held back
+    clock.now = 0.2
+    assert cr.feed("\r 3%") == ""
+    clock.now = 0.7
+    assert cr.feed("\r 4%") == "\r 4%"
+    clock.now = 0.8
+    assert cr.feed("\r 5%") == ""
+    assert cr.feed("\r 6%\nnext") == "\r 6%\nnext"  # a finished line always goes through
+    clock.now = 0.9
+    assert cr.feed("\r 7%") == ""
+    assert cr.flush() == "\r 7%" and cr.flush() == ""
+
+
+def test_crlf_split_across_chunks_stays_a_newline():
+    cr = CarriageReturns(clock=Clock())
+    assert cr.feed("line one\r") == "line one"
+    assert cr.feed("\nline two\r\n") == "\nline two\n"
+
+
+def records():
+    yield {"event": "begin", "step": 0, "max_steps": 10, "epoch": 0, "time": 100.0, "output_dir": "/tmp/out"}
+    for step in range(1, 11):
+        yield {"event": "step", "step": step, "max_steps": 10, "epoch": step / 10, "time": 100.0 + step * 0.5}
+        if step % 2 == 0:
+            yield {"event": "log", "step": step, "max_steps": 10, "epoch": step / 10, "time": 100.0 + step * 0.5,
+                   "loss": 3.0 - step * 0.2, "learning_rate": 0.001}
+
+
+def test_progress_speed_eta_and_losses():
+    p = Progress(nproc=2)
+    assert p.text() == "nbddp · 2 processes · starting"
+    for r in records():
+        p.update(r)
+        if r["event"] == "step" and r["step"] == 4:
+            assert p.steps_per_s == 2.0 and p.eta_s == 3.0
+            assert "step 4/10 (40%) · 2.00 steps/s · ETA 0:03 · loss 2.6000 · epoch 0.40" in p.text()
+    assert p.losses[0] == (2, 2.6) and len(p.losses) == 5
+    assert '<progress value="10" max="10"' in p.bundle("done")["text/html"]
+    assert "ETA" not in p.text("done")
+
+
+def test_loss_plot_is_a_png():
+    png = loss_plot_png([(2, 2.6), (4, 2.2), (6, 1.8)], [(6, 2.0)], max_steps=10)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def run_result(tmp_path, **kw):
+    history = tuple(records()) + (
+        {"event": "log", "step": 10, "max_steps": 10, "time": 106.0, "train_runtime": 5.0,
+         "train_steps_per_second": 2.0, "train_samples_per_second": 32.0, "train_loss": 2.0},
+        {"event": "end", "step": 10, "max_steps": 10, "time": 106.0},
+    )
+    defaults = dict(returncode=0, run_dir=tmp_path / "runs" / "r1", script=tmp_path / "runs" / "r1" / "script.py",
+                    duration_s=12.5, log_history=history)
+    return RunResult(**{**defaults, **kw})
+
+
+def test_job_result_finds_what_the_run_wrote(tmp_path):
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    old = tmp_path / "old_adapter"
+    old.mkdir()
+    (old / "adapter_config.json").write_text("{}")
+    os.utime(old / "adapter_config.json", (time.time() - 3600,) * 2)  # from an earlier run
+    new = tmp_path / "outputs" / "lora"
+    new.mkdir(parents=True)
+    (new / "adapter_config.json").write_text("{}")
+    history = list(run_result(tmp_path).log_history)
+    history[0] = {**history[0], "output_dir": str(tmp_path / "outputs")}
+    job = JobResult.from_run(run_result(tmp_path, log_history=tuple(history)), tmp_path)
+    assert job.adapters == (new,)
+    assert job.output_dir == tmp_path / "outputs"
+    assert job.steps == 10 and job.max_steps == 10
+    assert job.metrics["train_runtime"] == 5.0
+    assert job.log_history[0] == {"step": 2, "epoch": 0.2, "loss": 2.6, "learning_rate": 0.001}
+    assert job.log_dir == tmp_path / "runs" / "r1" / "logs" and job.script_path.name == "script.py"
+    assert repr(job).startswith("JobResult(ok, steps=10, loss=1")
+
+    text = summary(job)
+    assert "finished in 12.5 s · 10 steps · 2.00 steps/s · 32.0 samples/s · loss 2.600 → 1.000" in text
+    assert f"adapter saved in {new}" in text and "run directory" in text
+    assert outcome_error(job) is None
+
+
+def test_the_error_a_cell_ends_with(tmp_path):
+    failure = RankFailure(rank=1, message="ValueError: boom", traceback='  File "In", cell 7, line 2, in <module>',
+                          cell=7, line=2, source="raise ValueError('boom')")
+    job = JobResult(run_result(tmp_path, returncode=1, failure=failure), tmp_path)
+    error = outcome_error(job, label=lambda i: f"In [{i}]")
+    assert isinstance(error, JobFailed)
+    assert str(error).startswith("rank 1 failed in In [7], line 2: ValueError: boom")
+    assert error._render_traceback_()[0] == '  File "In", cell 7, line 2, in <module>'
+
+    job = JobResult(run_result(tmp_path, returncode=0, interrupted=True), tmp_path)  # torchrun may exit 0 when stopped
+    assert not job.ok and summary(job).startswith("nbddp: interrupted in")
+    error = outcome_error(job)
+    assert isinstance(error, JobInterrupted) and "step 10/10" in str(error) and "Run the cell again" in str(error)
+    assert error._render_traceback_() == [f"JobInterrupted: {error}"]
+
+    job = JobResult(run_result(tmp_path, returncode=-9, timed_out=True), tmp_path)
+    assert "timed out" in str(outcome_error(job))
+    job = JobResult(run_result(tmp_path, returncode=3), tmp_path)
+    assert "torchrun exited with 3" in str(outcome_error(job))
