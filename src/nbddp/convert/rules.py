@@ -1,31 +1,71 @@
 """Rewrite rules: one libcst transformer each, applied to every cleaned cell in order.
 
-Each rule records what it changed as ``(line, message)`` pairs, lines counted in the cleaned cell, so the
-script can say what it changed and where. Rules read a shared ``JobFacts`` gathered over all cells first
-(which names hold trainers, which cell holds the last training call).
+Each rule records what it changed as ``(line, message)`` pairs, lines counted in the module it was given,
+so the script can say what it changed and where. Rules read a shared ``JobFacts`` gathered over all cells
+first (which names hold trainers, which statements train, which top-level statements run on rank 0 only).
+
+Two kinds of rule:
+
+- *statement rules* (``DDPWrapRule``, ``MainProcessFirstRule``, ``RankZeroRule``) act on top-level
+  statements that ``gather_facts`` picked out. They run first, on the very nodes the facts were gathered
+  from (the facts hold those nodes), so the choice is made once for the whole notebook.
+- *expression rules* rewrite calls, arguments and loops wherever they are.
+
+No rule looks inside an ``if False:`` block: notebooks keep optional steps there (GGUF export, pushing to
+the Hub), and they stay exactly as written.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from .lines import align
+
 #: The runtime call that gives each rank its own device as a ``device_map``.
 DEVICE_MAP_EXPR = "_nbddp.device_map()"
+#: The runtime call that gives each rank its own ``torch.device``.
+DEVICE_EXPR = "_nbddp.device()"
 #: Guard for code that must run on one process only.
 MAIN_PROCESS_EXPR = "_nbddp.is_main_process()"
+#: Context manager letting the first process of each machine go first (caches, downloads).
+MAIN_FIRST_EXPR = "_nbddp.main_process_first()"
 
 _NOT_MODELS = ("Tokenizer", "Processor", "Config", "FeatureExtractor", "ImageProcessor", "Dataset")
 _TRAINER_CONFIGS = frozenset(
-    {"TrainingArguments", "Seq2SeqTrainingArguments"}
+    {"TrainingArguments", "Seq2SeqTrainingArguments", "UnslothTrainingArguments"}
     | {
         f"{p}Config"
         for p in "SFT DPO GRPO ORPO KTO CPO BCO PPO RLOO Reward PRM GKD OnlineDPO XPO Nash Unsloth".split()
     }
 )
+_OPTIMIZERS = frozenset(
+    "SGD Adam AdamW RMSprop Adagrad Adadelta Adamax NAdam RAdam LBFGS SparseAdam ASGD Rprop Lion Adafactor "
+    "AdamW8bit Adam8bit PagedAdamW PagedAdamW8bit".split()
+)
+#: Calls whose effect a person wants once: saving, pushing, generating, printing, plotting, writing files.
+_RANK0_ACTIONS = frozenset(
+    "save_pretrained save_model save_state save_lora push_to_hub push_to_hub_merged push_to_hub_gguf "
+    "save_pretrained_merged save_pretrained_gguf generate fast_generate print pprint display savefig show "
+    "imshow plot to_csv to_json to_parquet save".split()
+)
+#: Trainer methods every rank must call together under DDP.
+_TRAINER_COLLECTIVES = frozenset({"train", "evaluate", "predict", "fit"})
+#: Calls that read or write shared caches and downloads: dataset preparation.
+_DATA_PREP = frozenset(
+    "load_dataset map filter snapshot_download hf_hub_download dataset_download competition_download".split()
+)
+#: Runtime calls with barriers inside: they must run on every rank.
+_RUNTIME_COLLECTIVES = frozenset({"shell", "write_file", "main_process_first"})
+_CUDA_INDEX = re.compile(r"^cuda:\d+$")
+
+
+# --------------------------------------------------------------------------------------------- names
 
 
 def dotted_name(node: cst.BaseExpression) -> str | None:
@@ -39,12 +79,20 @@ def dotted_name(node: cst.BaseExpression) -> str | None:
 
 
 def last_name(node: cst.BaseExpression) -> str | None:
-    name = dotted_name(node)
-    return name.rsplit(".", 1)[-1] if name else None
+    """The last part of a call's name: ``AutoModel`` for ``transformers.AutoModel``, ``train`` for ``t.train``."""
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    if isinstance(node, cst.Name):
+        return node.value
+    return None
 
 
 def is_model_loader(call: cst.Call) -> bool:
-    """``X.from_pretrained(...)`` where X names a model class (not a tokenizer, processor or config)."""
+    """``X.from_pretrained(...)`` where X names a model class (not a tokenizer, processor or config).
+
+    Covers ``AutoModel*``, ``*For*`` (``LlamaForCausalLM``), ``AutoPeftModel*``, ``PeftModel`` and Unsloth's
+    ``FastLanguageModel``/``FastModel``/``FastVisionModel``.
+    """
     if not m.matches(call.func, m.Attribute(attr=m.Name("from_pretrained"))):
         return False
     owner = last_name(call.func.value)
@@ -57,75 +105,421 @@ def is_trainer_class(name: str | None) -> bool:
     return bool(name) and name.endswith("Trainer")
 
 
+def is_dead_if(node: cst.CSTNode) -> bool:
+    """``if False:`` / ``if 0:``: code a notebook keeps switched off."""
+    return isinstance(node, cst.If) and m.matches(node.test, m.Name("False") | m.Integer("0"))
+
+
+def keyword(call: cst.Call, key: str) -> cst.Arg | None:
+    return next((a for a in call.args if a.keyword is not None and a.keyword.value == key), None)
+
+
+def has_keyword(call: cst.Call, key: str) -> bool:
+    return keyword(call, key) is not None
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def _string_value(node: cst.BaseExpression) -> str | None:
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _loader_name(expr: cst.BaseExpression) -> str | None:
+    """The loader a ``for`` iterates: ``dl`` in ``dl``, ``enumerate(dl)``, ``tqdm(dl, …)``, ``enumerate(tqdm(dl))``."""
+    while isinstance(expr, cst.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
+        expr = expr.args[0].value
+    return expr.value if isinstance(expr, cst.Name) else None
+
+
+# ----------------------------------------------------------------------------------------- walking
+
+
+class _Calls(cst.CSTVisitor):
+    """Every call under a node, outside ``if False:`` blocks; function and class bodies only when asked."""
+
+    def __init__(self, into_defs: bool):
+        self.into_defs, self.found = into_defs, []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        self.found.append(node)
+
+    def visit_If(self, node: cst.If) -> bool:
+        return not is_dead_if(node)
+
+    def visit_FunctionDef(self, node) -> bool:
+        return self.into_defs
+
+    def visit_ClassDef(self, node) -> bool:
+        return self.into_defs
+
+    def visit_Lambda(self, node) -> bool:
+        return self.into_defs
+
+
+def calls_in(node: cst.CSTNode, into_defs: bool = False) -> list[cst.Call]:
+    v = _Calls(into_defs)
+    node.visit(v)
+    return v.found
+
+
+class _Names(cst.CSTVisitor):
+    """Names a statement binds and names it reads (attribute names and keywords are not reads)."""
+
+    def __init__(self):
+        self.binds: set[str] = set()
+        self.reads: set[str] = set()
+
+    def target(self, node: cst.BaseExpression) -> None:
+        if isinstance(node, cst.Name):
+            self.binds.add(node.value)
+        elif isinstance(node, (cst.Tuple, cst.List)):
+            for el in node.elements:
+                self.target(el.value)
+        elif isinstance(node, cst.StarredElement):
+            self.target(node.value)
+        else:  # x.attr = …, x[i] = …: x is read
+            node.visit(self)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.reads.add(node.value)
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Assign(self, node: cst.Assign) -> bool:
+        for t in node.targets:
+            self.target(t.target)
+        node.value.visit(self)
+        return False
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> bool:
+        self.target(node.target)
+        if node.value is not None:
+            node.value.visit(self)
+        return False
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self.target(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self.target(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> bool:
+        self.target(node.name)
+        return False
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self.target(node.target)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.binds.add(node.name.value)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.binds.add(node.name.value)
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
+        if node.asname is None:
+            self.binds.add((dotted_name(node.name) or "").split(".")[0])
+        else:
+            self.target(node.asname.name)
+        return False
+
+
+def names_of(stmt: cst.CSTNode) -> tuple[set[str], set[str]]:
+    """``(binds, reads)`` of one statement."""
+    v = _Names()
+    stmt.visit(v)
+    return v.binds, v.reads
+
+
+# ------------------------------------------------------------------------------------------- facts
+
+
 @dataclass
 class JobFacts:
-    """What the rules need to know about the whole notebook, gathered by ``gather_facts``."""
+    """What the rules need to know about the whole notebook, gathered by ``gather_facts``.
+
+    The statement sets hold the top-level statement nodes of the modules the facts were gathered from.
+    """
 
     trainer_names: set[str] = field(default_factory=set)
-    #: (position of the cell in the job, statement index) of the last top-level training statement.
-    last_training: tuple[int, int] | None = None
+    #: functions whose body trains (``loss.backward()``, ``trainer.train()``, or a call to another such function)
+    training_functions: set[str] = field(default_factory=set)
+    #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
+    ddp_models: set[str] = field(default_factory=set)
+    #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
+    sharded_loaders: set[str] = field(default_factory=set)
+    #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
+    cuda_amp_names: set[str] = field(default_factory=set)
+    #: the notebook distributes itself (Accelerate, its own DistributedDataParallel)
+    self_distributed: bool = False
+    #: a plain PyTorch loop (backward in the notebook's own code, no HF/TRL/Lightning trainer)
+    plain_loop: bool = False
+    training: list[cst.BaseStatement] = field(default_factory=list)
+    rank0: set[cst.BaseStatement] = field(default_factory=set)
+    #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
+    tail: set[cst.BaseStatement] = field(default_factory=set)
+    #: statements after training that stay on every rank, with the reason (said in --explain)
+    all_ranks: dict[cst.BaseStatement, str] = field(default_factory=dict)
+    main_first: set[cst.BaseStatement] = field(default_factory=set)
+    #: top-level statement → model names wrapped in DDP right after it
+    ddp_wrap_after: dict[cst.BaseStatement, list[str]] = field(default_factory=dict)
+
+    @property
+    def last_training(self) -> cst.BaseStatement | None:
+        return self.training[-1] if self.training else None
 
 
-def is_training_call(node: cst.CSTNode, trainer_names: set[str]) -> bool:
-    """``trainer.train(...)`` on a known trainer, ``SomeTrainer(...).train()`` or ``unsloth_train(trainer)``."""
-    if not isinstance(node, cst.Call):
-        return False
+def is_training_call(node: cst.Call, facts: JobFacts) -> bool:
+    """``trainer.train()`` on a known trainer, ``SomeTrainer(...).train()``, ``unsloth_train(trainer)``,
+    ``loss.backward()``, or a call to a function of the notebook that trains."""
     func = node.func
-    if m.matches(func, m.Attribute(attr=m.Name("train"))):
-        owner = func.value
-        if isinstance(owner, cst.Name) and owner.value in trainer_names:
+    if isinstance(func, cst.Attribute):
+        owner, attr = func.value, func.attr.value
+        if attr == "backward":
             return True
-        return isinstance(owner, cst.Call) and is_trainer_class(last_name(owner.func))
-    return last_name(func) == "unsloth_train"
+        if attr in ("train", "fit"):
+            if isinstance(owner, cst.Name) and owner.value in facts.trainer_names:
+                return True
+            return isinstance(owner, cst.Call) and is_trainer_class(last_name(owner.func))
+        return False
+    return isinstance(func, cst.Name) and (func.value == "unsloth_train" or func.value in facts.training_functions)
+
+
+def is_collective_call(node: cst.Call, facts: JobFacts) -> bool:
+    """A call every rank must make together: training, ``trainer.evaluate()``/``predict()``, collectives of
+    ``torch.distributed`` or Accelerate, and the runtime helpers with barriers inside."""
+    if is_training_call(node, facts):
+        return True
+    name = dotted_name(node.func) or ""
+    head, _, attr = name.rpartition(".")
+    if head in facts.trainer_names and attr in _TRAINER_COLLECTIVES:
+        return True
+    if head == "_nbddp" and attr in _RUNTIME_COLLECTIVES:
+        return True
+    return name.startswith(("dist.", "torch.distributed.", "accelerator."))
+
+
+def is_training_statement(stmt: cst.CSTNode, facts: JobFacts) -> bool:
+    return any(is_training_call(c, facts) for c in calls_in(stmt))
+
+
+def _is_rank0_action(call: cst.Call) -> bool:
+    name = dotted_name(call.func) or ""
+    return last_name(call.func) in _RANK0_ACTIONS or name.startswith(("plt.", "sns."))
+
+
+def _is_data_prep(call: cst.Call) -> bool:
+    name = last_name(call.func)
+    if name in ("map", "filter"):
+        return isinstance(call.func, cst.Attribute)  # dataset.map(…), not the builtins
+    return name in _DATA_PREP or (name or "").startswith("from_") and "Dataset" in (dotted_name(call.func) or "")
+
+
+def _is_optimizer(call: cst.Call) -> bool:
+    name = dotted_name(call.func) or ""
+    return last_name(call.func) in _OPTIMIZERS or name.startswith(("torch.optim.", "optim."))
 
 
 class _FactsVisitor(cst.CSTVisitor):
-    def __init__(self, facts: JobFacts):
-        self.facts = facts
+    """One pass over a module: trainers, functions and what they call, optimizers' models, loaders, imports."""
+
+    def __init__(self, facts: JobFacts, defs: dict[str, set[str]]):
+        self.facts, self.defs = facts, defs
+        self._def_stack: list[str] = []
+
+    def visit_If(self, node: cst.If) -> bool:
+        return not is_dead_if(node)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._def_stack.append(node.name.value)
+        self.defs.setdefault(node.name.value, set())
+
+    def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._def_stack.pop()
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if self._def_stack:
+            # what the innermost function calls: "!train" for a direct training call, else the callee's name
+            direct = is_training_call(node, JobFacts(trainer_names=self.facts.trainer_names))
+            callee = "!train" if direct else (node.func.value if isinstance(node.func, cst.Name) else None)
+            if callee:
+                self.defs[self._def_stack[-1]].add(callee)
+        if _is_optimizer(node):
+            for arg in node.args:
+                for call in calls_in(arg, into_defs=True) + ([arg.value] if isinstance(arg.value, cst.Call) else []):
+                    if m.matches(call, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("parameters") | m.Name("named_parameters")))):
+                        self.facts.ddp_models.add(call.func.value.value)
+        name = dotted_name(node.func) or ""
+        if name.endswith(("DistributedDataParallel", "Accelerator")) or name == "DDP":
+            self.facts.self_distributed = True
 
     def visit_Assign(self, node: cst.Assign) -> None:
-        if isinstance(node.value, cst.Call) and is_trainer_class(last_name(node.value.func)):
-            for target in node.targets:
-                if isinstance(target.target, cst.Name):
-                    self.facts.trainer_names.add(target.target.value)
+        if not isinstance(node.value, cst.Call):
+            return
+        targets = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
+        callee = last_name(node.value.func)
+        if is_trainer_class(callee):
+            self.facts.trainer_names.update(targets)
+        if callee == "DataLoader" and _shards(node.value, targets):
+            self.facts.sharded_loaders.update(targets)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if node.module is not None and dotted_name(node.module) == "torch.cuda.amp" and not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                self.facts.cuda_amp_names.add((alias.asname.name if alias.asname else alias.name).value)
+
+
+def _shards(call: cst.Call, targets: list[str]) -> bool:
+    """Whether a ``DataLoader`` gets a ``DistributedSampler``: it shuffles, or it is named as a training loader.
+
+    Loaders that neither shuffle nor say "train" (validation, test) stay whole on every rank, so metrics
+    computed from them are the full data set's.
+    """
+    if has_keyword(call, "sampler") or has_keyword(call, "batch_sampler"):
+        return False
+    shuffle = keyword(call, "shuffle")
+    if shuffle is not None and not m.matches(shuffle.value, m.Name("False") | m.Name("None")):
+        return True
+    return any("train" in t.lower() for t in targets)
 
 
 def gather_facts(modules: list[cst.Module]) -> JobFacts:
+    """Look at every cell once and decide what the statement rules do."""
     facts = JobFacts()
+    defs: dict[str, set[str]] = {}
     for module in modules:
-        module.visit(_FactsVisitor(facts))
-    for pos, module in enumerate(modules):
-        for idx, stmt in enumerate(module.body):
-            if _contains_training_call(stmt, facts.trainer_names):
-                facts.last_training = (pos, idx)
+        module.visit(_FactsVisitor(facts, defs))
+    # a function trains if it trains directly or calls one that does
+    changed = True
+    while changed:
+        changed = False
+        for name, callees in defs.items():
+            if name not in facts.training_functions and ("!train" in callees or callees & facts.training_functions):
+                facts.training_functions.add(name)
+                changed = True
+
+    top = [stmt for module in modules for stmt in module.body]
+    trains = [is_training_statement(s, facts) for s in top]
+    facts.training = [s for s, t in zip(top, trains) if t]
+    if not facts.training:
+        return facts
+    facts.plain_loop = not facts.trainer_names and not facts.self_distributed and any(
+        last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions
+        for s in facts.training for c in calls_in(s)
+    )
+    first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
+    _plan_after_training(top, first, last, facts)
+    _plan_data_prep(top, facts)
+    if facts.plain_loop:
+        for name in sorted(facts.ddp_models):
+            at = _placement(top[:first], name)
+            if at is not None:
+                facts.ddp_wrap_after.setdefault(at, []).append(name)
     return facts
 
 
-def _contains_training_call(stmt: cst.CSTNode, trainer_names: set[str]) -> bool:
-    found = []
+def _plan_after_training(top: list[cst.BaseStatement], first: int, last: int, facts: JobFacts) -> None:
+    """Which statements after the first training call run on rank 0 only.
 
-    class V(cst.CSTVisitor):
-        def visit_Call(self, node):
-            if is_training_call(node, trainer_names):
-                found.append(node)
+    After the last training call everything does, except what every rank must run (a collective such as
+    ``trainer.evaluate()``) and what binds a name such code reads. Between two training calls only
+    statements that save, push, generate, print or plot do (with the same exceptions): the rest prepares
+    the next training, which every rank runs. Read backwards, so a name a later all-rank statement needs is
+    known when the statement binding it is reached.
+    """
+    needed: set[str] = set()
+    for k in range(len(top) - 1, first, -1):
+        stmt = top[k]
+        binds, reads = names_of(stmt)
+        calls = calls_in(stmt)
+        collective = next((c for c in calls if is_collective_call(c, facts)), None)
+        if collective is not None:
+            reason = f"{_code(collective.func)}() needs every rank"
+        elif binds & needed:
+            reason = f"binds {', '.join(sorted(binds & needed))}, which code on every rank uses"
+        else:
+            reason = None
+        if reason is None and (k > last or any(_is_rank0_action(c) for c in calls)):
+            facts.rank0.add(stmt)
+            if k > last:
+                facts.tail.add(stmt)
+            continue
+        if k > last:
+            facts.all_ranks[stmt] = reason
+        needed |= reads
 
-    stmt.visit(V())
-    return bool(found)
+
+def _plan_data_prep(top: list[cst.BaseStatement], facts: JobFacts) -> None:
+    """Dataset preparation on every rank goes under ``main_process_first`` (cache files are not raced)."""
+    for stmt in top:
+        if stmt in facts.rank0 or stmt in facts.training or isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            continue
+        if is_dead_if(stmt):
+            continue
+        calls = calls_in(stmt)
+        if any(_is_data_prep(c) for c in calls) and not any(is_collective_call(c, facts) for c in calls):
+            facts.main_first.add(stmt)
+
+
+def _places(stmt: cst.CSTNode, name: str) -> bool:
+    """``name = …`` or ``name.to(…)`` / ``name.cuda()``: the statement makes the model or moves it."""
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    for small in stmt.body:
+        if isinstance(small, cst.Assign) and any(m.matches(t.target, m.Name(name)) for t in small.targets):
+            return True
+        if m.matches(small, m.Expr(value=m.Call(func=m.Attribute(value=m.Name(name), attr=m.Name("to") | m.Name("cuda"))))):
+            return True
+    return False
+
+
+def _placement(stmts: list[cst.BaseStatement], name: str) -> cst.BaseStatement | None:
+    """The last statement that makes or moves model ``name``: DDP wraps it right after."""
+    return next((s for s in reversed(stmts) if _places(s, name)), None)
+
+
+# ------------------------------------------------------------------------------------------- rules
 
 
 class Rule(m.MatcherDecoratableTransformer):
-    """Base: a named transformer that records ``(line, message)`` for each change."""
+    """Base: a named transformer that records ``(line, message)`` for each change.
+
+    ``words``: text one of which a cell must contain for the rule to have anything to do there; a rule
+    whose words are absent is not run on the cell at all (conversion stays fast on long notebooks).
+    """
 
     METADATA_DEPENDENCIES = (PositionProvider,)
     name = "rule"
+    words: tuple[str, ...] = ()
 
-    def __init__(self, facts: JobFacts, position: int):
+    def __init__(self, facts: JobFacts):
         super().__init__()
-        self.facts, self.position = facts, position
+        self.facts = facts
         self.changes: list[tuple[int, str]] = []
 
+    @classmethod
+    def wanted(cls, code: str, module: cst.Module, facts: JobFacts) -> bool:
+        return not cls.words or any(w in code for w in cls.words)
+
+    def visit_If(self, node: cst.If) -> bool:
+        return not is_dead_if(node)
+
+    def line(self, node: cst.CSTNode) -> int:
+        return self.get_metadata(PositionProvider, node).start.line
+
     def note(self, node: cst.CSTNode, message: str) -> None:
-        self.changes.append((self.get_metadata(PositionProvider, node).start.line, message))
+        self.changes.append((self.line(node), message))
 
 
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
@@ -137,13 +531,13 @@ def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[c
     for i, arg in enumerate(args):
         if arg.keyword is not None and arg.keyword.value == key:
             args[i] = arg.with_changes(value=value)
-            return call.with_changes(args=args), cst.Module([]).code_for_node(arg.value)
+            return call.with_changes(args=args), _code(arg.value)
     new_arg = cst.Arg(
         keyword=cst.Name(key),
         value=value,
         equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
     )
-    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in cst.Module([]).code_for_node(args[-1].comma):
+    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in _code(args[-1].comma):
         # one argument per line with a trailing comma: the new argument takes the last one's line ending,
         # the last one takes the separator used between arguments.
         between = args[-2].comma if len(args) > 1 and isinstance(args[-2].comma, cst.Comma) else cst.Comma(
@@ -151,108 +545,585 @@ def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[c
         )
         new_arg = new_arg.with_changes(comma=args[-1].comma)
         args[-1] = args[-1].with_changes(comma=between)
+    elif args and isinstance(args[-1].comma, cst.Comma):  # f(a, ): the trailing comma stays last
+        new_arg = new_arg.with_changes(comma=args[-1].comma)
+        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    elif args:
+        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     args.append(new_arg)
     return call.with_changes(args=args), None
 
 
-def has_keyword(call: cst.Call, key: str) -> bool:
-    return any(arg.keyword is not None and arg.keyword.value == key for arg in call.args)
+def _has_star_kwargs(call: cst.Call) -> bool:
+    return any(arg.star == "**" for arg in call.args)
+
+
+class _StatementRule(Rule):
+    """Base of the statement rules: each run of consecutive chosen top-level statements goes into one block."""
+
+    @staticmethod
+    def picks(facts: JobFacts, stmt: cst.BaseStatement) -> bool:
+        """Whether the rule takes this top-level statement (one of the nodes the facts were gathered from)."""
+        raise NotImplementedError
+
+    def block(self, old: list[cst.BaseStatement], new: list[cst.BaseStatement]) -> cst.BaseCompoundStatement:
+        """The block holding a run: ``old`` as the facts know them, ``new`` as earlier rules left them."""
+        raise NotImplementedError
+
+    def message(self, old: list[cst.BaseStatement]) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return any(cls.picks(facts, s) for s in module.body)
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        return False  # top-level statements only; they stay the very nodes the facts hold
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        body: list[cst.BaseStatement] = []
+        run: list[tuple[cst.BaseStatement, cst.BaseStatement]] = []
+
+        def flush():
+            if run:
+                old, new = [o for o, _ in run], [n for _, n in run]
+                inner = [new[0].with_changes(leading_lines=[])] + new[1:]  # the block takes the comments above
+                body.append(self.block(old, inner).with_changes(leading_lines=new[0].leading_lines))
+                self.note(old[0], self.message(old))
+                run.clear()
+
+        for stmt in original.body:
+            if self.picks(self.facts, stmt):
+                run.append((stmt, stmt))
+            else:
+                flush()
+                body.append(stmt)
+        flush()
+        return updated.with_changes(body=body)
+
+
+class DDPWrapRule(Rule):
+    """Plain PyTorch: the model is wrapped in ``DistributedDataParallel`` once it is on its device.
+
+    A notebook's own training loop has no Trainer to do it. Without DDP each rank would train its own copy
+    on its share of the data and the copies would drift apart; wrapped, gradients are averaged in every
+    backward. The wrap (``model = _nbddp.ddp(model)``) goes after the last statement that makes or moves
+    the model (``model = Net().to(device)``, ``model.to(device)``) before the first training statement; the
+    same inside a function or loop that builds a model and trains it (k-fold loops). Optimizers keep working:
+    DDP shares the module's parameters.
+    """
+
+    name = "ddp_wrap"
+    words = ("parameters",)
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models)
+
+    def _wrap(self, stmt: cst.BaseStatement, names: list[str]) -> list[cst.BaseStatement]:
+        self.note(stmt, f"{', '.join(names)} wrapped in DistributedDataParallel (gradients averaged over ranks)")
+        return [cst.parse_statement(f"{n} = _nbddp.ddp({n})\n") for n in names]
+
+    def _wrap_block(self, original: list[cst.BaseStatement], updated: list[cst.BaseStatement], planned) -> list:
+        out: list[cst.BaseStatement] = []
+        for old, new in zip(original, updated):
+            out.append(new)
+            names = planned(old)
+            if names:
+                out += self._wrap(old, names)
+        return out
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        return updated.with_changes(body=self._wrap_block(original.body, updated.body, lambda s: self.facts.ddp_wrap_after.get(s)))
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        stmts = list(original.body)
+        first = next((i for i, s in enumerate(stmts) if is_training_statement(s, self.facts)), None)
+        if first is None:
+            return updated
+        plan: dict[cst.BaseStatement, list[str]] = {}
+        for name in sorted(self.facts.ddp_models):
+            at = _placement(stmts[:first], name)
+            if at is not None:
+                plan.setdefault(at, []).append(name)
+        if not plan:
+            return updated
+        return updated.with_changes(body=self._wrap_block(stmts, list(updated.body), plan.get))
+
+
+class MainProcessFirstRule(_StatementRule):
+    """Dataset preparation runs under ``with _nbddp.main_process_first():``.
+
+    ``load_dataset``, ``dataset.map(...)`` (tokenization) and ``.filter(...)`` write cache files; run by every
+    rank at once they race on the same files. Under the guard the first process of each machine prepares
+    and caches, the others wait and then read the cache.
+    """
+
+    name = "main_process_first"
+
+    @staticmethod
+    def picks(facts, stmt) -> bool:
+        return stmt in facts.main_first
+
+    def block(self, old, new):
+        return cst.With(items=[cst.WithItem(cst.parse_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=new))
+
+    def message(self, old) -> str:
+        return "dataset preparation: the first process of each machine runs it first, the others read its cache"
+
+
+class RankZeroRule(_StatementRule):
+    """Saving, pushing, generating, printing and plotting after training run on rank 0 only.
+
+    After the last training call notebooks save, push, print statistics and generate; run by every rank
+    these would write the same files at once, push twice and print once per GPU. Wrapped in
+    ``if _nbddp.is_main_process():`` they happen once. What every rank must still run stays outside: a
+    collective such as ``trainer.evaluate()`` or a second ``trainer.train()``, and any statement binding a
+    name that such code reads. Between two training calls only the statements that save, print, push,
+    generate or plot go under the guard. In a plain PyTorch notebook the tail first unwraps the DDP model,
+    since rank 0 alone cannot run a DDP forward (it would wait for the others).
+    """
+
+    name = "rank0"
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return any(s in facts.rank0 or s in facts.all_ranks for s in module.body)
+
+    @staticmethod
+    def picks(facts, stmt) -> bool:
+        return stmt in facts.rank0
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        for stmt in node.body:
+            if stmt in self.facts.all_ranks:
+                self.note(stmt, f"stays on every rank: {self.facts.all_ranks[stmt]}")
+        return False
+
+    def block(self, old, new):
+        unwrap = []
+        if self.facts.plain_loop and old[0] in self.facts.tail:
+            wrapped = sorted({n for names in self.facts.ddp_wrap_after.values() for n in names})
+            unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in wrapped]
+        return cst.If(test=cst.parse_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + new))
+
+    def message(self, old) -> str:
+        return "runs on rank 0 only (" + ("after training)" if old[0] in self.facts.tail else "between training runs)")
 
 
 class DeviceMapRule(Rule):
     """Model loaders load onto this rank's device.
 
-    ``from_pretrained`` with ``device_map="auto"`` (or none) would put every rank's copy on GPU 0, or split
-    one model over all GPUs. Under DDP each rank holds a whole model on its own GPU, so every model loader
-    gets ``device_map=_nbddp.device_map()`` (``{"": local_rank}``, or the CPU without GPUs). Tokenizers,
-    processors and configs are left alone.
+    ``from_pretrained`` with ``device_map="auto"``/``"balanced"``/``"sequential"`` splits one model over all
+    GPUs; ``"cuda:0"``, ``{"": 0}`` or none at all put every rank's copy on GPU 0 (Unsloth's default is
+    ``"sequential"``). Under DDP each rank holds a whole model on its own GPU, so every model loader gets
+    ``device_map=_nbddp.device_map()`` (``{"": local_rank}``, or the CPU without GPUs): ``AutoModel*``,
+    ``*ForCausalLM``, ``AutoPeftModel*``, ``PeftModel`` and Unsloth's ``Fast*Model``. Tokenizers,
+    processors and configs are left alone. A call with ``**kwargs`` is left alone too (the key may be in them).
     """
 
     name = "device_map"
+    words = ("from_pretrained",)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if not is_model_loader(updated):
             return updated
-        new, old = _set_keyword(updated, "device_map", cst.parse_expression(DEVICE_MAP_EXPR))
         loader = dotted_name(updated.func) or "from_pretrained"
+        if _has_star_kwargs(updated) and not has_keyword(updated, "device_map"):
+            self.note(original, f"{loader}: has **kwargs, left alone; pass device_map=_nbddp.device_map() yourself")
+            return updated
+        new, old = _set_keyword(updated, "device_map", cst.parse_expression(DEVICE_MAP_EXPR))
         was = f"device_map={old}" if old is not None else "no device_map"
         self.note(original, f"{loader}: {was} → this rank's device")
         return new
 
 
-class TrainerConfigRule(Rule):
-    """Trainer configurations get DDP-safe settings the user did not set.
+class DeviceRule(Rule):
+    """An explicit first GPU becomes this rank's device.
 
-    ``ddp_find_unused_parameters``: the HF Trainer turns it on for every model that is not a plain
-    ``PreTrainedModel`` (every PEFT model), which costs an extra graph traversal each step and, with
-    reentrant gradient checkpointing, fails with "marked as ready twice". LoRA adapters are all used in every
-    step, so ``False`` is right; a value the user wrote is kept.
+    ``"cuda:0"`` (in ``torch.device("cuda:0")``, ``.to("cuda:0")``, ``device="cuda:0"``), ``.cuda(0)`` and
+    ``torch.cuda.set_device(0)`` would put every rank on GPU 0; they become ``_nbddp.device()``. A bare
+    ``"cuda"`` and ``.cuda()`` already mean the current device, which ``_nbddp.setup()`` made this rank's.
+    ``os.environ["CUDA_VISIBLE_DEVICES"] = …`` is dropped: torchrun gives each rank its GPU, and CUDA is
+    already initialised when the notebook's code runs.
+    """
+
+    name = "device"
+    words = ("cuda", "CUDA")
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.BaseExpression:
+        value = _string_value(updated)
+        if value is None or not _CUDA_INDEX.match(value):
+            return updated
+        self.note(original, f"{value!r} → this rank's device")
+        return cst.parse_expression(DEVICE_EXPR)
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        name = dotted_name(updated.func) or ""
+        is_cuda = m.matches(updated.func, m.Attribute(attr=m.Name("cuda")))
+        if (name == "torch.cuda.set_device" or is_cuda) and len(updated.args) == 1 and m.matches(
+            updated.args[0].value, m.Integer()
+        ):
+            self.note(original, f"{_code(original)} → this rank's device")
+            return updated.with_changes(args=[updated.args[0].with_changes(value=cst.parse_expression(DEVICE_EXPR))])
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        target = m.Subscript(
+            value=m.Attribute(value=m.Name("os"), attr=m.Name("environ")),
+            slice=[m.SubscriptElement(m.Index(m.SimpleString()))],
+        )
+        if len(updated.body) == 1 and m.matches(updated.body[0], m.Assign(targets=[m.AssignTarget(target)])):
+            key = _string_value(updated.body[0].targets[0].target.slice[0].slice.value)
+            if key == "CUDA_VISIBLE_DEVICES":
+                self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
+                return cst.parse_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
+                    leading_lines=updated.leading_lines
+                )
+        return updated
+
+
+class AutocastRule(Rule):
+    """``torch.cuda.amp.autocast(...)`` → ``torch.amp.autocast("cuda", ...)``, likewise ``GradScaler``.
+
+    The ``torch.cuda.amp`` spellings are deprecated (a FutureWarning from every rank, every step) and go
+    away in later torch releases; ``torch.amp`` takes the device type first. The old ``autocast``'s positional
+    arguments (``enabled``, ``dtype``, ``cache_enabled``) become keywords, since ``torch.amp.autocast`` orders
+    them differently. ``from torch.cuda.amp import autocast`` becomes ``from torch.amp import autocast``.
+    """
+
+    name = "autocast"
+    words = ("cuda.amp",)
+    _AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
+
+    def _modern(self, original: cst.Call, updated: cst.Call, kind: str) -> cst.Call:
+        args = list(updated.args)
+        if kind == "autocast":
+            args = [
+                a.with_changes(keyword=cst.Name(self._AUTOCAST_POSITIONAL[i]), equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
+                if a.keyword is None and not a.star and i < len(self._AUTOCAST_POSITIONAL) else a
+                for i, a in enumerate(args)
+            ]
+        cuda = cst.Arg(cst.SimpleString('"cuda"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")) if args else cst.MaybeSentinel.DEFAULT)
+        self.note(original, f"torch.cuda.amp.{kind}(…) → torch.amp.{kind}(\"cuda\", …)")
+        func = updated.func if isinstance(updated.func, cst.Name) else cst.parse_expression(f"torch.amp.{kind}")
+        return updated.with_changes(func=func, args=[cuda] + args)
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        name = dotted_name(updated.func) or ""
+        for kind in ("autocast", "GradScaler"):
+            if name == f"torch.cuda.amp.{kind}" or name in self.facts.cuda_amp_names and name == kind:
+                return self._modern(original, updated, kind)
+        return updated
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        if updated.module is not None and dotted_name(updated.module) == "torch.cuda.amp":
+            self.note(original, "from torch.cuda.amp → from torch.amp")
+            return updated.with_changes(module=cst.parse_expression("torch.amp"))
+        return updated
+
+
+class TrainerConfigRule(Rule):
+    """Trainer configurations get DDP-safe settings the user did not set; values the user set are kept.
+
+    - ``ddp_find_unused_parameters=False``: the HF Trainer turns it on for every model that is not a plain
+      ``PreTrainedModel`` (every PEFT model), which costs an extra graph traversal each step and, with
+      reentrant gradient checkpointing, fails with "marked as ready twice". LoRA adapters are all used in
+      every step, so ``False`` is right.
+    - ``log_on_each_node=False``: logs come from global rank 0 only, not once per machine.
+    - ``gradient_checkpointing_kwargs={"use_reentrant": False}`` when ``gradient_checkpointing=True``:
+      reentrant checkpointing and DDP's reducer do not mix.
+
+    A value the user wrote is never replaced; where it is not the DDP-safe one the change list says so. A
+    call with ``**kwargs`` gets nothing added (the keys may be in them, and a duplicate would fail).
     """
 
     name = "trainer_config"
+    words = ("Config", "Arguments")
+    _SAFE = (
+        ("ddp_find_unused_parameters", "False", "all LoRA weights train each step"),
+        ("log_on_each_node", "False", "logs from rank 0 only"),
+    )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if last_name(updated.func) not in _TRAINER_CONFIGS:
+        config = last_name(updated.func)
+        if config not in _TRAINER_CONFIGS:
             return updated
-        if has_keyword(updated, "ddp_find_unused_parameters"):
+        if _has_star_kwargs(updated):
+            self.note(original, f"{config}: has **kwargs, left alone; set ddp_find_unused_parameters=False yourself")
             return updated
-        new, _ = _set_keyword(updated, "ddp_find_unused_parameters", cst.Name("False"))
-        self.note(original, f"{last_name(updated.func)}: ddp_find_unused_parameters=False (all LoRA weights train each step)")
+        settings = list(self._SAFE)
+        checkpointing = keyword(updated, "gradient_checkpointing")
+        if checkpointing is not None and m.matches(checkpointing.value, m.Name("True")):
+            settings.append(("gradient_checkpointing_kwargs", '{"use_reentrant": False}', "DDP needs non-reentrant checkpointing"))
+        for key, value, why in settings:
+            given = keyword(updated, key)
+            if given is None:
+                updated, _ = _set_keyword(updated, key, cst.parse_expression(value))
+                self.note(original, f"{config}: {key}={value} ({why})")
+            elif _code(given.value) != value:
+                self.note(original, f"{config}: kept {key}={_code(given.value)} as written (DDP-safe: {value})")
+        return updated
+
+
+class DistributedSamplerRule(Rule):
+    """Plain PyTorch: a training ``DataLoader`` gets a ``DistributedSampler``; ``shuffle`` moves into it.
+
+    Without it every rank would read the whole data set in the same order, so DDP would average identical
+    gradients: no speed-up. ``DataLoader(ds, shuffle=True)`` becomes
+    ``DataLoader(ds, sampler=_nbddp.distributed_sampler(ds, shuffle=True))`` (a DataLoader refuses both a
+    sampler and ``shuffle``). Loaders that shuffle or are named as training loaders get one; validation and
+    test loaders stay whole on every rank so their metrics are the full set's. A loader with its own
+    ``sampler``/``batch_sampler`` is left alone.
+    """
+
+    name = "sampler"
+    words = ("DataLoader",)
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and "DataLoader" in code
+
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._assigned: dict[cst.Call, list[str]] = {}  # a call assigned to names → those names
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if isinstance(node.value, cst.Call):
+            self._assigned[node.value] = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if last_name(updated.func) != "DataLoader" or not updated.args:
+            return updated
+        if not _shards(updated, self._assigned.get(original, [])):
+            return updated
+        positional = [a for a in updated.args if a.keyword is None and not a.star]
+        dataset_arg = keyword(updated, "dataset") or (positional[0] if positional else None)
+        if dataset_arg is None or len(positional) > 2:
+            self.note(original, "DataLoader: arguments not understood, left alone (add a DistributedSampler yourself)")
+            return updated
+        args = list(updated.args)
+        dataset = dataset_arg.value
+        if not isinstance(dataset, (cst.Name, cst.Attribute, cst.Subscript)):
+            # an expression: evaluate it once, name it, and hand the name to the sampler as well
+            named = cst.NamedExpr(target=cst.Name("_nbddp_dataset"), value=dataset, lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+            args[args.index(dataset_arg)] = dataset_arg.with_changes(value=named)
+            dataset = cst.Name("_nbddp_dataset")
+        else:
+            dataset = dataset.deep_clone()
+        shuffle = keyword(updated, "shuffle")
+        shuffle_code = _code(shuffle.value) if shuffle is not None else "False"
+        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({_code(dataset)}, shuffle={shuffle_code})")
+        if shuffle is not None:
+            args[args.index(shuffle)] = shuffle.with_changes(keyword=cst.Name("sampler"), value=sampler)
+            new = updated.with_changes(args=args)
+        else:
+            new, _ = _set_keyword(updated.with_changes(args=args), "sampler", sampler)
+        self.note(original, f"DataLoader: DistributedSampler(shuffle={shuffle_code}), each rank reads its own share")
         return new
 
 
-class RankZeroTailRule(Rule):
-    """What follows the last training call runs on rank 0 only.
 
-    After ``trainer.train()`` notebooks save, push, print statistics and generate. Run by every rank these
-    would write the same files at once, push twice and print once per GPU; wrapped in
-    ``if _nbddp.is_main_process():`` they happen once. The other ranks go on to the epilogue.
+class _Loaders(cst.CSTVisitor):
+    """Loaders a loop body uses: iterated (``for b in train_loader``) or handed to a function (``fit(train_loader)``)."""
+
+    def __init__(self, facts: JobFacts):
+        self.facts, self.found = facts, []
+
+    def _add(self, name: str | None) -> None:
+        if name and name not in self.found:
+            self.found.append(name)
+
+    def visit_For(self, node: cst.For) -> None:
+        name = _loader_name(node.iter)
+        if name and (name in self.facts.sharded_loaders or "loader" in name.lower()):
+            self._add(name)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if isinstance(node.value, cst.Name) and node.value.value in self.facts.sharded_loaders:
+            self._add(node.value.value)
+
+    def visit_FunctionDef(self, node) -> bool:
+        return False
+
+    def visit_If(self, node: cst.If) -> bool:
+        return not is_dead_if(node)
+
+
+class SetEpochRule(Rule):
+    """Plain PyTorch: each epoch loop calls ``set_epoch`` on the DistributedSamplers it reads from.
+
+    A ``DistributedSampler`` shuffles with a seed plus its epoch; without ``set_epoch(epoch)`` every epoch
+    sees the same order. The innermost loop over epochs (a ``for`` whose body reads a loader, other than
+    the loop over the loader itself) starts with ``_nbddp.set_epoch(loader, epoch)``, which does nothing
+    for a loader without such a sampler.
     """
 
-    name = "rank0_tail"
+    name = "set_epoch"
+    words = ("for ",)
 
-    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
-        last = self.facts.last_training
-        if last is None or self.position < last[0]:
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and "for " in code
+
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._done = [False]  # per open loop: whether a loop inside it already got set_epoch
+
+    def visit_For(self, node: cst.For) -> None:
+        self._done.append(False)
+
+    def leave_For(self, original: cst.For, updated: cst.For) -> cst.For:
+        inner = self._done.pop()
+        if inner:
+            self._done[-1] = True
             return updated
-        start = last[1] + 1 if self.position == last[0] else 0
-        tail = list(updated.body[start:])
-        if not tail:
+        if not isinstance(original.target, cst.Name):
             return updated
-        guard = cst.If(
-            test=cst.parse_expression(MAIN_PROCESS_EXPR),
-            body=cst.IndentedBlock(body=[_strip_leading(tail[0])] + tail[1:]),
-            leading_lines=tail[0].leading_lines,
+        finder = _Loaders(self.facts)
+        original.body.visit(finder)
+        loaders = [name for name in finder.found if name != _loader_name(original.iter)]
+        if not loaders:
+            return updated
+        epoch = original.target.value
+        calls = [cst.parse_statement(f"_nbddp.set_epoch({name}, {epoch})\n") for name in loaders]
+        body = updated.body
+        if isinstance(body, cst.IndentedBlock):
+            body = body.with_changes(body=calls + list(body.body))
+        else:  # for epoch in range(n): fit(loader)
+            body = body.with_changes(body=[c.body[0] for c in calls] + list(body.body))
+        self.note(original, f"each epoch reshuffles {', '.join(loaders)}'s DistributedSampler (set_epoch({epoch}))")
+        self._done[-1] = True
+        return updated.with_changes(body=body)
+
+
+class UnwrapRule(Rule):
+    """Plain PyTorch: saving and loading a DDP-wrapped model goes through ``_nbddp.unwrap(model)``.
+
+    ``DistributedDataParallel`` prefixes every state-dict key with ``module.``; a checkpoint saved from the
+    wrapper would not load into the notebook's plain model (and ``torch.save(model)`` would pickle the
+    wrapper). ``model.state_dict()``, ``model.load_state_dict(…)`` and ``torch.save(model, …)`` use the
+    module inside.
+    """
+
+    name = "unwrap"
+    words = ("state_dict", "save")
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models) and any(w in code for w in cls.words)
+
+    def _unwrapped(self, name: cst.Name) -> cst.Call:
+        return cst.parse_expression(f"_nbddp.unwrap({name.value})")
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        models = self.facts.ddp_models
+        func = updated.func
+        if m.matches(func, m.Attribute(value=m.Name(), attr=m.Name("state_dict") | m.Name("load_state_dict"))) and func.value.value in models:
+            self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
+            return updated.with_changes(func=func.with_changes(value=self._unwrapped(func.value)))
+        if dotted_name(func) == "torch.save" and updated.args and m.matches(updated.args[0].value, m.Name()) and updated.args[0].value.value in models:
+            self.note(original, f"torch.save({updated.args[0].value.value}): the module inside DDP")
+            first = updated.args[0]
+            return updated.with_changes(args=[first.with_changes(value=self._unwrapped(first.value))] + list(updated.args[1:]))
+        return updated
+
+
+class LoopOutputRule(Rule):
+    """Plain PyTorch: inside the training loop, metrics are printed and checkpoints saved by rank 0 only.
+
+    The notebook's own loop runs on every rank; its ``print(f"epoch {e} loss …")`` would come once per GPU
+    and ``torch.save(…, "best.pt")`` would have every rank write the same file at once. In the statements
+    that train and in the functions that train, ``print`` becomes ``_nbddp.print0`` and a ``torch.save``
+    statement gets ``if _nbddp.is_main_process():`` on its own line.
+    """
+
+    name = "loop_output"
+    words = ("print", "torch.save")
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and any(w in code for w in cls.words)
+
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._training: set[cst.CSTNode] = set()
+        self._depth = 0
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self._training = {s for s in node.body if is_training_statement(s, self.facts)}
+
+    def _trains(self, node: cst.CSTNode) -> bool:
+        return node in self._training or (
+            isinstance(node, cst.FunctionDef) and node.name.value in self.facts.training_functions
         )
-        line = self.get_metadata(PositionProvider, original.body[start]).start.line
-        self.changes.append((line, "runs on rank 0 only (after training)"))
-        return updated.with_changes(body=list(updated.body[:start]) + [guard])
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self._trains(node):
+            self._depth += 1
+        return super().on_visit(node)
+
+    def on_leave(self, original, updated):
+        result = super().on_leave(original, updated)
+        if self._trains(original):
+            self._depth -= 1
+        return result
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if self._depth and m.matches(updated.func, m.Name("print")):
+            self.note(original, "print → _nbddp.print0 (rank 0 prints)")
+            return updated.with_changes(func=cst.parse_expression("_nbddp.print0"))
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        if self._depth and len(updated.body) == 1 and m.matches(
+            updated.body[0], m.Expr(value=m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("save"))))
+        ):
+            self.note(original, "torch.save in the training loop: rank 0 saves")
+            return cst.If(
+                test=cst.parse_expression(MAIN_PROCESS_EXPR),
+                body=cst.SimpleStatementSuite(body=list(updated.body), trailing_whitespace=updated.trailing_whitespace),
+                leading_lines=updated.leading_lines,
+            )
+        return updated
 
 
-def _strip_leading(stmt):
-    # the guard carries the statement's leading blank lines and comments
-    return stmt.with_changes(leading_lines=[])
+#: The rules in the order they are applied: the statement rules first, on the nodes the facts hold.
+RULES: tuple[type[Rule], ...] = (
+    MainProcessFirstRule,
+    RankZeroRule,
+    DDPWrapRule,
+    DeviceMapRule,
+    DeviceRule,
+    AutocastRule,
+    TrainerConfigRule,
+    DistributedSamplerRule,
+    SetEpochRule,
+    UnwrapRule,
+    LoopOutputRule,
+)
 
 
-#: The rules in the order they are applied.
-RULES: tuple[type[Rule], ...] = (DeviceMapRule, TrainerConfigRule, RankZeroTailRule)
-
-
-def apply_rules(module: cst.Module, facts: JobFacts, position: int) -> tuple[cst.Module, list[tuple[str, int, str]]]:
+def apply_rules(module: cst.Module, facts: JobFacts) -> tuple[cst.Module, list[tuple[str, int, str]]]:
     """Run every rule over one cell's module; return it and ``(rule, line, message)`` for each change.
 
     Each rule sees the module as the rules before it left it; its lines are mapped back to the module as it
-    came in, so every change is reported at a line of the cleaned cell.
+    came in, so every change is reported at a line of the cleaned cell. A rule with nothing to do in the
+    cell (``Rule.wanted``) is not run.
     """
-    from .lines import align
-
-    original = module.code.splitlines()
+    original = code = module.code
     changes: list[tuple[str, int, str]] = []
     for rule_cls in RULES:
-        rule = rule_cls(facts, position)
-        back = align(original, module.code.splitlines())
-        module = MetadataWrapper(module).visit(rule)
+        if not rule_cls.wanted(code, module, facts):
+            continue
+        rule = rule_cls(facts)
+        new = MetadataWrapper(module, unsafe_skip_copy=True).visit(rule)
+        if not rule.changes:
+            continue
+        back = align(original.splitlines(), code.splitlines()) if code != original else None
         for line, msg in rule.changes:
-            j = back[line - 1] if 0 < line <= len(back) else None
+            j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
             changes.append((rule.name, (j if j is not None else line - 1) + 1, msg))
+        module, code = new, new.code
     return module, changes

@@ -11,7 +11,7 @@ import libcst as cst
 
 from .. import __version__
 from ..cells import Cell, read_notebook
-from ..errors import CellError
+from ..errors import CellError, NotebookError
 from .clean import CleanCell, Install, clean_cell
 from .lines import align
 from .rules import apply_rules, gather_facts
@@ -101,7 +101,13 @@ def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Scrip
 
 
 def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False) -> Script:
-    """Clean every cell, apply the rewrite rules, and assemble the script with its source map."""
+    """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
+
+    Raises ``NotebookError`` when there is no code at all, ``CellError`` for a cell that does not parse
+    (unless ``skip_bad_cells``).
+    """
+    if not any(c.source.strip() for c in cells):
+        raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     cleaned: list[CleanCell] = []
     warnings: list[str] = []
     for cell in cells:
@@ -121,12 +127,12 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
     changes: list[Change] = []
     body_lines: list[str] = []
     body_map: list[tuple[int, int] | None] = []
-    for pos, (clean, module) in enumerate(zip(cleaned, modules)):
+    for clean, module in zip(cleaned, modules):
         cell = clean.cell
         changes += [Change(cell.index, note.line, "ipython", note.message) for note in clean.notes]
-        new_module, rule_changes = apply_rules(module, facts, pos)
+        new_module, rule_changes = apply_rules(module, facts)
         to_cell = lambda j: clean.line_map[j] if j is not None and j < len(clean.line_map) else None  # noqa: E731
-        for rule, line, message in rule_changes:
+        for rule, line, message in sorted(rule_changes, key=lambda c: c[1]):
             changes.append(Change(cell.index, to_cell(line - 1) or 1, rule, message))
         code_lines = new_module.code.splitlines()
         back = align(clean.code.splitlines(), code_lines)

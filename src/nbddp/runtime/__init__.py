@@ -3,7 +3,10 @@
 from .dist import (
     RankInfo,
     cleanup,
+    ddp,
+    device,
     device_map,
+    distributed_sampler,
     display,
     getoutput,
     is_local_main_process,
@@ -11,15 +14,20 @@ from .dist import (
     main_process_first,
     print0,
     rank_info,
+    set_epoch,
     setup,
     shell,
+    unwrap,
     write_file,
 )
 
 __all__ = [
     "RankInfo",
     "cleanup",
+    "ddp",
+    "device",
     "device_map",
+    "distributed_sampler",
     "display",
     "getoutput",
     "is_local_main_process",
@@ -27,7 +35,9 @@ __all__ = [
     "main_process_first",
     "print0",
     "rank_info",
+    "set_epoch",
     "setup",
     "shell",
+    "unwrap",
     "write_file",
 ]

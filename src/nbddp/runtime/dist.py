@@ -132,6 +132,47 @@ def device_map() -> dict:
     return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
 
 
+def device():
+    """This rank's ``torch.device``: ``cuda:<local rank>`` with GPUs, else the CPU (for ``"cuda:0"`` in a notebook)."""
+    import torch
+
+    return torch.device(rank_info().device)
+
+
+def ddp(model):
+    """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) or not (dist.is_available() and dist.is_initialized()):
+        return model
+    info = rank_info()
+    ids = [info.local_rank] if info.device.startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def unwrap(model):
+    """The module inside a ``DistributedDataParallel`` wrapper (``.module``), or the model itself."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def distributed_sampler(dataset, shuffle: bool = False):
+    """A ``DistributedSampler`` giving this rank its own share of ``dataset`` (all of it in a single process)."""
+    from torch.utils.data import DistributedSampler
+
+    info = rank_info()
+    return DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=bool(shuffle))
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """Reshuffle a loader's ``DistributedSampler`` for this epoch; a no-op for any other loader."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+
+
 def print0(*args, **kwargs) -> None:
     """``print`` on rank 0 only."""
     if is_main_process():
