@@ -23,6 +23,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from ..cells import Cell
 from ..errors import CellError
 from .lines import align
+from .rules import is_dead_if
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(
@@ -119,7 +120,11 @@ def clean_cell(cell: Cell) -> CleanCell:
         raise CellError(f"not valid Python: {msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
 
     rewriter = _IPythonCalls(cell)
-    new_code = _finish(MetadataWrapper(module).visit(rewriter).code)
+    try:
+        new_code = _finish(MetadataWrapper(module, unsafe_skip_copy=True).visit(rewriter).code)
+    except _MagicError as exc:  # raised at a line of the transformed code: point at the cell's line
+        src_line = _body_line(t_map, exc.line, offset)
+        raise CellError(exc.message, cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
     # Every replacement is one line for one line, so new line k is transformed line k.
     line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
     installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in rewriter.installs)
@@ -204,6 +209,14 @@ def _ipython_call(method: str) -> m.Call:
     return m.Call(func=m.Attribute(value=_GET_IPYTHON, attr=m.Name(method)))
 
 
+class _MagicError(Exception):
+    """A magic that cannot be converted, at a line of the transformed cell (``clean_cell`` maps it back)."""
+
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
 class _IPythonCalls(m.MatcherDecoratableTransformer):
     """Replace the ``get_ipython()`` calls that TransformerManager produced."""
 
@@ -214,6 +227,17 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
         self.cell = cell
         self.installs: list[tuple[int, str]] = []
         self.notes: list[tuple[int, str]] = []
+        self._dead = 0  # inside ``if False:``: nothing is pulled out, the block stays as written
+
+    def visit_If(self, node: cst.If) -> None:
+        self._dead += is_dead_if(node)
+
+    def leave_If(self, original, updated):
+        self._dead -= is_dead_if(original)
+        return updated
+
+    def _pulls_out(self, command: str) -> bool:
+        return is_install(command) and not _interpolates(command) and not self._dead
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.get_metadata(PositionProvider, node).start.line
@@ -227,7 +251,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
         line = self._line(original)
         if method == "system":
             command = _string_arg(call, 0)
-            if command is not None and is_install(command) and not _interpolates(command):
+            if command is not None and self._pulls_out(command):
                 self.installs.append((line, command.strip()))
                 return _dropped(f"`{command.strip()}` runs once before launch")
             return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", call.args))])
@@ -239,7 +263,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
     def _line_magic(self, original, updated, name, arg, line):
         if name in ("pip", "conda", "mamba", "uv"):
             command = f"{name} {arg}".strip() if name != "uv" else f"uv {arg}"
-            if is_install(command) and not _interpolates(command):
+            if self._pulls_out(command):
                 self.installs.append((line, command))
                 return _dropped(f"`{command}` runs once before launch")
             return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", [cst.Arg(cst.SimpleString(repr(command)))]))])
@@ -247,7 +271,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
             try:
                 stmt = cst.parse_statement(arg + "\n")
             except cst.ParserSyntaxError:
-                raise CellError(f"%{name} wraps code that is not valid Python", cell=self.cell.index) from None
+                raise _MagicError(f"%{name} wraps code that is not valid Python", line) from None
             self.notes.append((line, f"%{name} dropped; its statement is kept"))
             return stmt.with_changes(leading_lines=original.leading_lines)
         if name == "env":
@@ -261,10 +285,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
         if name in DROPPED_LINE_MAGICS or name is None:
             self.notes.append((line, f"%{name} dropped (notebook-only)"))
             return _dropped(f"%{name} {arg}".rstrip() + " dropped (notebook-only)")
-        raise CellError(
-            f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train",
-            cell=self.cell.index,
-        )
+        raise _MagicError(f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train", line)
 
     def leave_Call(self, original, updated):
         """``x = !cmd`` → ``x = _nbddp.getoutput("cmd")``; ``x = %magic`` in expressions likewise."""
