@@ -237,9 +237,8 @@ DATA_PER_RANK = [
     "        loss.backward()\n"
     "        optimizer.step()\n"
     "    print(f'epoch {epoch} loss {loss.item():.3f}')\n"
-    "with open(f\"seen-{os.environ['RANK']}.json\", 'w') as fh:\n"
-    "    json_text = __import__('json').dumps(seen)\n"
-    "    fh.write(json_text)",
+    "    with open(f\"seen-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "        fh.write(__import__('json').dumps(seen))",
     "weights = model.state_dict()\n"
     "print(sorted(weights))\n"
     "\n"

@@ -40,6 +40,9 @@ SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system"})
 #: Cell magics that only display something in the notebook.
 DISPLAY_CELL_MAGICS = frozenset({"html", "HTML", "markdown", "javascript", "js", "latex", "svg"})
 
+#: IPython's input transformers (stateless between cells: one is enough).
+_TRANSFORMER = TransformerManager()
+
 _INSTALL = re.compile(
     r"^\s*(?:sudo\s+)?(?:(?:python[0-9.]*|py)\s+-m\s+)?(?:pip[0-9.]*|uv\s+pip|conda|mamba|micromamba|apt|apt-get)"
     r"\s+install\b"
@@ -105,20 +108,22 @@ def clean_cell(cell: Cell) -> CleanCell:
         body, offset = lines, 0
 
     body_src = "\n".join(body) + "\n"
+    transformed, t_map = _python(body_src, body, cell, offset)
     try:
-        transformed = TransformerManager().transform_cell(body_src)
-    except SyntaxError as exc:  # TransformerManager raises on some malformed magics
-        raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
-    t_map = align(body, transformed.splitlines())  # transformed line → body line
-    try:
-        ast.parse(transformed)  # CPython's parser points at the line a person would fix
-        module = cst.parse_module(transformed)
+        if t_map is not None:
+            ast.parse(transformed)  # CPython's parser points at the line a person would fix
+        else:
+            t_map = list(range(len(body)))
+        module = cst.parse_module(transformed) if "get_ipython" in transformed else None
     except (SyntaxError, cst.ParserSyntaxError) as exc:
         raw = getattr(exc, "lineno", None) or getattr(exc, "raw_line", 1)
         src_line = _body_line(t_map, raw, offset)
         msg = exc.msg if isinstance(exc, SyntaxError) else exc.message
         raise CellError(f"not valid Python: {msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
 
+    if module is None:  # plain Python: nothing for the libcst pass to do
+        line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
+        return CleanCell(cell, transformed, line_map, (), tuple(notes))
     rewriter = _IPythonCalls(cell)
     try:
         new_code = _finish(MetadataWrapper(module, unsafe_skip_copy=True).visit(rewriter).code)
@@ -130,6 +135,24 @@ def clean_cell(cell: Cell) -> CleanCell:
     installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in rewriter.installs)
     notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in rewriter.notes]
     return CleanCell(cell, new_code, line_map, installs, tuple(notes))
+
+
+def _python(body_src: str, body: list[str], cell: Cell, offset: int) -> tuple[str, list[int | None] | None]:
+    """The cell body as Python, and which body line each of its lines comes from (None: one for one).
+
+    A body that already parses is Python as it stands: IPython's transformers would leave it as it is, and
+    skipping them keeps conversion fast. Anything else goes through ``TransformerManager``.
+    """
+    try:
+        ast.parse(body_src)
+        return body_src, None
+    except SyntaxError:
+        pass
+    try:
+        transformed = _TRANSFORMER.transform_cell(body_src)
+    except SyntaxError as exc:  # TransformerManager raises on some malformed magics
+        raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
+    return transformed, align(body, transformed.splitlines())
 
 
 def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> int:
@@ -217,7 +240,7 @@ class _MagicError(Exception):
         self.message, self.line = message, line
 
 
-class _IPythonCalls(m.MatcherDecoratableTransformer):
+class _IPythonCalls(cst.CSTTransformer):
     """Replace the ``get_ipython()`` calls that TransformerManager produced."""
 
     METADATA_DEPENDENCIES = (PositionProvider,)

@@ -17,9 +17,9 @@ the Hub), and they stay exactly as written.
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import libcst as cst
 import libcst.matchers as m
@@ -167,81 +167,6 @@ def calls_in(node: cst.CSTNode, into_defs: bool = False) -> list[cst.Call]:
     return v.found
 
 
-class _Names(cst.CSTVisitor):
-    """Names a statement binds and names it reads (attribute names and keywords are not reads)."""
-
-    def __init__(self):
-        self.binds: set[str] = set()
-        self.reads: set[str] = set()
-
-    def target(self, node: cst.BaseExpression) -> None:
-        if isinstance(node, cst.Name):
-            self.binds.add(node.value)
-        elif isinstance(node, (cst.Tuple, cst.List)):
-            for el in node.elements:
-                self.target(el.value)
-        elif isinstance(node, cst.StarredElement):
-            self.target(node.value)
-        else:  # x.attr = …, x[i] = …: x is read
-            node.visit(self)
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.reads.add(node.value)
-
-    def visit_Attribute(self, node: cst.Attribute) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Arg(self, node: cst.Arg) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Assign(self, node: cst.Assign) -> bool:
-        for t in node.targets:
-            self.target(t.target)
-        node.value.visit(self)
-        return False
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> bool:
-        self.target(node.target)
-        if node.value is not None:
-            node.value.visit(self)
-        return False
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self.target(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self.target(node.target)
-
-    def visit_AsName(self, node: cst.AsName) -> bool:
-        self.target(node.name)
-        return False
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self.target(node.target)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.binds.add(node.name.value)
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.binds.add(node.name.value)
-
-    def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
-        if node.asname is None:
-            self.binds.add((dotted_name(node.name) or "").split(".")[0])
-        else:
-            self.target(node.asname.name)
-        return False
-
-
-def names_of(stmt: cst.CSTNode) -> tuple[set[str], set[str]]:
-    """``(binds, reads)`` of one statement."""
-    v = _Names()
-    stmt.visit(v)
-    return v.binds, v.reads
-
-
 # ------------------------------------------------------------------------------------------- facts
 
 
@@ -331,24 +256,116 @@ def _is_optimizer(call: cst.Call) -> bool:
     return last_name(call.func) in _OPTIMIZERS or name.startswith(("torch.optim.", "optim."))
 
 
-class _FactsVisitor(cst.CSTVisitor):
-    """One pass over a module: trainers, functions and what they call, optimizers' models, loaders, imports."""
+class _Scan(cst.CSTVisitor):
+    """One walk over one top-level statement, gathering everything the facts need from it.
+
+    For the statement itself: the calls it makes (outside function bodies, lambdas and ``if False:``), the
+    names it binds and the names it reads (attribute names and keywords are not reads). For the notebook:
+    trainer names, what each function calls, the models optimizers get, training loaders, ``torch.cuda.amp``
+    imports, whether the notebook distributes itself. One walk, because libcst walks are what conversion
+    time is spent on.
+    """
 
     def __init__(self, facts: JobFacts, defs: dict[str, set[str]]):
         self.facts, self.defs = facts, defs
+        self.calls: list[cst.Call] = []
+        self.binds: set[str] = set()
+        self.reads: set[str] = set()
         self._def_stack: list[str] = []
+        self._lambdas = 0
 
+    # -- names
+    def target(self, node: cst.BaseExpression) -> None:
+        if isinstance(node, cst.Name):
+            self.binds.add(node.value)
+        elif isinstance(node, (cst.Tuple, cst.List)):
+            for el in node.elements:
+                self.target(el.value)
+        elif isinstance(node, cst.StarredElement):
+            self.target(node.value)
+        else:  # x.attr = …, x[i] = …: x is read
+            node.visit(self)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.reads.add(node.value)
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Assign(self, node: cst.Assign) -> bool:
+        for t in node.targets:
+            self.target(t.target)
+        node.value.visit(self)
+        if isinstance(node.value, cst.Call):
+            targets = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
+            callee = last_name(node.value.func)
+            if is_trainer_class(callee):
+                self.facts.trainer_names.update(targets)
+            if callee == "DataLoader" and _shards(node.value, targets):
+                self.facts.sharded_loaders.update(targets)
+        return False
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> bool:
+        self.target(node.target)
+        if node.value is not None:
+            node.value.visit(self)
+        return False
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self.target(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self.target(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> bool:
+        self.target(node.name)
+        return False
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self.target(node.target)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.binds.add(node.name.value)
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
+        if node.asname is None:
+            self.binds.add((dotted_name(node.name) or "").split(".")[0])
+        else:
+            self.target(node.asname.name)
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if node.module is not None and dotted_name(node.module) == "torch.cuda.amp" and not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                self.facts.cuda_amp_names.add((alias.asname.name if alias.asname else alias.name).value)
+
+    # -- blocks
     def visit_If(self, node: cst.If) -> bool:
         return not is_dead_if(node)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.binds.add(node.name.value)
         self._def_stack.append(node.name.value)
         self.defs.setdefault(node.name.value, set())
 
     def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._def_stack.pop()
 
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self._lambdas += 1
+
+    def leave_Lambda(self, node: cst.Lambda) -> None:
+        self._lambdas -= 1
+
+    # -- calls
     def visit_Call(self, node: cst.Call) -> None:
+        if not self._def_stack and not self._lambdas:
+            self.calls.append(node)
         if self._def_stack:
             # what the innermost function calls: "!train" for a direct training call, else the callee's name
             direct = is_training_call(node, JobFacts(trainer_names=self.facts.trainer_names))
@@ -363,21 +380,6 @@ class _FactsVisitor(cst.CSTVisitor):
         name = dotted_name(node.func) or ""
         if name.endswith(("DistributedDataParallel", "Accelerator")) or name == "DDP":
             self.facts.self_distributed = True
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        if not isinstance(node.value, cst.Call):
-            return
-        targets = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
-        callee = last_name(node.value.func)
-        if is_trainer_class(callee):
-            self.facts.trainer_names.update(targets)
-        if callee == "DataLoader" and _shards(node.value, targets):
-            self.facts.sharded_loaders.update(targets)
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        if node.module is not None and dotted_name(node.module) == "torch.cuda.amp" and not isinstance(node.names, cst.ImportStar):
-            for alias in node.names:
-                self.facts.cuda_amp_names.add((alias.asname.name if alias.asname else alias.name).value)
 
 
 def _shards(call: cst.Call, targets: list[str]) -> bool:
@@ -398,8 +400,14 @@ def gather_facts(modules: list[cst.Module]) -> JobFacts:
     """Look at every cell once and decide what the statement rules do."""
     facts = JobFacts()
     defs: dict[str, set[str]] = {}
+    top: list[cst.BaseStatement] = []
+    scans: list[_Scan] = []
     for module in modules:
-        module.visit(_FactsVisitor(facts, defs))
+        for stmt in module.body:
+            scan = _Scan(facts, defs)
+            stmt.visit(scan)
+            top.append(stmt)
+            scans.append(scan)
     # a function trains if it trains directly or calls one that does
     changed = True
     while changed:
@@ -409,18 +417,17 @@ def gather_facts(modules: list[cst.Module]) -> JobFacts:
                 facts.training_functions.add(name)
                 changed = True
 
-    top = [stmt for module in modules for stmt in module.body]
-    trains = [is_training_statement(s, facts) for s in top]
+    trains = [any(is_training_call(c, facts) for c in scan.calls) for scan in scans]
     facts.training = [s for s, t in zip(top, trains) if t]
     if not facts.training:
         return facts
     facts.plain_loop = not facts.trainer_names and not facts.self_distributed and any(
         last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions
-        for s in facts.training for c in calls_in(s)
+        for scan, t in zip(scans, trains) if t for c in scan.calls
     )
     first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
-    _plan_after_training(top, first, last, facts)
-    _plan_data_prep(top, facts)
+    _plan_after_training(top, scans, first, last, facts)
+    _plan_data_prep(top, scans, facts)
     if facts.plain_loop:
         for name in sorted(facts.ddp_models):
             at = _placement(top[:first], name)
@@ -429,7 +436,7 @@ def gather_facts(modules: list[cst.Module]) -> JobFacts:
     return facts
 
 
-def _plan_after_training(top: list[cst.BaseStatement], first: int, last: int, facts: JobFacts) -> None:
+def _plan_after_training(top: list[cst.BaseStatement], scans: list[_Scan], first: int, last: int, facts: JobFacts) -> None:
     """Which statements after the first training call run on rank 0 only.
 
     After the last training call everything does, except what every rank must run (a collective such as
@@ -440,35 +447,32 @@ def _plan_after_training(top: list[cst.BaseStatement], first: int, last: int, fa
     """
     needed: set[str] = set()
     for k in range(len(top) - 1, first, -1):
-        stmt = top[k]
-        binds, reads = names_of(stmt)
-        calls = calls_in(stmt)
-        collective = next((c for c in calls if is_collective_call(c, facts)), None)
+        stmt, scan = top[k], scans[k]
+        collective = next((c for c in scan.calls if is_collective_call(c, facts)), None)
         if collective is not None:
             reason = f"{_code(collective.func)}() needs every rank"
-        elif binds & needed:
-            reason = f"binds {', '.join(sorted(binds & needed))}, which code on every rank uses"
+        elif scan.binds & needed:
+            reason = f"binds {', '.join(sorted(scan.binds & needed))}, which code on every rank uses"
         else:
             reason = None
-        if reason is None and (k > last or any(_is_rank0_action(c) for c in calls)):
+        if reason is None and (k > last or any(_is_rank0_action(c) for c in scan.calls)):
             facts.rank0.add(stmt)
             if k > last:
                 facts.tail.add(stmt)
             continue
         if k > last:
             facts.all_ranks[stmt] = reason
-        needed |= reads
+        needed |= scan.reads
 
 
-def _plan_data_prep(top: list[cst.BaseStatement], facts: JobFacts) -> None:
+def _plan_data_prep(top: list[cst.BaseStatement], scans: list[_Scan], facts: JobFacts) -> None:
     """Dataset preparation on every rank goes under ``main_process_first`` (cache files are not raced)."""
-    for stmt in top:
+    for stmt, scan in zip(top, scans):
         if stmt in facts.rank0 or stmt in facts.training or isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
             continue
         if is_dead_if(stmt):
             continue
-        calls = calls_in(stmt)
-        if any(_is_data_prep(c) for c in calls) and not any(is_collective_call(c, facts) for c in calls):
+        if any(_is_data_prep(c) for c in scan.calls) and not any(is_collective_call(c, facts) for c in scan.calls):
             facts.main_first.add(stmt)
 
 
@@ -492,21 +496,32 @@ def _placement(stmts: list[cst.BaseStatement], name: str) -> cst.BaseStatement |
 # ------------------------------------------------------------------------------------------- rules
 
 
-class Rule(m.MatcherDecoratableTransformer):
-    """Base: a named transformer that records ``(line, message)`` for each change.
+class Rule(cst.CSTTransformer):
+    """Base: a named transformer that records ``(node, message)`` for each change.
 
     ``words``: text one of which a cell must contain for the rule to have anything to do there; a rule
-    whose words are absent is not run on the cell at all (conversion stays fast on long notebooks).
+    whose words are absent is not run on the cell at all (conversion stays fast on long notebooks). The
+    noted nodes are nodes of the module the rule was given; ``apply_rules`` turns them into lines, and only
+    for rules that changed something, since positions cost a pass over the module.
     """
 
-    METADATA_DEPENDENCIES = (PositionProvider,)
     name = "rule"
     words: tuple[str, ...] = ()
 
     def __init__(self, facts: JobFacts):
         super().__init__()
         self.facts = facts
-        self.changes: list[tuple[int, str]] = []
+        #: (node, index of the top-level statement holding it, message)
+        self.changes: list[tuple[cst.CSTNode, int | None, str]] = []
+        self._top: dict[cst.CSTNode, int] = {}
+        self._current: int | None = None
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.Module):
+            self._top = {stmt: i for i, stmt in enumerate(node.body)}
+        elif node in self._top:
+            self._current = self._top[node]
+        return super().on_visit(node)
 
     @classmethod
     def wanted(cls, code: str, module: cst.Module, facts: JobFacts) -> bool:
@@ -515,11 +530,8 @@ class Rule(m.MatcherDecoratableTransformer):
     def visit_If(self, node: cst.If) -> bool:
         return not is_dead_if(node)
 
-    def line(self, node: cst.CSTNode) -> int:
-        return self.get_metadata(PositionProvider, node).start.line
-
     def note(self, node: cst.CSTNode, message: str) -> None:
-        self.changes.append((self.line(node), message))
+        self.changes.append((node, self._top.get(node, self._current), message))
 
 
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
@@ -751,9 +763,20 @@ class DeviceRule(Rule):
     name = "device"
     words = ("cuda", "CUDA")
 
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._in_device_map = 0  # DeviceMapRule owns device_map values
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        self._in_device_map += m.matches(node.keyword, m.Name("device_map"))
+
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
+        self._in_device_map -= m.matches(original.keyword, m.Name("device_map"))
+        return updated
+
     def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.BaseExpression:
         value = _string_value(updated)
-        if value is None or not _CUDA_INDEX.match(value):
+        if self._in_device_map or value is None or not _CUDA_INDEX.match(value):
             return updated
         self.note(original, f"{value!r} → this rank's device")
         return cst.parse_expression(DEVICE_EXPR)
@@ -1089,11 +1112,10 @@ class LoopOutputRule(Rule):
         return updated
 
 
-#: The rules in the order they are applied: the statement rules first, on the nodes the facts hold.
-RULES: tuple[type[Rule], ...] = (
-    MainProcessFirstRule,
-    RankZeroRule,
-    DDPWrapRule,
+#: Rules on top-level statements, applied one after the other on the nodes the facts hold.
+STATEMENT_RULES: tuple[type[Rule], ...] = (MainProcessFirstRule, RankZeroRule, DDPWrapRule)
+#: Rules on expressions and loops, applied together in one walk over each cell.
+EXPRESSION_RULES: tuple[type[Rule], ...] = (
     DeviceMapRule,
     DeviceRule,
     AutocastRule,
@@ -1103,27 +1125,92 @@ RULES: tuple[type[Rule], ...] = (
     UnwrapRule,
     LoopOutputRule,
 )
+#: Every rule, in the order it is applied.
+RULES: tuple[type[Rule], ...] = STATEMENT_RULES + EXPRESSION_RULES
 
 
-def apply_rules(module: cst.Module, facts: JobFacts) -> tuple[cst.Module, list[tuple[str, int, str]]]:
+class _Together(cst.CSTTransformer):
+    """Several rules in one walk: each node is offered to each rule in turn, as if each walked alone.
+
+    A rule's ``leave`` gets the node as the rules before it left it; once a rule turns a node into another
+    kind (a statement into an ``if``), the rules after it leave that node alone. Walks are what conversion
+    time goes to, so the expression rules share one.
+    """
+
+    def __init__(self, rules: list[Rule]):
+        super().__init__()
+        self.rules = rules
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        return all([rule.on_visit(node) is not False for rule in self.rules])
+
+    def on_leave(self, original, updated):
+        for rule in self.rules:
+            if type(updated) is not type(original):
+                break
+            updated = rule.on_leave(original, updated)
+        return updated
+
+
+def apply_rules(
+    module: cst.Module, facts: JobFacts, code: str | None = None
+) -> tuple[cst.Module, list[tuple[str, int, str]]]:
     """Run every rule over one cell's module; return it and ``(rule, line, message)`` for each change.
 
-    Each rule sees the module as the rules before it left it; its lines are mapped back to the module as it
-    came in, so every change is reported at a line of the cleaned cell. A rule with nothing to do in the
-    cell (``Rule.wanted``) is not run.
+    ``code`` is the module's source when the caller has it (it saves generating it). The statement rules
+    run one by one, then the expression rules together. Each step sees the module as the steps before it
+    left it; its lines are mapped back to the module as it came in, so every change is reported at a line of
+    the cleaned cell. A rule with nothing to do in the cell (``Rule.wanted``, asked of the cell's own text)
+    is not run, and source is generated only where a later step needs it.
     """
-    original = code = module.code
+    original = module.code if code is None else code
+    current: str | None = original
     changes: list[tuple[str, int, str]] = []
-    for rule_cls in RULES:
-        if not rule_cls.wanted(code, module, facts):
+    steps = [[cls] for cls in STATEMENT_RULES] + [list(EXPRESSION_RULES)]
+    for step in steps:
+        rules = [cls(facts) for cls in step if cls.wanted(original, module, facts)]
+        if not rules:
             continue
-        rule = rule_cls(facts)
-        new = MetadataWrapper(module, unsafe_skip_copy=True).visit(rule)
-        if not rule.changes:
+        new = module.visit(rules[0] if len(rules) == 1 else _Together(rules))
+        noted = [(rule.name, node, top, msg) for rule in rules for node, top, msg in rule.changes]
+        if not noted:
             continue
-        back = align(original.splitlines(), code.splitlines()) if code != original else None
-        for line, msg in rule.changes:
+        current = module.code if current is None else current
+        lines = _note_lines(module, current, [(node, top) for _, node, top, _ in noted])
+        back = align(original.splitlines(), current.splitlines()) if current != original else None
+        for (name, _, _, msg), line in zip(noted, lines):
             j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
-            changes.append((rule.name, (j if j is not None else line - 1) + 1, msg))
-        module, code = new, new.code
+            changes.append((name, (j if j is not None else line - 1) + 1, msg))
+        module, current = new, None
     return module, changes
+
+
+def _note_lines(module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]]) -> list[int]:
+    """The line of each noted node in ``code`` (the module's source).
+
+    libcst's ``PositionProvider`` would generate the whole module's source with positions, once per step;
+    instead each top-level statement's first line comes from Python's own parser, and only the statements
+    holding a noted node are generated, alone, to place the node inside them.
+    """
+    tree = ast.parse(code)
+    starts, k = [], 0
+    for stmt in module.body:
+        node = tree.body[k]
+        decorators = getattr(node, "decorator_list", None)
+        starts.append(decorators[0].lineno if decorators else node.lineno)
+        k += len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
+    inside: dict[int, dict] = {}
+    out = []
+    for node, top in noted:
+        if top is None:  # not under a top-level statement we know: the slow, sure way
+            out.append(MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line)
+            continue
+        stmt = module.body[top]
+        if node is stmt:
+            out.append(starts[top])
+            continue
+        if top not in inside:
+            alone = cst.Module(body=[stmt.with_changes(leading_lines=[])])
+            inside[top] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+        out.append(starts[top] + inside[top][node].start.line - 1)
+    return out

@@ -130,12 +130,16 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
     for clean, module in zip(cleaned, modules):
         cell = clean.cell
         changes += [Change(cell.index, note.line, "ipython", note.message) for note in clean.notes]
-        new_module, rule_changes = apply_rules(module, facts)
+        new_module, rule_changes = apply_rules(module, facts, clean.code)
         to_cell = lambda j: clean.line_map[j] if j is not None and j < len(clean.line_map) else None  # noqa: E731
         for rule, line, message in sorted(rule_changes, key=lambda c: c[1]):
             changes.append(Change(cell.index, to_cell(line - 1) or 1, rule, message))
-        code_lines = new_module.code.splitlines()
-        back = align(clean.code.splitlines(), code_lines)
+        if rule_changes:
+            code_lines = new_module.code.splitlines()
+            back = align(clean.code.splitlines(), code_lines)
+        else:  # no rule changed the cell: its cleaned code, line for line
+            code_lines = clean.code.splitlines()
+            back = list(range(len(code_lines)))
         body_lines.append(f"# [cell {cell.index}]")
         body_map.append(None)
         for text, j in zip(code_lines, back):
