@@ -292,6 +292,14 @@ def test_between_trainings_a_name_the_next_training_reads_stays_on_every_rank():
     assert cells[1] == "merged = model.merge_and_unload()\nif _nbddp.is_main_process():\n    merged.save_pretrained('o')\n"
 
 
+def test_a_function_that_evaluates_is_called_on_every_rank():
+    cells, _ = rewrite(
+        "def report():\n    print(trainer.evaluate())\n",
+        "trainer = Trainer(model=m)\ntrainer.train()\nreport()\nmodel.save_pretrained('o')\n",
+    )
+    assert cells[1].endswith("trainer.train()\nreport()\nif _nbddp.is_main_process():\n    model.save_pretrained('o')\n")
+
+
 def test_model_train_is_not_a_training_call():
     cells, _ = rewrite("model.train()\nprint('mode set')\n")
     assert cells[0] == "model.train()\nprint('mode set')\n"

@@ -180,6 +180,8 @@ class JobFacts:
     trainer_names: set[str] = field(default_factory=set)
     #: functions whose body trains (``loss.backward()``, ``trainer.train()``, or a call to another such function)
     training_functions: set[str] = field(default_factory=set)
+    #: functions whose body makes a call every rank must make (training, ``trainer.evaluate()``, …)
+    collective_functions: set[str] = field(default_factory=set)
     #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
     ddp_models: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
@@ -232,6 +234,8 @@ def is_collective_call(node: cst.Call, facts: JobFacts) -> bool:
         return True
     if head == "_nbddp" and attr in _RUNTIME_COLLECTIVES:
         return True
+    if isinstance(node.func, cst.Name) and node.func.value in facts.collective_functions:
+        return True
     return name.startswith(("dist.", "torch.distributed.", "accelerator."))
 
 
@@ -266,7 +270,7 @@ class _Scan(cst.CSTVisitor):
     time is spent on.
     """
 
-    def __init__(self, facts: JobFacts, defs: dict[str, set[str]]):
+    def __init__(self, facts: JobFacts, defs: dict[str, list[cst.Call]]):
         self.facts, self.defs = facts, defs
         self.calls: list[cst.Call] = []
         self.binds: set[str] = set()
@@ -351,7 +355,7 @@ class _Scan(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.binds.add(node.name.value)
         self._def_stack.append(node.name.value)
-        self.defs.setdefault(node.name.value, set())
+        self.defs.setdefault(node.name.value, [])
 
     def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._def_stack.pop()
@@ -366,12 +370,8 @@ class _Scan(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         if not self._def_stack and not self._lambdas:
             self.calls.append(node)
-        if self._def_stack:
-            # what the innermost function calls: "!train" for a direct training call, else the callee's name
-            direct = is_training_call(node, JobFacts(trainer_names=self.facts.trainer_names))
-            callee = "!train" if direct else (node.func.value if isinstance(node.func, cst.Name) else None)
-            if callee:
-                self.defs[self._def_stack[-1]].add(callee)
+        if self._def_stack:  # judged once every trainer's name is known
+            self.defs[self._def_stack[-1]].append(node)
         if _is_optimizer(node):
             for arg in node.args:
                 for call in calls_in(arg, into_defs=True) + ([arg.value] if isinstance(arg.value, cst.Call) else []):
@@ -399,7 +399,7 @@ def _shards(call: cst.Call, targets: list[str]) -> bool:
 def gather_facts(modules: list[cst.Module]) -> JobFacts:
     """Look at every cell once and decide what the statement rules do."""
     facts = JobFacts()
-    defs: dict[str, set[str]] = {}
+    defs: dict[str, list[cst.Call]] = {}  # function name → the calls in its body
     top: list[cst.BaseStatement] = []
     scans: list[_Scan] = []
     for module in modules:
@@ -408,13 +408,16 @@ def gather_facts(modules: list[cst.Module]) -> JobFacts:
             stmt.visit(scan)
             top.append(stmt)
             scans.append(scan)
-    # a function trains if it trains directly or calls one that does
+    # a function trains if it trains directly or calls one that does; likewise for collectives
     changed = True
     while changed:
         changed = False
-        for name, callees in defs.items():
-            if name not in facts.training_functions and ("!train" in callees or callees & facts.training_functions):
+        for name, calls in defs.items():
+            if name not in facts.training_functions and any(is_training_call(c, facts) for c in calls):
                 facts.training_functions.add(name)
+                changed = True
+            if name not in facts.collective_functions and any(is_collective_call(c, facts) for c in calls):
+                facts.collective_functions.add(name)
                 changed = True
 
     trains = [any(is_training_call(c, facts) for c in scan.calls) for scan in scans]

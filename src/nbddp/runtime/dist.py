@@ -7,6 +7,7 @@ without torchrun (plain ``python script.py``) it behaves as a single process of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -140,7 +141,11 @@ def device():
 
 
 def ddp(model):
-    """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is)."""
+    """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is).
+
+    The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
+    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods).
+    """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -148,7 +153,26 @@ def ddp(model):
         return model
     info = rank_info()
     ids = [info.local_rank] if info.device.startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=ids)
+    return _notebook_ddp()(model, device_ids=ids)
+
+
+@functools.cache
+def _notebook_ddp():
+    from torch.nn.parallel import DistributedDataParallel
+
+    class NotebookDDP(DistributedDataParallel):
+        """``DistributedDataParallel`` that falls back to the wrapped model's attributes."""
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                inner = self.__dict__.get("_modules", {}).get("module")
+                if inner is None or name == "module":
+                    raise
+                return getattr(inner, name)
+
+    return NotebookDDP
 
 
 def unwrap(model):
