@@ -156,6 +156,12 @@ def test_cuda_amp_becomes_torch_amp(before, after):
     assert code == after
 
 
+def test_names_imported_from_torch_cuda_amp_in_another_cell():
+    (imp, use), _ = rewrite("from torch.cuda.amp import autocast\n", "with autocast(dtype=torch.float16):\n    pass\n")
+    assert imp == "from torch.amp import autocast\n"
+    assert use == 'with autocast("cuda", dtype=torch.float16):\n    pass\n'
+
+
 def test_names_imported_from_torch_cuda_amp():
     (code,), _ = rewrite("from torch.cuda.amp import autocast, GradScaler\nscaler = GradScaler()\nwith autocast():\n    pass\n")
     assert code == 'from torch.amp import autocast, GradScaler\nscaler = GradScaler("cuda")\nwith autocast("cuda"):\n    pass\n'

@@ -502,14 +502,14 @@ def _placement(stmts: list[cst.BaseStatement], name: str) -> cst.BaseStatement |
 class Rule(cst.CSTTransformer):
     """Base: a named transformer that records ``(node, message)`` for each change.
 
-    ``words``: text one of which a cell must contain for the rule to have anything to do there; a rule
-    whose words are absent is not run on the cell at all (conversion stays fast on long notebooks). The
+    ``pattern``: what a cell's text must contain for the rule to have anything to do there; a rule whose
+    pattern is absent is not run on the cell at all (conversion stays fast on long notebooks). The
     noted nodes are nodes of the module the rule was given; ``apply_rules`` turns them into lines, and only
     for rules that changed something, since positions cost a pass over the module.
     """
 
     name = "rule"
-    words: tuple[str, ...] = ()
+    pattern: re.Pattern | None = None
 
     def __init__(self, facts: JobFacts):
         super().__init__()
@@ -528,7 +528,7 @@ class Rule(cst.CSTTransformer):
 
     @classmethod
     def wanted(cls, code: str, module: cst.Module, facts: JobFacts) -> bool:
-        return not cls.words or any(w in code for w in cls.words)
+        return cls.pattern is None or cls.pattern.search(code) is not None
 
     def visit_If(self, node: cst.If) -> bool:
         return not is_dead_if(node)
@@ -629,7 +629,6 @@ class DDPWrapRule(Rule):
     """
 
     name = "ddp_wrap"
-    words = ("parameters",)
 
     @classmethod
     def wanted(cls, code, module, facts) -> bool:
@@ -738,7 +737,7 @@ class DeviceMapRule(Rule):
     """
 
     name = "device_map"
-    words = ("from_pretrained",)
+    pattern = re.compile(r"\w*(?:Model|For[A-Z])\w*\s*\.\s*from_pretrained")
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if not is_model_loader(updated):
@@ -764,7 +763,7 @@ class DeviceRule(Rule):
     """
 
     name = "device"
-    words = ("cuda", "CUDA")
+    pattern = re.compile(r"cuda:\d|CUDA_VISIBLE_DEVICES|\.cuda\(\s*\d|set_device\(\s*\d")
 
     def __init__(self, facts):
         super().__init__(facts)
@@ -819,7 +818,12 @@ class AutocastRule(Rule):
     """
 
     name = "autocast"
-    words = ("cuda.amp",)
+    pattern = re.compile(r"cuda\.amp")
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        # a name imported from torch.cuda.amp in another cell counts too
+        return super().wanted(code, module, facts) or any(f"{name}(" in code for name in facts.cuda_amp_names)
     _AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
 
     def _modern(self, original: cst.Call, updated: cst.Call, kind: str) -> cst.Call:
@@ -866,7 +870,7 @@ class TrainerConfigRule(Rule):
     """
 
     name = "trainer_config"
-    words = ("Config", "Arguments")
+    pattern = re.compile(r"\b(?:" + "|".join(sorted(_TRAINER_CONFIGS)) + r")\s*\(")
     _SAFE = (
         ("ddp_find_unused_parameters", "False", "all LoRA weights train each step"),
         ("log_on_each_node", "False", "logs from rank 0 only"),
@@ -905,11 +909,11 @@ class DistributedSamplerRule(Rule):
     """
 
     name = "sampler"
-    words = ("DataLoader",)
+    pattern = re.compile(r"\bDataLoader\s*\(")
 
     @classmethod
     def wanted(cls, code, module, facts) -> bool:
-        return facts.plain_loop and "DataLoader" in code
+        return facts.plain_loop and super().wanted(code, module, facts)
 
     def __init__(self, facts):
         super().__init__(facts)
@@ -987,11 +991,12 @@ class SetEpochRule(Rule):
     """
 
     name = "set_epoch"
-    words = ("for ",)
+    pattern = re.compile(r"\bfor\b")
 
     @classmethod
     def wanted(cls, code, module, facts) -> bool:
-        return facts.plain_loop and "for " in code
+        loaders = "loader" in code.lower() or any(name in code for name in facts.sharded_loaders)
+        return facts.plain_loop and loaders and super().wanted(code, module, facts)
 
     def __init__(self, facts):
         super().__init__(facts)
@@ -1034,11 +1039,11 @@ class UnwrapRule(Rule):
     """
 
     name = "unwrap"
-    words = ("state_dict", "save")
+    pattern = re.compile(r"state_dict|torch\.save")
 
     @classmethod
     def wanted(cls, code, module, facts) -> bool:
-        return facts.plain_loop and bool(facts.ddp_models) and any(w in code for w in cls.words)
+        return facts.plain_loop and bool(facts.ddp_models) and super().wanted(code, module, facts)
 
     def _unwrapped(self, name: cst.Name) -> cst.Call:
         return cst.parse_expression(f"_nbddp.unwrap({name.value})")
@@ -1066,11 +1071,12 @@ class LoopOutputRule(Rule):
     """
 
     name = "loop_output"
-    words = ("print", "torch.save")
+    pattern = re.compile(r"\bprint\s*\(|torch\.save")
 
     @classmethod
     def wanted(cls, code, module, facts) -> bool:
-        return facts.plain_loop and any(w in code for w in cls.words)
+        trains = ".backward(" in code or any(f"{name}(" in code for name in facts.training_functions)
+        return facts.plain_loop and trains and super().wanted(code, module, facts)
 
     def __init__(self, facts):
         super().__init__(facts)
