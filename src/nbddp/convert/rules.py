@@ -527,8 +527,13 @@ class Rule(cst.CSTTransformer):
         return super().on_visit(node)
 
     @classmethod
+    def could_change(cls, text: str, facts: JobFacts) -> bool:
+        """Whether code with this text may hold something for the rule (a cell, or one statement)."""
+        return cls.pattern is None or cls.pattern.search(text) is not None
+
+    @classmethod
     def wanted(cls, code: str, module: cst.Module, facts: JobFacts) -> bool:
-        return cls.pattern is None or cls.pattern.search(code) is not None
+        return cls.could_change(code, facts)
 
     def visit_If(self, node: cst.If) -> bool:
         return not is_dead_if(node)
@@ -821,9 +826,9 @@ class AutocastRule(Rule):
     pattern = re.compile(r"cuda\.amp")
 
     @classmethod
-    def wanted(cls, code, module, facts) -> bool:
+    def could_change(cls, text, facts) -> bool:
         # a name imported from torch.cuda.amp in another cell counts too
-        return super().wanted(code, module, facts) or any(f"{name}(" in code for name in facts.cuda_amp_names)
+        return super().could_change(text, facts) or any(f"{name}(" in text for name in facts.cuda_amp_names)
     _AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
 
     def _modern(self, original: cst.Call, updated: cst.Call, kind: str) -> cst.Call:
@@ -1146,12 +1151,13 @@ class _Together(cst.CSTTransformer):
     time goes to, so the expression rules share one.
     """
 
-    def __init__(self, rules: list[Rule]):
+    def __init__(self, rules: list[Rule], skip: set[cst.CSTNode] = frozenset()):
         super().__init__()
-        self.rules = rules
+        self.rules, self.skip = rules, skip
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        return all([rule.on_visit(node) is not False for rule in self.rules])
+        # every rule sees the node (its bookkeeping stays balanced); a skipped statement's inside is not walked
+        return all([rule.on_visit(node) is not False for rule in self.rules]) and node not in self.skip
 
     def on_leave(self, original, updated):
         for rule in self.rules:
@@ -1175,12 +1181,17 @@ def apply_rules(
     original = module.code if code is None else code
     current: str | None = original
     changes: list[tuple[str, int, str]] = []
-    steps = [[cls] for cls in STATEMENT_RULES] + [list(EXPRESSION_RULES)]
-    for step in steps:
+    body = module.body
+    for step in [[cls] for cls in STATEMENT_RULES] + [list(EXPRESSION_RULES)]:
         rules = [cls(facts) for cls in step if cls.wanted(original, module, facts)]
         if not rules:
             continue
-        new = module.visit(rules[0] if len(rules) == 1 else _Together(rules))
+        if step[0] in STATEMENT_RULES:
+            walker = rules[0]
+        else:  # the cell's statements none of the rules could change are not walked
+            texts = _statement_texts(body, original)
+            walker = _Together(rules, {s for s, t in zip(body, texts) if not any(r.could_change(t, facts) for r in rules)})
+        new = module.visit(walker)
         noted = [(rule.name, node, top, msg) for rule in rules for node, top, msg in rule.changes]
         if not noted:
             continue
@@ -1197,29 +1208,54 @@ def apply_rules(
 def _note_lines(module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]]) -> list[int]:
     """The line of each noted node in ``code`` (the module's source).
 
-    libcst's ``PositionProvider`` would generate the whole module's source with positions, once per step;
-    instead each top-level statement's first line comes from Python's own parser, and only the statements
-    holding a noted node are generated, alone, to place the node inside them.
+    libcst's ``PositionProvider`` would generate the whole module's source with positions; instead each
+    top-level statement's first line comes from Python's own parser, and a node inside a statement is found
+    in the statement's text by its own source (the k-th node with the same source is its k-th occurrence).
+    Positions are the fallback when that fails.
     """
+    starts = _statement_starts(module.body, code)
+    texts = _statement_texts(module.body, code, starts)
+    seen: dict[tuple[int, str], int] = {}
+    out = []
+    for node, top in noted:
+        line = None
+        if top is not None and node is module.body[top]:
+            line = starts[top]
+        elif top is not None:
+            if isinstance(node, cst.BaseStatement):  # its comments above are not where it starts
+                node_code = _code(node.with_changes(leading_lines=[])).strip()
+            else:
+                node_code = _code(node).strip()
+            nth = seen.get((top, node_code), 0)
+            seen[(top, node_code)] = nth + 1
+            at = -1
+            for _ in range(nth + 1):
+                at = texts[top].find(node_code, at + 1)
+                if at < 0:
+                    break
+            if at >= 0:
+                line = starts[top] + texts[top].count("\n", 0, at)
+        if line is None:
+            line = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line
+        out.append(line)
+    return out
+
+
+def _statement_starts(body: list[cst.BaseStatement], code: str) -> list[int]:
+    """The first line of each top-level statement of ``body`` in ``code``, from Python's own parser (fast)."""
     tree = ast.parse(code)
     starts, k = [], 0
-    for stmt in module.body:
+    for stmt in body:
         node = tree.body[k]
         decorators = getattr(node, "decorator_list", None)
         starts.append(decorators[0].lineno if decorators else node.lineno)
         k += len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
-    inside: dict[int, dict] = {}
-    out = []
-    for node, top in noted:
-        if top is None:  # not under a top-level statement we know: the slow, sure way
-            out.append(MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line)
-            continue
-        stmt = module.body[top]
-        if node is stmt:
-            out.append(starts[top])
-            continue
-        if top not in inside:
-            alone = cst.Module(body=[stmt.with_changes(leading_lines=[])])
-            inside[top] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
-        out.append(starts[top] + inside[top][node].start.line - 1)
-    return out
+    return starts
+
+
+def _statement_texts(body: list[cst.BaseStatement], code: str, starts: list[int] | None = None) -> list[str]:
+    """The source text of each top-level statement of ``body`` (with the comments after it)."""
+    lines = code.splitlines(keepends=True)
+    starts = (starts or _statement_starts(body, code)) + [len(lines) + 1]
+    return ["".join(lines[a - 1 : b - 1]) for a, b in zip(starts, starts[1:])]
+
