@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 from IPython.core.inputtransformer2 import TransformerManager
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from ..cells import Cell
 from ..errors import CellError
@@ -124,9 +123,9 @@ def clean_cell(cell: Cell) -> CleanCell:
     if module is None:  # plain Python: nothing for the libcst pass to do
         line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
         return CleanCell(cell, transformed, line_map, (), tuple(notes))
-    rewriter = _IPythonCalls(cell)
+    rewriter = _IPythonCalls(cell, transformed.splitlines())
     try:
-        new_code = _finish(MetadataWrapper(module, unsafe_skip_copy=True).visit(rewriter).code)
+        new_code = _finish(module.visit(rewriter).code)
     except _MagicError as exc:  # raised at a line of the transformed code: point at the cell's line
         src_line = _body_line(t_map, exc.line, offset)
         raise CellError(exc.message, cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
@@ -228,8 +227,7 @@ def _string_arg(call: cst.Call, index: int) -> str | None:
 _GET_IPYTHON = m.Call(func=m.Name("get_ipython"))
 
 
-def _ipython_call(method: str) -> m.Call:
-    return m.Call(func=m.Attribute(value=_GET_IPYTHON, attr=m.Name(method)))
+_GETOUTPUT = m.Call(func=m.Attribute(value=_GET_IPYTHON, attr=m.Name("getoutput")))
 
 
 class _MagicError(Exception):
@@ -243,11 +241,10 @@ class _MagicError(Exception):
 class _IPythonCalls(cst.CSTTransformer):
     """Replace the ``get_ipython()`` calls that TransformerManager produced."""
 
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self, cell: Cell):
+    def __init__(self, cell: Cell, lines: list[str]):
         super().__init__()
-        self.cell = cell
+        self.cell, self.lines = cell, [ln.strip() for ln in lines]
+        self._next = 0  # statements come in order: where to look for the next one's line
         self.installs: list[tuple[int, str]] = []
         self.notes: list[tuple[int, str]] = []
         self._dead = 0  # inside ``if False:``: nothing is pulled out, the block stays as written
@@ -262,8 +259,18 @@ class _IPythonCalls(cst.CSTTransformer):
     def _pulls_out(self, command: str) -> bool:
         return is_install(command) and not _interpolates(command) and not self._dead
 
-    def _line(self, node: cst.CSTNode) -> int:
-        return self.get_metadata(PositionProvider, node).start.line
+    def _line(self, node: cst.SimpleStatementLine) -> int:
+        """The line of a one-line statement in the transformed cell: the next line with its text.
+
+        (libcst's positions would generate the cell's source once more; a ``get_ipython()`` statement is one
+        line, and statements are left in the order they come.)
+        """
+        text = cst.Module([]).code_for_node(node.with_changes(leading_lines=[])).strip()
+        for k in range(self._next, len(self.lines)):
+            if self.lines[k] == text:
+                self._next = k + 1
+                return k + 1
+        return self._next or 1
 
     def leave_SimpleStatementLine(self, original, updated):
         """Statements made only of a ``get_ipython()`` call become what they mean, or go."""
@@ -312,7 +319,7 @@ class _IPythonCalls(cst.CSTTransformer):
 
     def leave_Call(self, original, updated):
         """``x = !cmd`` → ``x = _nbddp.getoutput("cmd")``; ``x = %magic`` in expressions likewise."""
-        if m.matches(updated, _ipython_call("getoutput")):
+        if m.matches(updated, _GETOUTPUT):
             return _nbddp_call("getoutput", updated.args)
         return updated
 
