@@ -1,15 +1,16 @@
 """Rewrite rules: one libcst transformer each, applied to every cleaned cell in order.
 
-Each rule records what it changed as ``(line, message)`` pairs, lines counted in the module it was given,
-so the script can say what it changed and where. Rules read a shared ``JobFacts`` gathered over all cells
-first (which names hold trainers, which statements train, which top-level statements run on rank 0 only).
+Each rule notes what it changed (the node and a message); ``apply_rules`` turns the notes into lines of the
+cleaned cell, so the script can say what it changed and where. Rules read a shared ``JobFacts`` gathered
+over all cells first (which names hold trainers, which statements train, which top-level statements run on
+rank 0 only).
 
 Two kinds of rule:
 
-- *statement rules* (``DDPWrapRule``, ``MainProcessFirstRule``, ``RankZeroRule``) act on top-level
+- *statement rules* (``MainProcessFirstRule``, ``RankZeroRule``, ``DDPWrapRule``) act on top-level
   statements that ``gather_facts`` picked out. They run first, on the very nodes the facts were gathered
   from (the facts hold those nodes), so the choice is made once for the whole notebook.
-- *expression rules* rewrite calls, arguments and loops wherever they are.
+- *expression rules* rewrite calls, arguments and loops wherever they are, together in one walk.
 
 No rule looks inside an ``if False:`` block: notebooks keep optional steps there (GGUF export, pushing to
 the Hub), and they stay exactly as written.
@@ -192,12 +193,15 @@ class JobFacts:
     self_distributed: bool = False
     #: a plain PyTorch loop (backward in the notebook's own code, no HF/TRL/Lightning trainer)
     plain_loop: bool = False
+    #: top-level statements that train, in notebook order
     training: list[cst.BaseStatement] = field(default_factory=list)
+    #: top-level statements after the first training call that run on rank 0 only
     rank0: set[cst.BaseStatement] = field(default_factory=set)
     #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
     tail: set[cst.BaseStatement] = field(default_factory=set)
     #: statements after training that stay on every rank, with the reason (said in --explain)
     all_ranks: dict[cst.BaseStatement, str] = field(default_factory=dict)
+    #: top-level dataset preparation run under ``main_process_first``
     main_first: set[cst.BaseStatement] = field(default_factory=set)
     #: top-level statement → model names wrapped in DDP right after it
     ddp_wrap_after: dict[cst.BaseStatement, list[str]] = field(default_factory=dict)
@@ -586,12 +590,17 @@ class _StatementRule(Rule):
         """Whether the rule takes this top-level statement (one of the nodes the facts were gathered from)."""
         raise NotImplementedError
 
-    def block(self, old: list[cst.BaseStatement], new: list[cst.BaseStatement]) -> cst.BaseCompoundStatement:
-        """The block holding a run: ``old`` as the facts know them, ``new`` as earlier rules left them."""
+    def block(self, run: list[cst.BaseStatement]) -> cst.BaseCompoundStatement:
+        """The block holding a run of chosen statements (build its body with ``inside(run)``)."""
         raise NotImplementedError
 
-    def message(self, old: list[cst.BaseStatement]) -> str:
+    def message(self, run: list[cst.BaseStatement]) -> str:
         raise NotImplementedError
+
+    @staticmethod
+    def inside(run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        """The run as a block's body: the block takes the first statement's comments and blank lines above."""
+        return [run[0].with_changes(leading_lines=[])] + run[1:]
 
     @classmethod
     def wanted(cls, code, module, facts) -> bool:
@@ -602,19 +611,17 @@ class _StatementRule(Rule):
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
         body: list[cst.BaseStatement] = []
-        run: list[tuple[cst.BaseStatement, cst.BaseStatement]] = []
+        run: list[cst.BaseStatement] = []
 
         def flush():
             if run:
-                old, new = [o for o, _ in run], [n for _, n in run]
-                inner = [new[0].with_changes(leading_lines=[])] + new[1:]  # the block takes the comments above
-                body.append(self.block(old, inner).with_changes(leading_lines=new[0].leading_lines))
-                self.note(old[0], self.message(old))
+                body.append(self.block(run).with_changes(leading_lines=run[0].leading_lines))
+                self.note(run[0], self.message(run))
                 run.clear()
 
         for stmt in original.body:
             if self.picks(self.facts, stmt):
-                run.append((stmt, stmt))
+                run.append(stmt)
             else:
                 flush()
                 body.append(stmt)
@@ -684,10 +691,10 @@ class MainProcessFirstRule(_StatementRule):
     def picks(facts, stmt) -> bool:
         return stmt in facts.main_first
 
-    def block(self, old, new):
-        return cst.With(items=[cst.WithItem(cst.parse_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=new))
+    def block(self, run):
+        return cst.With(items=[cst.WithItem(cst.parse_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=self.inside(run)))
 
-    def message(self, old) -> str:
+    def message(self, run) -> str:
         return "dataset preparation: the first process of each machine runs it first, the others read its cache"
 
 
@@ -719,15 +726,15 @@ class RankZeroRule(_StatementRule):
                 self.note(stmt, f"stays on every rank: {self.facts.all_ranks[stmt]}")
         return False
 
-    def block(self, old, new):
+    def block(self, run):
         unwrap = []
-        if self.facts.plain_loop and old[0] in self.facts.tail:
+        if self.facts.plain_loop and run[0] in self.facts.tail:
             wrapped = sorted({n for names in self.facts.ddp_wrap_after.values() for n in names})
             unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in wrapped]
-        return cst.If(test=cst.parse_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + new))
+        return cst.If(test=cst.parse_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
 
-    def message(self, old) -> str:
-        return "runs on rank 0 only (" + ("after training)" if old[0] in self.facts.tail else "between training runs)")
+    def message(self, run) -> str:
+        return "runs on rank 0 only (" + ("after training)" if run[0] in self.facts.tail else "between training runs)")
 
 
 class DeviceMapRule(Rule):
