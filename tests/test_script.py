@@ -139,3 +139,40 @@ def _cli(*args):
     root = Path(__file__).resolve().parent.parent
     return subprocess.run([sys.executable, "-m", "nbddp.cli", *map(str, args)], capture_output=True, text=True,
                           env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"})
+
+
+ODD_CELLS = [
+    "# only a comment",
+    "%%capture",
+    "\n\n   \n",
+    "if True:\n\tx = 1\n\ty = 2",
+    "async def f():\n    await g()\n",
+    "match x:\n    case 1:\n        y = 2\n    case _:\n        pass",
+    "a = 1; b = 2; print(a)",
+    "if (n := len(xs)) > 2: print(n)",
+    "@decorator\ndef f(x: int) -> str:\n    return f'{x!r:>{w}}'",
+    "x = 1 \\\n    + 2",
+    "global z\nz = 3",
+    "class A:\n    def train(self):\n        pass\nA().train()",
+    "m = AutoModelForCausalLM.from_pretrained(n, device_map='auto'); t = AutoTokenizer.from_pretrained(n)",
+    "trainer = SFTTrainer(model=m); trainer.train(); m.save_pretrained('o')",
+    "for i in range(2): trainer.train()\nprint('done')",
+    "x = !ls\ny = %env\n%time trainer.train()",
+    "lambda: trainer.train()",
+    "try:\n    trainer.train()\nexcept KeyboardInterrupt:\n    pass\nfinally:\n    trainer.save_model('x')",
+    "with torch.cuda.amp.autocast(): pass",
+    "d = {'': 0}\nm = AutoModel.from_pretrained('x', device_map=d)",
+    "model.to('cuda:0'); model.cuda(0)\nopt = torch.optim.Adam(model.parameters())\nfor e in range(2):\n    for x in train_loader:\n        model(x).sum().backward()",
+    "print(torch.cuda.get_device_name(0))",
+    "x = [y for y in range(3) if y]\n",
+    "def f():\n    return (yield)\n",
+    "if False:\n    trainer.train()\nelse:\n    pass",
+    "df.filter(items=['a'])\nds = ds.map(f)\n",
+]
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_odd_but_valid_cells_convert_and_compile(crlf):
+    sources = [c.replace("\n", "\r\n") if crlf else c for c in ODD_CELLS]
+    script = convert_cells(cells_from_sources(sources))
+    compile(script.text, "script.py", "exec")
