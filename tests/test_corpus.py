@@ -261,3 +261,38 @@ def test_converted_loop_gives_each_rank_its_own_data_and_maps_errors(tmp_path, n
     assert (result.failure.cell, result.failure.line) == (6, 4)
     assert result.failure.source.strip() == "raise RuntimeError('stop here')"
     assert "['bias', 'weight']" in result.rank_log(0).read_text()
+
+
+TWO_TRAININGS = [
+    "import torch\nfrom peft import LoraConfig, get_peft_model\n"
+    "from transformers import AutoModelForCausalLM, AutoTokenizer\nfrom trl import SFTConfig, SFTTrainer\n"
+    "from nbddp import demo",
+    "name = demo.tiny_model()\ntokenizer = AutoTokenizer.from_pretrained(name)\n"
+    'model = AutoModelForCausalLM.from_pretrained(name, device_map="auto", dtype=torch.float32)\n'
+    'model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))',
+    "data = demo.arithmetic_dataset(64)\nsplit = data.train_test_split(test_size=16, seed=0)\n"
+    "def args(out):\n"
+    "    return SFTConfig(output_dir=out, max_steps=3, per_device_train_batch_size=4, max_length=32,\n"
+    '                     save_strategy="no", report_to="none", logging_steps=1, bf16=False)',
+    'first = SFTTrainer(model=model, args=args("o1"), train_dataset=split["train"], processing_class=tokenizer)\n'
+    "first.train()",
+    'print("between the trainings")\nmodel.save_pretrained("stage1")',
+    'second = SFTTrainer(model=model, args=args("o2"), train_dataset=split["train"], eval_dataset=split["test"],\n'
+    "                    processing_class=tokenizer)\nsecond.train()",
+    "metrics = second.evaluate()\nprint('eval loss', round(metrics['eval_loss'], 3))\nmodel.save_pretrained('stage2')",
+]
+
+
+@pytest.mark.e2e
+def test_two_trainings_and_an_evaluation_on_two_ranks(tmp_path, notebook):
+    """Saving between two trainings and after them happens once; evaluate() runs on both ranks (no hang)."""
+    nb = notebook(TWO_TRAININGS)
+    script, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None, timeout_s=550)
+    rank0, rank1 = result.rank_log(0).read_text(), result.rank_log(1).read_text()
+    assert result.ok, (rank0[-2000:], result.failure)
+    assert "between the trainings" in rank0 and "eval loss" in rank0
+    assert "between the trainings" not in rank1 and "eval loss" not in rank1
+    assert (tmp_path / "stage1" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "stage2" / "adapter_model.safetensors").exists()
+    explained = {c.message for c in script.changes}
+    assert "stays on every rank: second.evaluate() needs every rank" in explained
