@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
@@ -22,7 +22,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 from ..cells import Cell
 from ..errors import CellError
 from .lines import align
-from .rules import is_dead_if
+from .facts import is_dead_if
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(

@@ -2,8 +2,8 @@
 
 Each rule notes what it changed (the node and a message); ``apply_rules`` turns the notes into lines of the
 cleaned cell, so the script can say what it changed and where. Rules read a shared ``JobFacts`` gathered
-over all cells first (which names hold trainers, which statements train, which top-level statements run on
-rank 0 only).
+over all cells first (``facts.py``: which names hold trainers, which statements train, which top-level
+statements run on rank 0 only).
 
 Two kinds of rule:
 
@@ -20,13 +20,27 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from .facts import (
+    JobFacts,
+    code_of,
+    dotted_name,
+    gather_facts,
+    has_keyword,
+    is_dead_if,
+    is_training_statement,
+    keyword,
+    last_name,
+    loader_shards,
+    placement,
+)
 from .lines import align
+
+__all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "JobFacts", "Rule", "apply_rules", "gather_facts"]
 
 #: The runtime call that gives each rank its own device as a ``device_map``.
 DEVICE_MAP_EXPR = "_nbddp.device_map()"
@@ -45,47 +59,10 @@ _TRAINER_CONFIGS = frozenset(
         for p in "SFT DPO GRPO ORPO KTO CPO BCO PPO RLOO Reward PRM GKD OnlineDPO XPO Nash Unsloth".split()
     }
 )
-_OPTIMIZERS = frozenset(
-    "SGD Adam AdamW RMSprop Adagrad Adadelta Adamax NAdam RAdam LBFGS SparseAdam ASGD Rprop Lion Adafactor "
-    "AdamW8bit Adam8bit PagedAdamW PagedAdamW8bit".split()
-)
-#: Calls whose effect a person wants once: saving, pushing, generating, printing, plotting, writing files.
-_RANK0_ACTIONS = frozenset(
-    "save_pretrained save_model save_state save_lora push_to_hub push_to_hub_merged push_to_hub_gguf "
-    "save_pretrained_merged save_pretrained_gguf generate fast_generate print pprint display savefig show "
-    "imshow plot to_csv to_json to_parquet save".split()
-)
-#: Trainer methods every rank must call together under DDP.
-_TRAINER_COLLECTIVES = frozenset({"train", "evaluate", "predict", "fit"})
-#: Calls that read or write shared caches and downloads: dataset preparation.
-_DATA_PREP = frozenset(
-    "load_dataset map filter snapshot_download hf_hub_download dataset_download competition_download".split()
-)
-#: Runtime calls with barriers inside: they must run on every rank.
-_RUNTIME_COLLECTIVES = frozenset({"shell", "write_file", "main_process_first"})
 _CUDA_INDEX = re.compile(r"^cuda:\d+$")
 
 
-# --------------------------------------------------------------------------------------------- names
-
-
-def dotted_name(node: cst.BaseExpression) -> str | None:
-    """``a.b.C`` for a Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = dotted_name(node.value)
-        return f"{base}.{node.attr.value}" if base else None
-    return None
-
-
-def last_name(node: cst.BaseExpression) -> str | None:
-    """The last part of a call's name: ``AutoModel`` for ``transformers.AutoModel``, ``train`` for ``t.train``."""
-    if isinstance(node, cst.Attribute):
-        return node.attr.value
-    if isinstance(node, cst.Name):
-        return node.value
-    return None
+# --------------------------------------------------------------------------------------------- helpers
 
 
 def is_model_loader(call: cst.Call) -> bool:
@@ -102,27 +79,6 @@ def is_model_loader(call: cst.Call) -> bool:
     return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))
 
 
-def is_trainer_class(name: str | None) -> bool:
-    return bool(name) and name.endswith("Trainer")
-
-
-def is_dead_if(node: cst.CSTNode) -> bool:
-    """``if False:`` / ``if 0:``: code a notebook keeps switched off."""
-    return isinstance(node, cst.If) and m.matches(node.test, m.Name("False") | m.Integer("0"))
-
-
-def keyword(call: cst.Call, key: str) -> cst.Arg | None:
-    return next((a for a in call.args if a.keyword is not None and a.keyword.value == key), None)
-
-
-def has_keyword(call: cst.Call, key: str) -> bool:
-    return keyword(call, key) is not None
-
-
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
-
-
 def _string_value(node: cst.BaseExpression) -> str | None:
     if isinstance(node, cst.SimpleString):
         value = node.evaluated_value
@@ -135,369 +91,6 @@ def _loader_name(expr: cst.BaseExpression) -> str | None:
     while isinstance(expr, cst.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
         expr = expr.args[0].value
     return expr.value if isinstance(expr, cst.Name) else None
-
-
-# ----------------------------------------------------------------------------------------- walking
-
-
-class _Calls(cst.CSTVisitor):
-    """Every call under a node, outside ``if False:`` blocks; function and class bodies only when asked."""
-
-    def __init__(self, into_defs: bool):
-        self.into_defs, self.found = into_defs, []
-
-    def visit_Call(self, node: cst.Call) -> None:
-        self.found.append(node)
-
-    def visit_If(self, node: cst.If) -> bool:
-        return not is_dead_if(node)
-
-    def visit_FunctionDef(self, node) -> bool:
-        return self.into_defs
-
-    def visit_ClassDef(self, node) -> bool:
-        return self.into_defs
-
-    def visit_Lambda(self, node) -> bool:
-        return self.into_defs
-
-
-def calls_in(node: cst.CSTNode, into_defs: bool = False) -> list[cst.Call]:
-    v = _Calls(into_defs)
-    node.visit(v)
-    return v.found
-
-
-# ------------------------------------------------------------------------------------------- facts
-
-
-@dataclass
-class JobFacts:
-    """What the rules need to know about the whole notebook, gathered by ``gather_facts``.
-
-    The statement sets hold the top-level statement nodes of the modules the facts were gathered from.
-    """
-
-    trainer_names: set[str] = field(default_factory=set)
-    #: functions whose body trains (``loss.backward()``, ``trainer.train()``, or a call to another such function)
-    training_functions: set[str] = field(default_factory=set)
-    #: functions whose body makes a call every rank must make (training, ``trainer.evaluate()``, …)
-    collective_functions: set[str] = field(default_factory=set)
-    #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
-    ddp_models: set[str] = field(default_factory=set)
-    #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
-    sharded_loaders: set[str] = field(default_factory=set)
-    #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
-    cuda_amp_names: set[str] = field(default_factory=set)
-    #: the notebook distributes itself (Accelerate, its own DistributedDataParallel)
-    self_distributed: bool = False
-    #: a plain PyTorch loop (backward in the notebook's own code, no HF/TRL/Lightning trainer)
-    plain_loop: bool = False
-    #: top-level statements that train, in notebook order
-    training: list[cst.BaseStatement] = field(default_factory=list)
-    #: top-level statements after the first training call that run on rank 0 only
-    rank0: set[cst.BaseStatement] = field(default_factory=set)
-    #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
-    tail: set[cst.BaseStatement] = field(default_factory=set)
-    #: statements after training that stay on every rank, with the reason (said in --explain)
-    all_ranks: dict[cst.BaseStatement, str] = field(default_factory=dict)
-    #: top-level dataset preparation run under ``main_process_first``
-    main_first: set[cst.BaseStatement] = field(default_factory=set)
-    #: top-level statement → model names wrapped in DDP right after it
-    ddp_wrap_after: dict[cst.BaseStatement, list[str]] = field(default_factory=dict)
-
-    @property
-    def last_training(self) -> cst.BaseStatement | None:
-        return self.training[-1] if self.training else None
-
-
-def is_training_call(node: cst.Call, facts: JobFacts) -> bool:
-    """``trainer.train()`` on a known trainer, ``SomeTrainer(...).train()``, ``unsloth_train(trainer)``,
-    ``loss.backward()``, or a call to a function of the notebook that trains."""
-    func = node.func
-    if isinstance(func, cst.Attribute):
-        owner, attr = func.value, func.attr.value
-        if attr == "backward":
-            return True
-        if attr in ("train", "fit"):
-            if isinstance(owner, cst.Name) and owner.value in facts.trainer_names:
-                return True
-            return isinstance(owner, cst.Call) and is_trainer_class(last_name(owner.func))
-        return False
-    return isinstance(func, cst.Name) and (func.value == "unsloth_train" or func.value in facts.training_functions)
-
-
-def is_collective_call(node: cst.Call, facts: JobFacts) -> bool:
-    """A call every rank must make together: training, ``trainer.evaluate()``/``predict()``, collectives of
-    ``torch.distributed`` or Accelerate, and the runtime helpers with barriers inside."""
-    if is_training_call(node, facts):
-        return True
-    name = dotted_name(node.func) or ""
-    head, _, attr = name.rpartition(".")
-    if head in facts.trainer_names and attr in _TRAINER_COLLECTIVES:
-        return True
-    if head == "_nbddp" and attr in _RUNTIME_COLLECTIVES:
-        return True
-    if isinstance(node.func, cst.Name) and node.func.value in facts.collective_functions:
-        return True
-    return name.startswith(("dist.", "torch.distributed.", "accelerator."))
-
-
-def is_training_statement(stmt: cst.CSTNode, facts: JobFacts) -> bool:
-    return any(is_training_call(c, facts) for c in calls_in(stmt))
-
-
-def _is_rank0_action(call: cst.Call) -> bool:
-    name = dotted_name(call.func) or ""
-    return last_name(call.func) in _RANK0_ACTIONS or name.startswith(("plt.", "sns."))
-
-
-def _is_data_prep(call: cst.Call) -> bool:
-    name = last_name(call.func)
-    if name in ("map", "filter"):
-        return isinstance(call.func, cst.Attribute)  # dataset.map(…), not the builtins
-    return name in _DATA_PREP or (name or "").startswith("from_") and "Dataset" in (dotted_name(call.func) or "")
-
-
-def _is_optimizer(call: cst.Call) -> bool:
-    name = dotted_name(call.func) or ""
-    return last_name(call.func) in _OPTIMIZERS or name.startswith(("torch.optim.", "optim."))
-
-
-class _Scan(cst.CSTVisitor):
-    """One walk over one top-level statement, gathering everything the facts need from it.
-
-    For the statement itself: the calls it makes (outside function bodies, lambdas and ``if False:``), the
-    names it binds and the names it reads (attribute names and keywords are not reads). For the notebook:
-    trainer names, what each function calls, the models optimizers get, training loaders, ``torch.cuda.amp``
-    imports, whether the notebook distributes itself. One walk, because libcst walks are what conversion
-    time is spent on.
-    """
-
-    def __init__(self, facts: JobFacts, defs: dict[str, list[cst.Call]]):
-        self.facts, self.defs = facts, defs
-        self.calls: list[cst.Call] = []
-        self.binds: set[str] = set()
-        self.reads: set[str] = set()
-        self._def_stack: list[str] = []
-        self._lambdas = 0
-
-    # -- names
-    def target(self, node: cst.BaseExpression) -> None:
-        if isinstance(node, cst.Name):
-            self.binds.add(node.value)
-        elif isinstance(node, (cst.Tuple, cst.List)):
-            for el in node.elements:
-                self.target(el.value)
-        elif isinstance(node, cst.StarredElement):
-            self.target(node.value)
-        else:  # x.attr = …, x[i] = …: x is read
-            node.visit(self)
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.reads.add(node.value)
-
-    def visit_Attribute(self, node: cst.Attribute) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Arg(self, node: cst.Arg) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Assign(self, node: cst.Assign) -> bool:
-        for t in node.targets:
-            self.target(t.target)
-        node.value.visit(self)
-        if isinstance(node.value, cst.Call):
-            targets = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
-            callee = last_name(node.value.func)
-            if is_trainer_class(callee):
-                self.facts.trainer_names.update(targets)
-            if callee == "DataLoader" and _shards(node.value, targets):
-                self.facts.sharded_loaders.update(targets)
-        return False
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> bool:
-        self.target(node.target)
-        if node.value is not None:
-            node.value.visit(self)
-        return False
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self.target(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self.target(node.target)
-
-    def visit_AsName(self, node: cst.AsName) -> bool:
-        self.target(node.name)
-        return False
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self.target(node.target)
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.binds.add(node.name.value)
-
-    def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
-        if node.asname is None:
-            self.binds.add((dotted_name(node.name) or "").split(".")[0])
-        else:
-            self.target(node.asname.name)
-        return False
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        if node.module is not None and dotted_name(node.module) == "torch.cuda.amp" and not isinstance(node.names, cst.ImportStar):
-            for alias in node.names:
-                self.facts.cuda_amp_names.add((alias.asname.name if alias.asname else alias.name).value)
-
-    # -- blocks
-    def visit_If(self, node: cst.If) -> bool:
-        return not is_dead_if(node)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.binds.add(node.name.value)
-        self._def_stack.append(node.name.value)
-        self.defs.setdefault(node.name.value, [])
-
-    def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self._def_stack.pop()
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self._lambdas += 1
-
-    def leave_Lambda(self, node: cst.Lambda) -> None:
-        self._lambdas -= 1
-
-    # -- calls
-    def visit_Call(self, node: cst.Call) -> None:
-        if not self._def_stack and not self._lambdas:
-            self.calls.append(node)
-        if self._def_stack:  # judged once every trainer's name is known
-            self.defs[self._def_stack[-1]].append(node)
-        if _is_optimizer(node):
-            for arg in node.args:
-                for call in calls_in(arg, into_defs=True) + ([arg.value] if isinstance(arg.value, cst.Call) else []):
-                    if m.matches(call, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("parameters") | m.Name("named_parameters")))):
-                        self.facts.ddp_models.add(call.func.value.value)
-        name = dotted_name(node.func) or ""
-        if name.endswith(("DistributedDataParallel", "Accelerator")) or name == "DDP":
-            self.facts.self_distributed = True
-
-
-def _shards(call: cst.Call, targets: list[str]) -> bool:
-    """Whether a ``DataLoader`` gets a ``DistributedSampler``: it shuffles, or it is named as a training loader.
-
-    Loaders that neither shuffle nor say "train" (validation, test) stay whole on every rank, so metrics
-    computed from them are the full data set's.
-    """
-    if has_keyword(call, "sampler") or has_keyword(call, "batch_sampler"):
-        return False
-    shuffle = keyword(call, "shuffle")
-    if shuffle is not None and not m.matches(shuffle.value, m.Name("False") | m.Name("None")):
-        return True
-    return any("train" in t.lower() for t in targets)
-
-
-def gather_facts(modules: list[cst.Module]) -> JobFacts:
-    """Look at every cell once and decide what the statement rules do."""
-    facts = JobFacts()
-    defs: dict[str, list[cst.Call]] = {}  # function name → the calls in its body
-    top: list[cst.BaseStatement] = []
-    scans: list[_Scan] = []
-    for module in modules:
-        for stmt in module.body:
-            scan = _Scan(facts, defs)
-            stmt.visit(scan)
-            top.append(stmt)
-            scans.append(scan)
-    # a function trains if it trains directly or calls one that does; likewise for collectives
-    changed = True
-    while changed:
-        changed = False
-        for name, calls in defs.items():
-            if name not in facts.training_functions and any(is_training_call(c, facts) for c in calls):
-                facts.training_functions.add(name)
-                changed = True
-            if name not in facts.collective_functions and any(is_collective_call(c, facts) for c in calls):
-                facts.collective_functions.add(name)
-                changed = True
-
-    trains = [any(is_training_call(c, facts) for c in scan.calls) for scan in scans]
-    facts.training = [s for s, t in zip(top, trains) if t]
-    if not facts.training:
-        return facts
-    facts.plain_loop = not facts.trainer_names and not facts.self_distributed and any(
-        last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions
-        for scan, t in zip(scans, trains) if t for c in scan.calls
-    )
-    first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
-    _plan_after_training(top, scans, first, last, facts)
-    _plan_data_prep(top, scans, facts)
-    if facts.plain_loop:
-        for name in sorted(facts.ddp_models):
-            at = _placement(top[:first], name)
-            if at is not None:
-                facts.ddp_wrap_after.setdefault(at, []).append(name)
-    return facts
-
-
-def _plan_after_training(top: list[cst.BaseStatement], scans: list[_Scan], first: int, last: int, facts: JobFacts) -> None:
-    """Which statements after the first training call run on rank 0 only.
-
-    After the last training call everything does, except what every rank must run (a collective such as
-    ``trainer.evaluate()``) and what binds a name such code reads. Between two training calls only
-    statements that save, push, generate, print or plot do (with the same exceptions): the rest prepares
-    the next training, which every rank runs. Read backwards, so a name a later all-rank statement needs is
-    known when the statement binding it is reached.
-    """
-    needed: set[str] = set()
-    for k in range(len(top) - 1, first, -1):
-        stmt, scan = top[k], scans[k]
-        collective = next((c for c in scan.calls if is_collective_call(c, facts)), None)
-        if collective is not None:
-            reason = f"{_code(collective.func)}() needs every rank"
-        elif scan.binds & needed:
-            reason = f"binds {', '.join(sorted(scan.binds & needed))}, which code on every rank uses"
-        else:
-            reason = None
-        if reason is None and (k > last or any(_is_rank0_action(c) for c in scan.calls)):
-            facts.rank0.add(stmt)
-            if k > last:
-                facts.tail.add(stmt)
-            continue
-        if k > last:
-            facts.all_ranks[stmt] = reason
-        needed |= scan.reads
-
-
-def _plan_data_prep(top: list[cst.BaseStatement], scans: list[_Scan], facts: JobFacts) -> None:
-    """Dataset preparation on every rank goes under ``main_process_first`` (cache files are not raced)."""
-    for stmt, scan in zip(top, scans):
-        if stmt in facts.rank0 or stmt in facts.training or isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
-            continue
-        if is_dead_if(stmt):
-            continue
-        if any(_is_data_prep(c) for c in scan.calls) and not any(is_collective_call(c, facts) for c in scan.calls):
-            facts.main_first.add(stmt)
-
-
-def _places(stmt: cst.CSTNode, name: str) -> bool:
-    """``name = …`` or ``name.to(…)`` / ``name.cuda()``: the statement makes the model or moves it."""
-    if not isinstance(stmt, cst.SimpleStatementLine):
-        return False
-    for small in stmt.body:
-        if isinstance(small, cst.Assign) and any(m.matches(t.target, m.Name(name)) for t in small.targets):
-            return True
-        if m.matches(small, m.Expr(value=m.Call(func=m.Attribute(value=m.Name(name), attr=m.Name("to") | m.Name("cuda"))))):
-            return True
-    return False
-
-
-def _placement(stmts: list[cst.BaseStatement], name: str) -> cst.BaseStatement | None:
-    """The last statement that makes or moves model ``name``: DDP wraps it right after."""
-    return next((s for s in reversed(stmts) if _places(s, name)), None)
 
 
 # ------------------------------------------------------------------------------------------- rules
@@ -555,13 +148,13 @@ def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[c
     for i, arg in enumerate(args):
         if arg.keyword is not None and arg.keyword.value == key:
             args[i] = arg.with_changes(value=value)
-            return call.with_changes(args=args), _code(arg.value)
+            return call.with_changes(args=args), code_of(arg.value)
     new_arg = cst.Arg(
         keyword=cst.Name(key),
         value=value,
         equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
     )
-    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in _code(args[-1].comma):
+    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in code_of(args[-1].comma):
         # one argument per line with a trailing comma: the new argument takes the last one's line ending,
         # the last one takes the separator used between arguments.
         between = args[-2].comma if len(args) > 1 and isinstance(args[-2].comma, cst.Comma) else cst.Comma(
@@ -669,7 +262,7 @@ class DDPWrapRule(Rule):
             return updated
         plan: dict[cst.BaseStatement, list[str]] = {}
         for name in sorted(self.facts.ddp_models):
-            at = _placement(stmts[:first], name)
+            at = placement(stmts[:first], name)
             if at is not None:
                 plan.setdefault(at, []).append(name)
         if not plan:
@@ -801,7 +394,7 @@ class DeviceRule(Rule):
         if (name == "torch.cuda.set_device" or is_cuda) and len(updated.args) == 1 and m.matches(
             updated.args[0].value, m.Integer()
         ):
-            self.note(original, f"{_code(original)} → this rank's device")
+            self.note(original, f"{code_of(original)} → this rank's device")
             return updated.with_changes(args=[updated.args[0].with_changes(value=cst.parse_expression(DEVICE_EXPR))])
         return updated
 
@@ -904,8 +497,8 @@ class TrainerConfigRule(Rule):
             if given is None:
                 updated, _ = _set_keyword(updated, key, cst.parse_expression(value))
                 self.note(original, f"{config}: {key}={value} ({why})")
-            elif _code(given.value) != value:
-                self.note(original, f"{config}: kept {key}={_code(given.value)} as written (DDP-safe: {value})")
+            elif code_of(given.value) != value:
+                self.note(original, f"{config}: kept {key}={code_of(given.value)} as written (DDP-safe: {value})")
         return updated
 
 
@@ -938,7 +531,7 @@ class DistributedSamplerRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if last_name(updated.func) != "DataLoader" or not updated.args:
             return updated
-        if not _shards(updated, self._assigned.get(original, [])):
+        if not loader_shards(updated, self._assigned.get(original, [])):
             return updated
         positional = [a for a in updated.args if a.keyword is None and not a.star]
         dataset_arg = keyword(updated, "dataset") or (positional[0] if positional else None)
@@ -955,8 +548,8 @@ class DistributedSamplerRule(Rule):
         else:
             dataset = dataset.deep_clone()
         shuffle = keyword(updated, "shuffle")
-        shuffle_code = _code(shuffle.value) if shuffle is not None else "False"
-        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({_code(dataset)}, shuffle={shuffle_code})")
+        shuffle_code = code_of(shuffle.value) if shuffle is not None else "False"
+        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffle_code})")
         if shuffle is not None:
             args[args.index(shuffle)] = shuffle.with_changes(keyword=cst.Name("sampler"), value=sampler)
             new = updated.with_changes(args=args)
@@ -1230,9 +823,9 @@ def _note_lines(module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, in
             line = starts[top]
         elif top is not None:
             if isinstance(node, cst.BaseStatement):  # its comments above are not where it starts
-                node_code = _code(node.with_changes(leading_lines=[])).strip()
+                node_code = code_of(node.with_changes(leading_lines=[])).strip()
             else:
-                node_code = _code(node).strip()
+                node_code = code_of(node).strip()
             nth = seen.get((top, node_code), 0)
             seen[(top, node_code)] = nth + 1
             at = -1

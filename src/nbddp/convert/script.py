@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
@@ -14,7 +14,8 @@ from ..cells import Cell, read_notebook
 from ..errors import CellError, NotebookError
 from .clean import CleanCell, Install, clean_cell
 from .lines import align
-from .rules import apply_rules, gather_facts
+from .facts import gather_facts
+from .rules import apply_rules
 
 
 @dataclass(frozen=True)
