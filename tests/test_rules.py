@@ -456,6 +456,16 @@ def test_model_built_inside_a_fold_loop_is_wrapped_there():
     assert code.count("set_epoch") == 1
 
 
+def test_the_tail_unwraps_a_model_bound_in_a_loop_but_not_one_local_to_a_function():
+    cells, _ = rewrite(
+        "def fit(loader):\n    net = Net()\n    o = SGD(net.parameters())\n    for x in loader:\n        net(x).sum().backward()\n",
+        "for fold in range(2):\n    model = Net().to(device)\n    opt = SGD(model.parameters())\n"
+        "    for x in train_dl:\n        model(x).sum().backward()\n",
+        "preds = model(test_x)\n",
+    )
+    assert cells[2] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
+
+
 def test_dataset_expression_is_evaluated_once():
     (code, _), _ = rewrite(
         "train_loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)\n",

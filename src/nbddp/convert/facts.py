@@ -142,6 +142,8 @@ class JobFacts:
     tail: set[cst.BaseStatement] = field(default_factory=set)
     #: statements after training that stay on every rank, with the reason (said in --explain)
     all_ranks: dict[cst.BaseStatement, str] = field(default_factory=dict)
+    #: names the notebook's top-level code binds (not functions' or classes' own names)
+    module_names: set[str] = field(default_factory=set)
     #: top-level dataset preparation run under ``main_process_first``
     main_first: set[cst.BaseStatement] = field(default_factory=set)
     #: top-level statement → model names wrapped in DDP right after it
@@ -221,12 +223,14 @@ class _Scan(cst.CSTVisitor):
         self.binds: set[str] = set()
         self.reads: set[str] = set()
         self._def_stack: list[str] = []
+        self._scopes = 0  # inside a function or class body
         self._lambdas = 0
 
     # -- names
     def target(self, node: cst.BaseExpression) -> None:
         if isinstance(node, cst.Name):
-            self.binds.add(node.value)
+            if not self._scopes:  # a function's or class's own names are not the notebook's
+                self.binds.add(node.value)
         elif isinstance(node, (cst.Tuple, cst.List)):
             for el in node.elements:
                 self.target(el.value)
@@ -279,11 +283,17 @@ class _Scan(cst.CSTVisitor):
         self.target(node.target)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.binds.add(node.name.value)
+        if not self._scopes:
+            self.binds.add(node.name.value)
+        self._scopes += 1
+
+    def leave_ClassDef(self, node: cst.ClassDef) -> None:
+        self._scopes -= 1
 
     def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
         if node.asname is None:
-            self.binds.add((dotted_name(node.name) or "").split(".")[0])
+            if not self._scopes:
+                self.binds.add((dotted_name(node.name) or "").split(".")[0])
         else:
             self.target(node.asname.name)
         return False
@@ -298,11 +308,14 @@ class _Scan(cst.CSTVisitor):
         return not is_dead_if(node)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.binds.add(node.name.value)
+        if not self._scopes:
+            self.binds.add(node.name.value)
+        self._scopes += 1
         self._def_stack.append(node.name.value)
         self.defs.setdefault(node.name.value, [])
 
     def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._scopes -= 1
         self._def_stack.pop()
 
     def visit_Lambda(self, node: cst.Lambda) -> None:
@@ -353,6 +366,7 @@ def gather_facts(modules: list[cst.Module]) -> JobFacts:
             stmt.visit(scan)
             top.append(stmt)
             scans.append(scan)
+    facts.module_names = set().union(*(scan.binds for scan in scans))
     # a function trains if it trains directly or calls one that does; likewise for collectives
     changed = True
     while changed:

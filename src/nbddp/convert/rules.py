@@ -322,8 +322,8 @@ class RankZeroRule(_StatementRule):
     def block(self, run):
         unwrap = []
         if self.facts.plain_loop and run[0] in self.facts.tail:
-            wrapped = sorted({n for names in self.facts.ddp_wrap_after.values() for n in names})
-            unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in wrapped]
+            models = sorted(self.facts.ddp_models & self.facts.module_names)
+            unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
         return cst.If(test=cst.parse_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
 
     def message(self, run) -> str:
