@@ -110,15 +110,17 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     cleaned: list[CleanCell] = []
+    modules: list[cst.Module] = []
     warnings: list[str] = []
     for cell in cells:
         try:
-            cleaned.append(clean_cell(cell))
+            clean = clean_cell(cell)
+            modules.append(_parse(clean))
+            cleaned.append(clean)
         except CellError as exc:
             if not skip_bad_cells:
                 raise
             warnings.append(f"skipped {exc}")
-    modules = [cst.parse_module(c.code) for c in cleaned]
     facts = gather_facts(modules)
     if facts.last_training is None:
         warnings.append(
@@ -163,6 +165,19 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
         changes=tuple(changes),
         warnings=tuple(warnings),
     )
+
+
+def _parse(clean: CleanCell) -> cst.Module:
+    """The cleaned cell as a libcst module; Python that libcst cannot read is the cell's error, not ours."""
+    try:
+        return cst.parse_module(clean.code)
+    except cst.ParserSyntaxError as exc:
+        j = exc.raw_line - 1
+        line = clean.line_map[j] if 0 <= j < len(clean.line_map) and clean.line_map[j] else None
+        lines = clean.cell.source.splitlines()
+        source = lines[line - 1] if line and line <= len(lines) else ""
+        raise CellError(f"the rewriter cannot read this Python: {exc.message}", cell=clean.cell.index, line=line,
+                        source=source) from None
 
 
 def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], warnings: list[str]) -> list[str]:
