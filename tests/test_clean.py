@@ -82,3 +82,41 @@ def test_display_only_cell_magic_is_left_out():
 )
 def test_is_install(cmd, yes):
     assert is_install(cmd) is yes
+
+
+def test_installs_inside_if_false_stay_where_they_are():
+    c = clean("if False:\n    !pip install llama-cpp-python\n    %pip install gguf\n!pip install trl\n")
+    assert [i.command for i in c.installs] == ["pip install trl"]
+    assert c.code.splitlines()[:3] == [
+        "if False:",
+        "    _nbddp.shell('pip install llama-cpp-python')",
+        "    _nbddp.shell('pip install gguf')",
+    ]
+
+
+def test_time_cell_magic_keeps_the_body():
+    c = clean("%%time\nstats = trainer.train()\n")
+    assert c.code.splitlines() == ["stats = trainer.train()"] and c.line_map == (2,)
+    assert "%%time dropped" in c.notes[0].message
+
+
+def test_capture_cell_magic_with_a_name():
+    c = clean("%%capture out\nimport os\n")
+    assert c.code.splitlines()[-1] == "import os" and c.line_map[-1] == 2
+
+
+def test_display_and_env_with_spaces():
+    c = clean("%env HF_HUB_ENABLE_HF_TRANSFER 1\ndisplay(df.head())\n")
+    assert c.code.splitlines() == ["os.environ['HF_HUB_ENABLE_HF_TRANSFER'] = '1'", "display(df.head())"]
+
+
+def test_unknown_magic_names_cell_and_line():
+    with pytest.raises(CellError) as err:
+        clean("x = 1\n\n%debug\n", index=4)
+    assert (err.value.cell, err.value.line) == (4, 3) and "%debug" in str(err.value)
+
+
+def test_time_magic_around_bad_code_names_its_line():
+    with pytest.raises(CellError) as err:
+        clean("a = 1\n%time b = (\n", index=2)
+    assert err.value.line == 2

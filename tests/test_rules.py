@@ -5,37 +5,82 @@ import textwrap
 import libcst as cst
 import pytest
 
-from nbddp.convert.rules import apply_rules, gather_facts
+from nbddp.convert.rules import RULES, apply_rules, gather_facts
 
 
 def rewrite(*cells):
+    """Cells (dedented) through the rules; the new sources and the ``(rule, line, message)`` changes."""
     modules = [cst.parse_module(textwrap.dedent(c)) for c in cells]
     facts = gather_facts(modules)
     out, changes = [], []
-    for pos, mod in enumerate(modules):
-        new, ch = apply_rules(mod, facts, pos)
+    for mod in modules:
+        new, ch = apply_rules(mod, facts)
         out.append(new.code)
         changes += ch
     return out, changes
 
 
+def dedent(text):
+    return textwrap.dedent(text)
+
+
+def test_every_rule_says_what_and_why():
+    for rule in RULES:
+        doc = rule.__doc__ or ""
+        assert len(doc.split()) > 25, rule.__name__
+
+
+# ------------------------------------------------------------------------------------------- device_map
+
+DM = "device_map=_nbddp.device_map()"
+
+
 @pytest.mark.parametrize(
-    "before, after",
-    [
-        ('m = AutoModelForCausalLM.from_pretrained("x", device_map="auto")\n',
-         'm = AutoModelForCausalLM.from_pretrained("x", device_map=_nbddp.device_map())\n'),
-        ('m = AutoModelForCausalLM.from_pretrained("x")\n',
-         'm = AutoModelForCausalLM.from_pretrained("x", device_map=_nbddp.device_map())\n'),
-        ('m = transformers.LlamaForCausalLM.from_pretrained("x", device_map={"": 0})\n',
-         'm = transformers.LlamaForCausalLM.from_pretrained("x", device_map=_nbddp.device_map())\n'),
-        ('t = AutoTokenizer.from_pretrained("x")\n', 't = AutoTokenizer.from_pretrained("x")\n'),
-        ('p = AutoProcessor.from_pretrained("x")\n', 'p = AutoProcessor.from_pretrained("x")\n'),
-        ('c = AutoConfig.from_pretrained("x")\n', 'c = AutoConfig.from_pretrained("x")\n'),
-    ],
+    "spelling",
+    ["", ', device_map=None', ', device_map="auto"', ', device_map="balanced"', ', device_map="sequential"',
+     ', device_map="cuda:0"', ', device_map={"": 0}', ", device_map={'': torch.cuda.current_device()}"],
 )
-def test_device_map(before, after):
+@pytest.mark.parametrize(
+    "loader",
+    ["AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassification", "LlamaForCausalLM",
+     "transformers.Qwen2ForCausalLM", "AutoPeftModelForCausalLM", "FastLanguageModel", "FastModel",
+     "FastVisionModel", "unsloth.FastLanguageModel"],
+)
+def test_device_map_every_spelling_every_loader(loader, spelling):
+    (code,), changes = rewrite(f'm = {loader}.from_pretrained("x"{spelling})\n')
+    assert code == f'm = {loader}.from_pretrained("x", {DM})\n'
+    assert [c[:2] for c in changes] == [("device_map", 1)]
+
+
+@pytest.mark.parametrize("spelling", ["", ', device_map="auto"', ', device_map={"": 0}'])
+def test_device_map_on_peft_model_loading_an_adapter(spelling):
+    (code,), _ = rewrite(f'model = PeftModel.from_pretrained(base, "adapter", is_trainable=True{spelling})\n')
+    assert code == f'model = PeftModel.from_pretrained(base, "adapter", is_trainable=True, {DM})\n'
+
+
+@pytest.mark.parametrize(
+    "src",
+    ['t = AutoTokenizer.from_pretrained("x", device_map="auto")\n', 'p = AutoProcessor.from_pretrained("x")\n',
+     'c = AutoConfig.from_pretrained("x")\n', 'i = AutoImageProcessor.from_pretrained("x")\n',
+     'f = AutoFeatureExtractor.from_pretrained("x")\n', 't = LlamaTokenizerFast.from_pretrained("x")\n'],
+)
+def test_tokenizers_processors_and_configs_are_untouched(src):
+    (code,), changes = rewrite(src)
+    assert code == src and changes == []
+
+
+def test_unsloth_loader_keeps_its_arguments_and_tuple_result():
+    before = dedent(
+        """\
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            model_name = "unsloth/Llama-3.2-1B-Instruct",
+            max_seq_length = max_seq_length,
+            load_in_4bit = True,
+        )
+        """
+    )
     (code,), _ = rewrite(before)
-    assert code == after
+    assert code == before.replace("    load_in_4bit = True,\n", f"    load_in_4bit = True,\n    {DM},\n")
 
 
 def test_device_map_keeps_one_argument_per_line():
@@ -47,22 +92,134 @@ def test_device_map_keeps_one_argument_per_line():
         )
         """
     )
-    assert code == textwrap.dedent(
-        """\
+    assert code == dedent(
+        f"""\
         model = AutoModelForCausalLM.from_pretrained(
             name,
             dtype=torch.bfloat16,
-            device_map=_nbddp.device_map(),
+            {DM},
         )
         """
     )
     assert changes == [("device_map", 1, "AutoModelForCausalLM.from_pretrained: no device_map → this rank's device")]
 
 
-def test_trainer_config_gets_ddp_find_unused_parameters_unless_set():
-    (a, b), _ = rewrite('args = SFTConfig(output_dir="o")\n', 'args2 = TrainingArguments("o", ddp_find_unused_parameters=True)\n')
-    assert a == 'args = SFTConfig(output_dir="o", ddp_find_unused_parameters=False)\n'
-    assert b == 'args2 = TrainingArguments("o", ddp_find_unused_parameters=True)\n'
+def test_device_map_with_star_kwargs_is_left_alone_and_said():
+    (code,), changes = rewrite("m = AutoModelForCausalLM.from_pretrained(name, **load_kwargs)\n")
+    assert code == "m = AutoModelForCausalLM.from_pretrained(name, **load_kwargs)\n"
+    assert "left alone" in changes[0][2]
+
+
+# ------------------------------------------------------------------------------------------- device
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ('device = torch.device("cuda:0")\n', "device = torch.device(_nbddp.device())\n"),
+        ('x = x.to("cuda:0")\n', "x = x.to(_nbddp.device())\n"),
+        ("t = torch.zeros(3, device='cuda:0')\n", "t = torch.zeros(3, device=_nbddp.device())\n"),
+        ('d = "cuda:0" if torch.cuda.is_available() else "cpu"\n',
+         'd = _nbddp.device() if torch.cuda.is_available() else "cpu"\n'),
+        ("model.cuda(0)\n", "model.cuda(_nbddp.device())\n"),
+        ("torch.cuda.set_device(0)\n", "torch.cuda.set_device(_nbddp.device())\n"),
+        ('os.environ["CUDA_VISIBLE_DEVICES"] = "0"\n', "pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n"),
+        # a bare "cuda" and .cuda() already mean this rank's device once setup() ran
+        ('device = torch.device("cuda")\n', 'device = torch.device("cuda")\n'),
+        ("model = model.cuda()\n", "model = model.cuda()\n"),
+        ('print("cuda:0 is busy")\n', 'print("cuda:0 is busy")\n'),
+    ],
+)
+def test_explicit_first_gpu_becomes_this_ranks_device(before, after):
+    (code,), _ = rewrite(before)
+    assert code == after
+
+
+# ------------------------------------------------------------------------------------------- autocast
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ("with torch.cuda.amp.autocast():\n    y = f(x)\n", 'with torch.amp.autocast("cuda"):\n    y = f(x)\n'),
+        ("with torch.cuda.amp.autocast(dtype=torch.float16):\n    pass\n",
+         'with torch.amp.autocast("cuda", dtype=torch.float16):\n    pass\n'),
+        ("with torch.cuda.amp.autocast(True, torch.bfloat16):\n    pass\n",
+         'with torch.amp.autocast("cuda", enabled=True, dtype=torch.bfloat16):\n    pass\n'),
+        ("scaler = torch.cuda.amp.GradScaler()\n", 'scaler = torch.amp.GradScaler("cuda")\n'),
+        ("scaler = torch.cuda.amp.GradScaler(enabled=use_amp)\n", 'scaler = torch.amp.GradScaler("cuda", enabled=use_amp)\n'),
+        ("with torch.amp.autocast('cuda'):\n    pass\n", "with torch.amp.autocast('cuda'):\n    pass\n"),
+    ],
+)
+def test_cuda_amp_becomes_torch_amp(before, after):
+    (code,), _ = rewrite(before)
+    assert code == after
+
+
+def test_names_imported_from_torch_cuda_amp_in_another_cell():
+    (imp, use), _ = rewrite("from torch.cuda.amp import autocast\n", "with autocast(dtype=torch.float16):\n    pass\n")
+    assert imp == "from torch.amp import autocast\n"
+    assert use == 'with autocast("cuda", dtype=torch.float16):\n    pass\n'
+
+
+def test_names_imported_from_torch_cuda_amp():
+    (code,), _ = rewrite("from torch.cuda.amp import autocast, GradScaler\nscaler = GradScaler()\nwith autocast():\n    pass\n")
+    assert code == 'from torch.amp import autocast, GradScaler\nscaler = GradScaler("cuda")\nwith autocast("cuda"):\n    pass\n'
+
+
+# ------------------------------------------------------------------------------------------- trainer config
+
+
+def test_trainer_config_gets_ddp_safe_settings_unless_set():
+    (a, b), changes = rewrite('args = SFTConfig(output_dir="o")\n', 'args2 = TrainingArguments("o", ddp_find_unused_parameters=True)\n')
+    assert a == 'args = SFTConfig(output_dir="o", ddp_find_unused_parameters=False, log_on_each_node=False)\n'
+    assert b == 'args2 = TrainingArguments("o", ddp_find_unused_parameters=True, log_on_each_node=False)\n'
+    # the user's value is kept, and the change list says so
+    assert ("trainer_config", 1, "TrainingArguments: kept ddp_find_unused_parameters=True as written (DDP-safe: False)") in changes
+
+
+@pytest.mark.parametrize("config", ["TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "DPOConfig",
+                                    "GRPOConfig", "ORPOConfig", "KTOConfig", "RewardConfig", "trl.SFTConfig",
+                                    "UnslothTrainingArguments"])
+def test_every_trainer_config_is_recognised(config):
+    (code,), _ = rewrite(f"a = {config}(output_dir='o')\n")
+    assert "ddp_find_unused_parameters=False" in code
+
+
+def test_gradient_checkpointing_gets_non_reentrant_kwargs():
+    (code,), _ = rewrite("a = TrainingArguments('o', gradient_checkpointing=True)\n")
+    assert 'gradient_checkpointing_kwargs={"use_reentrant": False}' in code
+    (code,), _ = rewrite("a = TrainingArguments('o', gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': True})\n")
+    assert code.count("gradient_checkpointing_kwargs") == 1 and "'use_reentrant': True" in code
+
+
+def test_trainer_config_one_argument_per_line():
+    (code,), _ = rewrite(
+        """\
+        args = SFTConfig(
+            output_dir = "outputs",
+            max_steps = 60,
+        )
+        """
+    )
+    assert code == dedent(
+        """\
+        args = SFTConfig(
+            output_dir = "outputs",
+            max_steps = 60,
+            ddp_find_unused_parameters=False,
+            log_on_each_node=False,
+        )
+        """
+    )
+
+
+def test_trainer_config_with_star_kwargs_is_left_alone():
+    (code,), changes = rewrite("args = TrainingArguments(**cfg)\n")
+    assert code == "args = TrainingArguments(**cfg)\n" and "left alone" in changes[0][2]
+
+
+# ------------------------------------------------------------------------------------------- rank 0
 
 
 def test_everything_after_the_last_training_call_is_rank_zero_only():
@@ -74,12 +231,266 @@ def test_everything_after_the_last_training_call_is_rank_zero_only():
     assert cells[0] == "trainer = SFTTrainer(model=m)\n"
     assert cells[1] == "x = 1\nstats = trainer.train()\nif _nbddp.is_main_process():\n    print(stats)\n"
     assert cells[2] == "# save it\nif _nbddp.is_main_process():\n    model.save_pretrained('out')\n"
-    assert [c for c in changes if c[0] == "rank0_tail"] == [
-        ("rank0_tail", 3, "runs on rank 0 only (after training)"),
-        ("rank0_tail", 2, "runs on rank 0 only (after training)"),
+    assert [c for c in changes if c[0] == "rank0"] == [
+        ("rank0", 3, "runs on rank 0 only (after training)"),
+        ("rank0", 2, "runs on rank 0 only (after training)"),
     ]
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ["model.push_to_hub('me/m')", "model.push_to_hub_merged('me/m', tokenizer)", "model.save_pretrained_merged('o', tok)",
+     "model.save_pretrained_gguf('o', tok, quantization_method='q4_k_m')", "out = model.generate(**inputs)",
+     "plt.plot(losses)", "trainer.save_model('o')", "FastLanguageModel.for_inference(model)"],
+)
+def test_tail_actions_run_on_rank_zero(tail):
+    (_, code), _ = rewrite("trainer = Trainer(model=m)\n", f"trainer.train()\n{tail}\n")
+    assert code == f"trainer.train()\nif _nbddp.is_main_process():\n    {tail}\n"
+
+
+def test_unsloth_train_is_a_training_call():
+    (code,), _ = rewrite("stats = unsloth_train(trainer)\nmodel.save_pretrained('o')\n")
+    assert code == "stats = unsloth_train(trainer)\nif _nbddp.is_main_process():\n    model.save_pretrained('o')\n"
+
+
+def test_evaluate_after_training_stays_on_every_rank_with_what_it_needs():
+    cells, changes = rewrite(
+        "trainer = Trainer(model=m, args=a)\ntrainer.train()\n",
+        "small = ds['test'].select(range(10))\nmetrics = trainer.evaluate(small)\nprint(metrics)\ntrainer.save_model('o')\n",
+    )
+    assert cells[1] == (
+        "small = ds['test'].select(range(10))\nmetrics = trainer.evaluate(small)\n"
+        "if _nbddp.is_main_process():\n    print(metrics)\n    trainer.save_model('o')\n"
+    )
+    said = [c[1:] for c in changes if c[0] == "rank0"]
+    assert (1, "stays on every rank: binds small, which code on every rank uses") in said
+    assert (2, "stays on every rank: trainer.evaluate() needs every rank") in said
+
+
+def test_several_training_calls():
+    cells, changes = rewrite(
+        "sft = SFTTrainer(model=model, args=a)\nsft.train()\n",
+        "model.save_pretrained('stage1')\nprint('stage 1 done')\nsample = model.generate(**inputs)\n",
+        "pairs = ds.map(to_pairs)\ndpo = DPOTrainer(model=model, args=b, train_dataset=pairs)\n",
+        "dpo.train()\n",
+        "model.save_pretrained('stage2')\n",
+    )
+    # between the trainings: saving, printing and generating on rank 0; preparing the next one on every rank
+    assert cells[1] == (
+        "if _nbddp.is_main_process():\n    model.save_pretrained('stage1')\n    print('stage 1 done')\n"
+        "    sample = model.generate(**inputs)\n"
+    )
+    assert cells[2] == (
+        "with _nbddp.main_process_first():\n    pairs = ds.map(to_pairs)\n"
+        "dpo = DPOTrainer(model=model, args=b, train_dataset=pairs)\n"
+    )
+    assert cells[3] == "dpo.train()\n"
+    assert cells[4] == "if _nbddp.is_main_process():\n    model.save_pretrained('stage2')\n"
+    assert ("rank0", 1, "runs on rank 0 only (between training runs)") in changes
+
+
+def test_between_trainings_a_name_the_next_training_reads_stays_on_every_rank():
+    cells, _ = rewrite(
+        "t1 = Trainer(model=m)\nt1.train()\n",
+        "merged = model.merge_and_unload()\nmerged.save_pretrained('o')\n",
+        "t2 = Trainer(model=merged)\nt2.train()\n",
+    )
+    assert cells[1] == "merged = model.merge_and_unload()\nif _nbddp.is_main_process():\n    merged.save_pretrained('o')\n"
+
+
+def test_a_function_that_evaluates_is_called_on_every_rank():
+    cells, _ = rewrite(
+        "def report():\n    print(trainer.evaluate())\n",
+        "trainer = Trainer(model=m)\ntrainer.train()\nreport()\nmodel.save_pretrained('o')\n",
+    )
+    assert cells[1].endswith("trainer.train()\nreport()\nif _nbddp.is_main_process():\n    model.save_pretrained('o')\n")
 
 
 def test_model_train_is_not_a_training_call():
     cells, _ = rewrite("model.train()\nprint('mode set')\n")
     assert cells[0] == "model.train()\nprint('mode set')\n"
+
+
+def test_shell_commands_after_training_stay_on_every_rank():
+    # _nbddp.shell waits at a barrier: run by rank 0 alone it would wait for ever
+    (code,), _ = rewrite("trainer = Trainer()\ntrainer.train()\n_nbddp.shell('ls outputs')\nprint(1)\n")
+    assert code == "trainer = Trainer()\ntrainer.train()\n_nbddp.shell('ls outputs')\nif _nbddp.is_main_process():\n    print(1)\n"
+
+
+# ------------------------------------------------------------------------------------------- if False
+
+
+def test_if_false_blocks_stay_as_they_are():
+    src = dedent(
+        """\
+        trainer = SFTTrainer(model=m)
+        if False:
+            m = AutoModelForCausalLM.from_pretrained("x", device_map="auto")
+            trainer.train()
+            args = SFTConfig(output_dir="o")
+        x = torch.device("cuda:0")
+        """
+    )
+    (code,), _ = rewrite(src)
+    # nothing inside changed, and the training call in it does not count
+    assert code == src.replace('torch.device("cuda:0")', "torch.device(_nbddp.device())")
+
+
+def test_if_false_in_the_tail_is_guarded_as_a_whole_but_unchanged():
+    (code,), _ = rewrite("trainer = SFTTrainer()\ntrainer.train()\nif False:\n    model.save_pretrained_gguf('m', tok)\n")
+    assert code.endswith("if _nbddp.is_main_process():\n    if False:\n        model.save_pretrained_gguf('m', tok)\n")
+
+
+# ------------------------------------------------------------------------------------------- main process first
+
+
+def test_dataset_preparation_runs_on_the_first_process_first():
+    cells, changes = rewrite(
+        "ds = load_dataset('imdb', split='train')\nds = ds.map(tokenize, batched=True)\nn = len(ds)\n",
+        "def tokenize(b):\n    return tok(b['text'])\n",
+        "squares = list(map(f, xs))\n",
+        "trainer = Trainer(train_dataset=ds)\ntrainer.train()\n",
+    )
+    assert cells[0] == (
+        "with _nbddp.main_process_first():\n    ds = load_dataset('imdb', split='train')\n"
+        "    ds = ds.map(tokenize, batched=True)\nn = len(ds)\n"
+    )
+    assert cells[1] == "def tokenize(b):\n    return tok(b['text'])\n"
+    assert cells[2] == "squares = list(map(f, xs))\n"  # the builtin map is not dataset preparation
+    assert ("main_process_first", 1, "dataset preparation: the first process of each machine runs it first, "
+            "the others read its cache") in changes
+
+
+# ------------------------------------------------------------------------------------------- plain PyTorch
+
+PLAIN = [
+    "train_loader = DataLoader(train_ds, batch_size=32, shuffle=True, num_workers=2)\n"
+    "valid_loader = DataLoader(valid_ds, batch_size=64)\n",
+    "model = Net().to(device)\noptimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n",
+    dedent(
+        """\
+        for epoch in range(EPOCHS):
+            model.train()
+            for xb, yb in train_loader:
+                loss = loss_fn(model(xb), yb)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            print(f"epoch {epoch}: {loss.item():.4f}")
+            torch.save(model.state_dict(), "last.pt")
+        """
+    ),
+    "torch.save(model.state_dict(), 'model.pt')\nprint('saved')\n",
+]
+
+
+def test_plain_pytorch_loop():
+    cells, changes = rewrite(*PLAIN)
+    assert cells[0] == (
+        "train_loader = DataLoader(train_ds, batch_size=32, sampler=_nbddp.distributed_sampler(train_ds, shuffle=True), num_workers=2)\n"
+        "valid_loader = DataLoader(valid_ds, batch_size=64)\n"
+    )
+    assert cells[1] == "model = Net().to(device)\nmodel = _nbddp.ddp(model)\noptimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
+    assert cells[2] == dedent(
+        """\
+        for epoch in range(EPOCHS):
+            _nbddp.set_epoch(train_loader, epoch)
+            model.train()
+            for xb, yb in train_loader:
+                loss = loss_fn(model(xb), yb)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            _nbddp.print0(f"epoch {epoch}: {loss.item():.4f}")
+            if _nbddp.is_main_process(): torch.save(_nbddp.unwrap(model).state_dict(), "last.pt")
+        """
+    )
+    assert cells[3] == (
+        "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n"
+        "    torch.save(_nbddp.unwrap(model).state_dict(), 'model.pt')\n    print('saved')\n"
+    )
+    rules = {c[0] for c in changes}
+    assert {"sampler", "ddp_wrap", "set_epoch", "loop_output", "unwrap", "rank0"} <= rules
+
+
+def test_training_function_called_from_an_epoch_loop():
+    cells, _ = rewrite(
+        "loader = DataLoader(ds, batch_size=8, shuffle=True)\nmodel = MLP()\nmodel.to(device)\nopt = AdamW(model.parameters())\n",
+        dedent(
+            """\
+            def train_one_epoch(model, loader):
+                for x, y in loader:
+                    loss = crit(model(x), y)
+                    loss.backward()
+                    opt.step()
+                print("loss", loss.item())
+            """
+        ),
+        "for epoch in range(3): train_one_epoch(model, loader)\n",
+    )
+    assert cells[0].splitlines()[2:4] == ["model.to(device)", "model = _nbddp.ddp(model)"]
+    assert 'print("loss"' not in cells[1] and '_nbddp.print0("loss", loss.item())' in cells[1]
+    assert cells[2] == "for epoch in range(3): _nbddp.set_epoch(loader, epoch); train_one_epoch(model, loader)\n"
+
+
+def test_model_built_inside_a_fold_loop_is_wrapped_there():
+    (code,), _ = rewrite(
+        dedent(
+            """\
+            for fold in range(5):
+                train_dl = DataLoader(folds[fold], batch_size=16)
+                model = Net().to(device)
+                opt = SGD(model.parameters(), lr=0.1)
+                for epoch in range(2):
+                    for x, y in train_dl:
+                        crit(model(x), y).backward()
+                        opt.step()
+            """
+        )
+    )
+    lines = code.splitlines()
+    assert lines[2:4] == ["    model = Net().to(device)", "    model = _nbddp.ddp(model)"]
+    assert "sampler=_nbddp.distributed_sampler(folds[fold], shuffle=False)" in lines[1]  # a training loader by name
+    # set_epoch on the epoch loop, not the fold loop
+    assert lines[6] == "        _nbddp.set_epoch(train_dl, epoch)"
+    assert code.count("set_epoch") == 1
+
+
+def test_the_tail_unwraps_a_model_bound_in_a_loop_but_not_one_local_to_a_function():
+    cells, _ = rewrite(
+        "def fit(loader):\n    net = Net()\n    o = SGD(net.parameters())\n    for x in loader:\n        net(x).sum().backward()\n",
+        "for fold in range(2):\n    model = Net().to(device)\n    opt = SGD(model.parameters())\n"
+        "    for x in train_dl:\n        model(x).sum().backward()\n",
+        "preds = model(test_x)\n",
+    )
+    assert cells[2] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
+
+
+def test_dataset_expression_is_evaluated_once():
+    (code, _), _ = rewrite(
+        "train_loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)\n",
+        "for x, y in train_loader:\n    loss(x, y).backward()\n",
+    )
+    assert code == (
+        "train_loader = DataLoader((_nbddp_dataset := TensorDataset(x, y)), batch_size=4, "
+        "sampler=_nbddp.distributed_sampler(_nbddp_dataset, shuffle=True))\n"
+    )
+    compile(code, "x", "exec")
+
+
+def test_loader_with_its_own_sampler_is_left_alone():
+    src = "train_loader = DataLoader(ds, batch_size=4, sampler=WeightedRandomSampler(w, 10))\n"
+    (code, _), _ = rewrite(src, "for x in train_loader:\n    loss(x).backward()\n")
+    assert code == src
+
+
+def test_plain_rules_stay_out_of_trainer_notebooks():
+    src = "dl = DataLoader(ds, shuffle=True)\nmodel = M()\nopt = AdamW(model.parameters())\ntrainer = Trainer(model=model, optimizers=(opt, None))\n"
+    (code,), _ = rewrite(src + "trainer.train()\n")
+    assert code == src + "trainer.train()\n"
+
+
+def test_notebooks_that_distribute_themselves_are_left_to_it():
+    src = "accelerator = Accelerator()\nmodel, opt, dl = accelerator.prepare(model, AdamW(model.parameters()), DataLoader(ds, shuffle=True))\n"
+    (code,), _ = rewrite(src + "for x in dl:\n    accelerator.backward(loss(x))\n")
+    assert code.startswith(src)

@@ -13,16 +13,16 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
 from IPython.core.inputtransformer2 import TransformerManager
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from ..cells import Cell
 from ..errors import CellError
 from .lines import align
+from .facts import is_dead_if
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(
@@ -38,6 +38,9 @@ WRAPPER_CELL_MAGICS = frozenset({"capture", "time", "timeit", "prun"})
 SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system"})
 #: Cell magics that only display something in the notebook.
 DISPLAY_CELL_MAGICS = frozenset({"html", "HTML", "markdown", "javascript", "js", "latex", "svg"})
+
+#: IPython's input transformers (stateless between cells: one is enough).
+_TRANSFORMER = TransformerManager()
 
 _INSTALL = re.compile(
     r"^\s*(?:sudo\s+)?(?:(?:python[0-9.]*|py)\s+-m\s+)?(?:pip[0-9.]*|uv\s+pip|conda|mamba|micromamba|apt|apt-get)"
@@ -104,27 +107,51 @@ def clean_cell(cell: Cell) -> CleanCell:
         body, offset = lines, 0
 
     body_src = "\n".join(body) + "\n"
+    transformed, t_map = _python(body_src, body, cell, offset)
     try:
-        transformed = TransformerManager().transform_cell(body_src)
-    except SyntaxError as exc:  # TransformerManager raises on some malformed magics
-        raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
-    t_map = align(body, transformed.splitlines())  # transformed line → body line
-    try:
-        ast.parse(transformed)  # CPython's parser points at the line a person would fix
-        module = cst.parse_module(transformed)
+        if t_map is not None:
+            ast.parse(transformed)  # CPython's parser points at the line a person would fix
+        else:
+            t_map = list(range(len(body)))
+        module = cst.parse_module(transformed) if "get_ipython" in transformed else None
     except (SyntaxError, cst.ParserSyntaxError) as exc:
         raw = getattr(exc, "lineno", None) or getattr(exc, "raw_line", 1)
         src_line = _body_line(t_map, raw, offset)
         msg = exc.msg if isinstance(exc, SyntaxError) else exc.message
         raise CellError(f"not valid Python: {msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
 
-    rewriter = _IPythonCalls(cell)
-    new_code = _finish(MetadataWrapper(module).visit(rewriter).code)
+    if module is None:  # plain Python: nothing for the libcst pass to do
+        line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
+        return CleanCell(cell, transformed, line_map, (), tuple(notes))
+    rewriter = _IPythonCalls(cell, transformed.splitlines())
+    try:
+        new_code = _finish(module.visit(rewriter).code)
+    except _MagicError as exc:  # raised at a line of the transformed code: point at the cell's line
+        src_line = _body_line(t_map, exc.line, offset)
+        raise CellError(exc.message, cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
     # Every replacement is one line for one line, so new line k is transformed line k.
     line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
     installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in rewriter.installs)
     notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in rewriter.notes]
     return CleanCell(cell, new_code, line_map, installs, tuple(notes))
+
+
+def _python(body_src: str, body: list[str], cell: Cell, offset: int) -> tuple[str, list[int | None] | None]:
+    """The cell body as Python, and which body line each of its lines comes from (None: one for one).
+
+    A body that already parses is Python as it stands: IPython's transformers would leave it as it is, and
+    skipping them keeps conversion fast. Anything else goes through ``TransformerManager``.
+    """
+    try:
+        ast.parse(body_src)
+        return body_src, None
+    except SyntaxError:
+        pass
+    try:
+        transformed = _TRANSFORMER.transform_cell(body_src)
+    except SyntaxError as exc:  # TransformerManager raises on some malformed magics
+        raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
+    return transformed, align(body, transformed.splitlines())
 
 
 def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> int:
@@ -200,23 +227,50 @@ def _string_arg(call: cst.Call, index: int) -> str | None:
 _GET_IPYTHON = m.Call(func=m.Name("get_ipython"))
 
 
-def _ipython_call(method: str) -> m.Call:
-    return m.Call(func=m.Attribute(value=_GET_IPYTHON, attr=m.Name(method)))
+_GETOUTPUT = m.Call(func=m.Attribute(value=_GET_IPYTHON, attr=m.Name("getoutput")))
 
 
-class _IPythonCalls(m.MatcherDecoratableTransformer):
+class _MagicError(Exception):
+    """A magic that cannot be converted, at a line of the transformed cell (``clean_cell`` maps it back)."""
+
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
+class _IPythonCalls(cst.CSTTransformer):
     """Replace the ``get_ipython()`` calls that TransformerManager produced."""
 
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self, cell: Cell):
+    def __init__(self, cell: Cell, lines: list[str]):
         super().__init__()
-        self.cell = cell
+        self.cell, self.lines = cell, [ln.strip() for ln in lines]
+        self._next = 0  # statements come in order: where to look for the next one's line
         self.installs: list[tuple[int, str]] = []
         self.notes: list[tuple[int, str]] = []
+        self._dead = 0  # inside ``if False:``: nothing is pulled out, the block stays as written
 
-    def _line(self, node: cst.CSTNode) -> int:
-        return self.get_metadata(PositionProvider, node).start.line
+    def visit_If(self, node: cst.If) -> None:
+        self._dead += is_dead_if(node)
+
+    def leave_If(self, original, updated):
+        self._dead -= is_dead_if(original)
+        return updated
+
+    def _pulls_out(self, command: str) -> bool:
+        return is_install(command) and not _interpolates(command) and not self._dead
+
+    def _line(self, node: cst.SimpleStatementLine) -> int:
+        """The line of a one-line statement in the transformed cell: the next line with its text.
+
+        (libcst's positions would generate the cell's source once more; a ``get_ipython()`` statement is one
+        line, and statements are left in the order they come.)
+        """
+        text = cst.Module([]).code_for_node(node.with_changes(leading_lines=[])).strip()
+        for k in range(self._next, len(self.lines)):
+            if self.lines[k] == text:
+                self._next = k + 1
+                return k + 1
+        return self._next or 1
 
     def leave_SimpleStatementLine(self, original, updated):
         """Statements made only of a ``get_ipython()`` call become what they mean, or go."""
@@ -227,7 +281,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
         line = self._line(original)
         if method == "system":
             command = _string_arg(call, 0)
-            if command is not None and is_install(command) and not _interpolates(command):
+            if command is not None and self._pulls_out(command):
                 self.installs.append((line, command.strip()))
                 return _dropped(f"`{command.strip()}` runs once before launch")
             return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", call.args))])
@@ -239,7 +293,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
     def _line_magic(self, original, updated, name, arg, line):
         if name in ("pip", "conda", "mamba", "uv"):
             command = f"{name} {arg}".strip() if name != "uv" else f"uv {arg}"
-            if is_install(command) and not _interpolates(command):
+            if self._pulls_out(command):
                 self.installs.append((line, command))
                 return _dropped(f"`{command}` runs once before launch")
             return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", [cst.Arg(cst.SimpleString(repr(command)))]))])
@@ -247,7 +301,7 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
             try:
                 stmt = cst.parse_statement(arg + "\n")
             except cst.ParserSyntaxError:
-                raise CellError(f"%{name} wraps code that is not valid Python", cell=self.cell.index) from None
+                raise _MagicError(f"%{name} wraps code that is not valid Python", line) from None
             self.notes.append((line, f"%{name} dropped; its statement is kept"))
             return stmt.with_changes(leading_lines=original.leading_lines)
         if name == "env":
@@ -261,14 +315,11 @@ class _IPythonCalls(m.MatcherDecoratableTransformer):
         if name in DROPPED_LINE_MAGICS or name is None:
             self.notes.append((line, f"%{name} dropped (notebook-only)"))
             return _dropped(f"%{name} {arg}".rstrip() + " dropped (notebook-only)")
-        raise CellError(
-            f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train",
-            cell=self.cell.index,
-        )
+        raise _MagicError(f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train", line)
 
     def leave_Call(self, original, updated):
         """``x = !cmd`` → ``x = _nbddp.getoutput("cmd")``; ``x = %magic`` in expressions likewise."""
-        if m.matches(updated, _ipython_call("getoutput")):
+        if m.matches(updated, _GETOUTPUT):
             return _nbddp_call("getoutput", updated.args)
         return updated
 

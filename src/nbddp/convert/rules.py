@@ -1,50 +1,76 @@
 """Rewrite rules: one libcst transformer each, applied to every cleaned cell in order.
 
-Each rule records what it changed as ``(line, message)`` pairs, lines counted in the cleaned cell, so the
-script can say what it changed and where. Rules read a shared ``JobFacts`` gathered over all cells first
-(which names hold trainers, which cell holds the last training call).
+Each rule notes what it changed (the node and a message); ``apply_rules`` turns the notes into lines of the
+cleaned cell, so the script can say what it changed and where. Rules read a shared ``JobFacts`` gathered
+over all cells first (``facts.py``: which names hold trainers, which statements train, which top-level
+statements run on rank 0 only).
+
+Two kinds of rule:
+
+- *statement rules* (``MainProcessFirstRule``, ``RankZeroRule``, ``DDPWrapRule``) act on top-level
+  statements that ``gather_facts`` picked out. They run first, on the very nodes the facts were gathered
+  from (the facts hold those nodes), so the choice is made once for the whole notebook.
+- *expression rules* rewrite calls, arguments and loops wherever they are, together in one walk.
+
+No rule looks inside an ``if False:`` block: notebooks keep optional steps there (GGUF export, pushing to
+the Hub), and they stay exactly as written.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import ast
+import re
 
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from .facts import (
+    JobFacts,
+    code_of,
+    dotted_name,
+    gather_facts,
+    has_keyword,
+    is_dead_if,
+    is_training_statement,
+    keyword,
+    last_name,
+    loader_shards,
+    placement,
+)
+from .lines import align
+
+__all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "JobFacts", "Rule", "apply_rules", "gather_facts"]
+
 #: The runtime call that gives each rank its own device as a ``device_map``.
 DEVICE_MAP_EXPR = "_nbddp.device_map()"
+#: The runtime call that gives each rank its own ``torch.device``.
+DEVICE_EXPR = "_nbddp.device()"
 #: Guard for code that must run on one process only.
 MAIN_PROCESS_EXPR = "_nbddp.is_main_process()"
+#: Context manager letting the first process of each machine go first (caches, downloads).
+MAIN_FIRST_EXPR = "_nbddp.main_process_first()"
 
 _NOT_MODELS = ("Tokenizer", "Processor", "Config", "FeatureExtractor", "ImageProcessor", "Dataset")
 _TRAINER_CONFIGS = frozenset(
-    {"TrainingArguments", "Seq2SeqTrainingArguments"}
+    {"TrainingArguments", "Seq2SeqTrainingArguments", "UnslothTrainingArguments"}
     | {
         f"{p}Config"
         for p in "SFT DPO GRPO ORPO KTO CPO BCO PPO RLOO Reward PRM GKD OnlineDPO XPO Nash Unsloth".split()
     }
 )
+_CUDA_INDEX = re.compile(r"^cuda:\d+$")
 
 
-def dotted_name(node: cst.BaseExpression) -> str | None:
-    """``a.b.C`` for a Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = dotted_name(node.value)
-        return f"{base}.{node.attr.value}" if base else None
-    return None
-
-
-def last_name(node: cst.BaseExpression) -> str | None:
-    name = dotted_name(node)
-    return name.rsplit(".", 1)[-1] if name else None
+# --------------------------------------------------------------------------------------------- helpers
 
 
 def is_model_loader(call: cst.Call) -> bool:
-    """``X.from_pretrained(...)`` where X names a model class (not a tokenizer, processor or config)."""
+    """``X.from_pretrained(...)`` where X names a model class (not a tokenizer, processor or config).
+
+    Covers ``AutoModel*``, ``*For*`` (``LlamaForCausalLM``), ``AutoPeftModel*``, ``PeftModel`` and Unsloth's
+    ``FastLanguageModel``/``FastModel``/``FastVisionModel``.
+    """
     if not m.matches(call.func, m.Attribute(attr=m.Name("from_pretrained"))):
         return False
     owner = last_name(call.func.value)
@@ -53,79 +79,64 @@ def is_model_loader(call: cst.Call) -> bool:
     return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))
 
 
-def is_trainer_class(name: str | None) -> bool:
-    return bool(name) and name.endswith("Trainer")
+def _string_value(node: cst.BaseExpression) -> str | None:
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
 
 
-@dataclass
-class JobFacts:
-    """What the rules need to know about the whole notebook, gathered by ``gather_facts``."""
-
-    trainer_names: set[str] = field(default_factory=set)
-    #: (position of the cell in the job, statement index) of the last top-level training statement.
-    last_training: tuple[int, int] | None = None
+def _loader_name(expr: cst.BaseExpression) -> str | None:
+    """The loader a ``for`` iterates: ``dl`` in ``dl``, ``enumerate(dl)``, ``tqdm(dl, …)``, ``enumerate(tqdm(dl))``."""
+    while isinstance(expr, cst.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
+        expr = expr.args[0].value
+    return expr.value if isinstance(expr, cst.Name) else None
 
 
-def is_training_call(node: cst.CSTNode, trainer_names: set[str]) -> bool:
-    """``trainer.train(...)`` on a known trainer, ``SomeTrainer(...).train()`` or ``unsloth_train(trainer)``."""
-    if not isinstance(node, cst.Call):
-        return False
-    func = node.func
-    if m.matches(func, m.Attribute(attr=m.Name("train"))):
-        owner = func.value
-        if isinstance(owner, cst.Name) and owner.value in trainer_names:
-            return True
-        return isinstance(owner, cst.Call) and is_trainer_class(last_name(owner.func))
-    return last_name(func) == "unsloth_train"
+# ------------------------------------------------------------------------------------------- rules
 
 
-class _FactsVisitor(cst.CSTVisitor):
-    def __init__(self, facts: JobFacts):
-        self.facts = facts
+class Rule(cst.CSTTransformer):
+    """Base: a named transformer that records ``(node, message)`` for each change.
 
-    def visit_Assign(self, node: cst.Assign) -> None:
-        if isinstance(node.value, cst.Call) and is_trainer_class(last_name(node.value.func)):
-            for target in node.targets:
-                if isinstance(target.target, cst.Name):
-                    self.facts.trainer_names.add(target.target.value)
+    ``pattern``: what a cell's text must contain for the rule to have anything to do there; a rule whose
+    pattern is absent is not run on the cell at all (conversion stays fast on long notebooks). The
+    noted nodes are nodes of the module the rule was given; ``apply_rules`` turns them into lines, and only
+    for rules that changed something, since positions cost a pass over the module.
+    """
 
-
-def gather_facts(modules: list[cst.Module]) -> JobFacts:
-    facts = JobFacts()
-    for module in modules:
-        module.visit(_FactsVisitor(facts))
-    for pos, module in enumerate(modules):
-        for idx, stmt in enumerate(module.body):
-            if _contains_training_call(stmt, facts.trainer_names):
-                facts.last_training = (pos, idx)
-    return facts
-
-
-def _contains_training_call(stmt: cst.CSTNode, trainer_names: set[str]) -> bool:
-    found = []
-
-    class V(cst.CSTVisitor):
-        def visit_Call(self, node):
-            if is_training_call(node, trainer_names):
-                found.append(node)
-
-    stmt.visit(V())
-    return bool(found)
-
-
-class Rule(m.MatcherDecoratableTransformer):
-    """Base: a named transformer that records ``(line, message)`` for each change."""
-
-    METADATA_DEPENDENCIES = (PositionProvider,)
     name = "rule"
+    pattern: re.Pattern | None = None
 
-    def __init__(self, facts: JobFacts, position: int):
+    def __init__(self, facts: JobFacts):
         super().__init__()
-        self.facts, self.position = facts, position
-        self.changes: list[tuple[int, str]] = []
+        self.facts = facts
+        #: (node, index of the top-level statement holding it, message)
+        self.changes: list[tuple[cst.CSTNode, int | None, str]] = []
+        self._top: dict[cst.CSTNode, int] = {}
+        self._current: int | None = None
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.Module):
+            self._top = {stmt: i for i, stmt in enumerate(node.body)}
+        elif node in self._top:
+            self._current = self._top[node]
+        return super().on_visit(node)
+
+    @classmethod
+    def could_change(cls, text: str, facts: JobFacts) -> bool:
+        """Whether code with this text may hold something for the rule (a cell, or one statement)."""
+        return cls.pattern is None or cls.pattern.search(text) is not None
+
+    @classmethod
+    def wanted(cls, code: str, module: cst.Module, facts: JobFacts) -> bool:
+        return cls.could_change(code, facts)
+
+    def visit_If(self, node: cst.If) -> bool:
+        return not is_dead_if(node)
 
     def note(self, node: cst.CSTNode, message: str) -> None:
-        self.changes.append((self.get_metadata(PositionProvider, node).start.line, message))
+        self.changes.append((node, self._top.get(node, self._current), message))
 
 
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
@@ -137,13 +148,13 @@ def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[c
     for i, arg in enumerate(args):
         if arg.keyword is not None and arg.keyword.value == key:
             args[i] = arg.with_changes(value=value)
-            return call.with_changes(args=args), cst.Module([]).code_for_node(arg.value)
+            return call.with_changes(args=args), code_of(arg.value)
     new_arg = cst.Arg(
         keyword=cst.Name(key),
         value=value,
         equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
     )
-    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in cst.Module([]).code_for_node(args[-1].comma):
+    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in code_of(args[-1].comma):
         # one argument per line with a trailing comma: the new argument takes the last one's line ending,
         # the last one takes the separator used between arguments.
         between = args[-2].comma if len(args) > 1 and isinstance(args[-2].comma, cst.Comma) else cst.Comma(
@@ -151,108 +162,700 @@ def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[c
         )
         new_arg = new_arg.with_changes(comma=args[-1].comma)
         args[-1] = args[-1].with_changes(comma=between)
+    elif args and isinstance(args[-1].comma, cst.Comma):  # f(a, ): the trailing comma stays last
+        new_arg = new_arg.with_changes(comma=args[-1].comma)
+        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    elif args:
+        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     args.append(new_arg)
     return call.with_changes(args=args), None
 
 
-def has_keyword(call: cst.Call, key: str) -> bool:
-    return any(arg.keyword is not None and arg.keyword.value == key for arg in call.args)
+def _has_star_kwargs(call: cst.Call) -> bool:
+    return any(arg.star == "**" for arg in call.args)
+
+
+class _StatementRule(Rule):
+    """Base of the statement rules: each run of consecutive chosen top-level statements goes into one block."""
+
+    @staticmethod
+    def picks(facts: JobFacts, stmt: cst.BaseStatement) -> bool:
+        """Whether the rule takes this top-level statement (one of the nodes the facts were gathered from)."""
+        raise NotImplementedError
+
+    def block(self, run: list[cst.BaseStatement]) -> cst.BaseCompoundStatement:
+        """The block holding a run of chosen statements (build its body with ``inside(run)``)."""
+        raise NotImplementedError
+
+    def message(self, run: list[cst.BaseStatement]) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def inside(run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        """The run as a block's body: the block takes the first statement's comments and blank lines above."""
+        return [run[0].with_changes(leading_lines=[])] + run[1:]
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return any(cls.picks(facts, s) for s in module.body)
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        return False  # top-level statements only; they stay the very nodes the facts hold
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        body: list[cst.BaseStatement] = []
+        run: list[cst.BaseStatement] = []
+
+        def flush():
+            if run:
+                body.append(self.block(run).with_changes(leading_lines=run[0].leading_lines))
+                self.note(run[0], self.message(run))
+                run.clear()
+
+        for stmt in original.body:
+            if self.picks(self.facts, stmt):
+                run.append(stmt)
+            else:
+                flush()
+                body.append(stmt)
+        flush()
+        return updated.with_changes(body=body)
+
+
+class DDPWrapRule(Rule):
+    """Plain PyTorch: the model is wrapped in ``DistributedDataParallel`` once it is on its device.
+
+    A notebook's own training loop has no Trainer to do it. Without DDP each rank would train its own copy
+    on its share of the data and the copies would drift apart; wrapped, gradients are averaged in every
+    backward. The wrap (``model = _nbddp.ddp(model)``) goes after the last statement that makes or moves
+    the model (``model = Net().to(device)``, ``model.to(device)``) before the first training statement; the
+    same inside a function or loop that builds a model and trains it (k-fold loops). Optimizers keep working:
+    DDP shares the module's parameters.
+    """
+
+    name = "ddp_wrap"
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models)
+
+    def _wrap(self, stmt: cst.BaseStatement, names: list[str]) -> list[cst.BaseStatement]:
+        self.note(stmt, f"{', '.join(names)} wrapped in DistributedDataParallel (gradients averaged over ranks)")
+        return [cst.parse_statement(f"{n} = _nbddp.ddp({n})\n") for n in names]
+
+    def _wrap_block(self, original: list[cst.BaseStatement], updated: list[cst.BaseStatement], planned) -> list:
+        out: list[cst.BaseStatement] = []
+        for old, new in zip(original, updated):
+            out.append(new)
+            names = planned(old)
+            if names:
+                out += self._wrap(old, names)
+        return out
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        return updated.with_changes(body=self._wrap_block(original.body, updated.body, lambda s: self.facts.ddp_wrap_after.get(s)))
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        stmts = list(original.body)
+        first = next((i for i, s in enumerate(stmts) if is_training_statement(s, self.facts)), None)
+        if first is None:
+            return updated
+        plan: dict[cst.BaseStatement, list[str]] = {}
+        for name in sorted(self.facts.ddp_models):
+            at = placement(stmts[:first], name)
+            if at is not None:
+                plan.setdefault(at, []).append(name)
+        if not plan:
+            return updated
+        return updated.with_changes(body=self._wrap_block(stmts, list(updated.body), plan.get))
+
+
+class MainProcessFirstRule(_StatementRule):
+    """Dataset preparation runs under ``with _nbddp.main_process_first():``.
+
+    ``load_dataset``, ``dataset.map(...)`` (tokenization) and ``.filter(...)`` write cache files; run by every
+    rank at once they race on the same files. Under the guard the first process of each machine prepares
+    and caches, the others wait and then read the cache.
+    """
+
+    name = "main_process_first"
+
+    @staticmethod
+    def picks(facts, stmt) -> bool:
+        return stmt in facts.main_first
+
+    def block(self, run):
+        return cst.With(items=[cst.WithItem(cst.parse_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=self.inside(run)))
+
+    def message(self, run) -> str:
+        return "dataset preparation: the first process of each machine runs it first, the others read its cache"
+
+
+class RankZeroRule(_StatementRule):
+    """Saving, pushing, generating, printing and plotting after training run on rank 0 only.
+
+    After the last training call notebooks save, push, print statistics and generate; run by every rank
+    these would write the same files at once, push twice and print once per GPU. Wrapped in
+    ``if _nbddp.is_main_process():`` they happen once. What every rank must still run stays outside: a
+    collective such as ``trainer.evaluate()`` or a second ``trainer.train()``, and any statement binding a
+    name that such code reads. Between two training calls only the statements that save, print, push,
+    generate or plot go under the guard. In a plain PyTorch notebook the tail first unwraps the DDP model,
+    since rank 0 alone cannot run a DDP forward (it would wait for the others).
+    """
+
+    name = "rank0"
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return any(s in facts.rank0 or s in facts.all_ranks for s in module.body)
+
+    @staticmethod
+    def picks(facts, stmt) -> bool:
+        return stmt in facts.rank0
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        for stmt in node.body:
+            if stmt in self.facts.all_ranks:
+                self.note(stmt, f"stays on every rank: {self.facts.all_ranks[stmt]}")
+        return False
+
+    def block(self, run):
+        unwrap = []
+        if self.facts.plain_loop and run[0] in self.facts.tail:
+            models = sorted(self.facts.ddp_models & self.facts.module_names)
+            unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
+        return cst.If(test=cst.parse_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
+
+    def message(self, run) -> str:
+        return "runs on rank 0 only (" + ("after training)" if run[0] in self.facts.tail else "between training runs)")
 
 
 class DeviceMapRule(Rule):
     """Model loaders load onto this rank's device.
 
-    ``from_pretrained`` with ``device_map="auto"`` (or none) would put every rank's copy on GPU 0, or split
-    one model over all GPUs. Under DDP each rank holds a whole model on its own GPU, so every model loader
-    gets ``device_map=_nbddp.device_map()`` (``{"": local_rank}``, or the CPU without GPUs). Tokenizers,
-    processors and configs are left alone.
+    ``from_pretrained`` with ``device_map="auto"``/``"balanced"``/``"sequential"`` splits one model over all
+    GPUs; ``"cuda:0"``, ``{"": 0}`` or none at all put every rank's copy on GPU 0 (Unsloth's default is
+    ``"sequential"``). Under DDP each rank holds a whole model on its own GPU, so every model loader gets
+    ``device_map=_nbddp.device_map()`` (``{"": local_rank}``, or the CPU without GPUs): ``AutoModel*``,
+    ``*ForCausalLM``, ``AutoPeftModel*``, ``PeftModel`` and Unsloth's ``Fast*Model``. Tokenizers,
+    processors and configs are left alone. A call with ``**kwargs`` is left alone too (the key may be in them).
     """
 
     name = "device_map"
+    pattern = re.compile(r"\w*(?:Model|For[A-Z])\w*\s*\.\s*from_pretrained")
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if not is_model_loader(updated):
             return updated
-        new, old = _set_keyword(updated, "device_map", cst.parse_expression(DEVICE_MAP_EXPR))
         loader = dotted_name(updated.func) or "from_pretrained"
+        if _has_star_kwargs(updated) and not has_keyword(updated, "device_map"):
+            self.note(original, f"{loader}: has **kwargs, left alone; pass device_map=_nbddp.device_map() yourself")
+            return updated
+        new, old = _set_keyword(updated, "device_map", cst.parse_expression(DEVICE_MAP_EXPR))
         was = f"device_map={old}" if old is not None else "no device_map"
         self.note(original, f"{loader}: {was} → this rank's device")
         return new
 
 
-class TrainerConfigRule(Rule):
-    """Trainer configurations get DDP-safe settings the user did not set.
+class DeviceRule(Rule):
+    """An explicit first GPU becomes this rank's device.
 
-    ``ddp_find_unused_parameters``: the HF Trainer turns it on for every model that is not a plain
-    ``PreTrainedModel`` (every PEFT model), which costs an extra graph traversal each step and, with
-    reentrant gradient checkpointing, fails with "marked as ready twice". LoRA adapters are all used in every
-    step, so ``False`` is right; a value the user wrote is kept.
+    ``"cuda:0"`` (in ``torch.device("cuda:0")``, ``.to("cuda:0")``, ``device="cuda:0"``), ``.cuda(0)`` and
+    ``torch.cuda.set_device(0)`` would put every rank on GPU 0; they become ``_nbddp.device()``. A bare
+    ``"cuda"`` and ``.cuda()`` already mean the current device, which ``_nbddp.setup()`` made this rank's.
+    ``os.environ["CUDA_VISIBLE_DEVICES"] = …`` is dropped: torchrun gives each rank its GPU, and CUDA is
+    already initialised when the notebook's code runs.
+    """
+
+    name = "device"
+    pattern = re.compile(r"cuda:\d|CUDA_VISIBLE_DEVICES|\.cuda\(\s*\d|set_device\(\s*\d")
+
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._in_device_map = 0  # DeviceMapRule owns device_map values
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        self._in_device_map += m.matches(node.keyword, m.Name("device_map"))
+
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
+        self._in_device_map -= m.matches(original.keyword, m.Name("device_map"))
+        return updated
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.BaseExpression:
+        value = _string_value(updated)
+        if self._in_device_map or value is None or not _CUDA_INDEX.match(value):
+            return updated
+        self.note(original, f"{value!r} → this rank's device")
+        return cst.parse_expression(DEVICE_EXPR)
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        name = dotted_name(updated.func) or ""
+        is_cuda = m.matches(updated.func, m.Attribute(attr=m.Name("cuda")))
+        if (name == "torch.cuda.set_device" or is_cuda) and len(updated.args) == 1 and m.matches(
+            updated.args[0].value, m.Integer()
+        ):
+            self.note(original, f"{code_of(original)} → this rank's device")
+            return updated.with_changes(args=[updated.args[0].with_changes(value=cst.parse_expression(DEVICE_EXPR))])
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        target = m.Subscript(
+            value=m.Attribute(value=m.Name("os"), attr=m.Name("environ")),
+            slice=[m.SubscriptElement(m.Index(m.SimpleString()))],
+        )
+        if len(updated.body) == 1 and m.matches(updated.body[0], m.Assign(targets=[m.AssignTarget(target)])):
+            key = _string_value(updated.body[0].targets[0].target.slice[0].slice.value)
+            if key == "CUDA_VISIBLE_DEVICES":
+                self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
+                return cst.parse_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
+                    leading_lines=updated.leading_lines
+                )
+        return updated
+
+
+class AutocastRule(Rule):
+    """``torch.cuda.amp.autocast(...)`` → ``torch.amp.autocast("cuda", ...)``, likewise ``GradScaler``.
+
+    The ``torch.cuda.amp`` spellings are deprecated (a FutureWarning from every rank, every step) and go
+    away in later torch releases; ``torch.amp`` takes the device type first. The old ``autocast``'s positional
+    arguments (``enabled``, ``dtype``, ``cache_enabled``) become keywords, since ``torch.amp.autocast`` orders
+    them differently. ``from torch.cuda.amp import autocast`` becomes ``from torch.amp import autocast``.
+    """
+
+    name = "autocast"
+    pattern = re.compile(r"cuda\.amp")
+
+    @classmethod
+    def could_change(cls, text, facts) -> bool:
+        # a name imported from torch.cuda.amp in another cell counts too
+        return super().could_change(text, facts) or any(f"{name}(" in text for name in facts.cuda_amp_names)
+    _AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
+
+    def _modern(self, original: cst.Call, updated: cst.Call, kind: str) -> cst.Call:
+        args = list(updated.args)
+        if kind == "autocast":
+            args = [
+                a.with_changes(keyword=cst.Name(self._AUTOCAST_POSITIONAL[i]), equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
+                if a.keyword is None and not a.star and i < len(self._AUTOCAST_POSITIONAL) else a
+                for i, a in enumerate(args)
+            ]
+        cuda = cst.Arg(cst.SimpleString('"cuda"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")) if args else cst.MaybeSentinel.DEFAULT)
+        self.note(original, f"torch.cuda.amp.{kind}(…) → torch.amp.{kind}(\"cuda\", …)")
+        func = updated.func if isinstance(updated.func, cst.Name) else cst.parse_expression(f"torch.amp.{kind}")
+        return updated.with_changes(func=func, args=[cuda] + args)
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        name = dotted_name(updated.func) or ""
+        for kind in ("autocast", "GradScaler"):
+            if name == f"torch.cuda.amp.{kind}" or name in self.facts.cuda_amp_names and name == kind:
+                return self._modern(original, updated, kind)
+        return updated
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        if updated.module is not None and dotted_name(updated.module) == "torch.cuda.amp":
+            self.note(original, "from torch.cuda.amp → from torch.amp")
+            return updated.with_changes(module=cst.parse_expression("torch.amp"))
+        return updated
+
+
+class TrainerConfigRule(Rule):
+    """Trainer configurations get DDP-safe settings the user did not set; values the user set are kept.
+
+    - ``ddp_find_unused_parameters=False``: the HF Trainer turns it on for every model that is not a plain
+      ``PreTrainedModel`` (every PEFT model), which costs an extra graph traversal each step and, with
+      reentrant gradient checkpointing, fails with "marked as ready twice". LoRA adapters are all used in
+      every step, so ``False`` is right.
+    - ``log_on_each_node=False``: logs come from global rank 0 only, not once per machine.
+    - ``gradient_checkpointing_kwargs={"use_reentrant": False}`` when ``gradient_checkpointing=True``:
+      reentrant checkpointing and DDP's reducer do not mix.
+
+    A value the user wrote is never replaced; where it is not the DDP-safe one the change list says so. A
+    call with ``**kwargs`` gets nothing added (the keys may be in them, and a duplicate would fail).
     """
 
     name = "trainer_config"
+    pattern = re.compile(r"\b(?:" + "|".join(sorted(_TRAINER_CONFIGS)) + r")\s*\(")
+    _SAFE = (
+        ("ddp_find_unused_parameters", "False", "all LoRA weights train each step"),
+        ("log_on_each_node", "False", "logs from rank 0 only"),
+    )
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if last_name(updated.func) not in _TRAINER_CONFIGS:
+        config = last_name(updated.func)
+        if config not in _TRAINER_CONFIGS:
             return updated
-        if has_keyword(updated, "ddp_find_unused_parameters"):
+        if _has_star_kwargs(updated):
+            self.note(original, f"{config}: has **kwargs, left alone; set ddp_find_unused_parameters=False yourself")
             return updated
-        new, _ = _set_keyword(updated, "ddp_find_unused_parameters", cst.Name("False"))
-        self.note(original, f"{last_name(updated.func)}: ddp_find_unused_parameters=False (all LoRA weights train each step)")
+        settings = list(self._SAFE)
+        checkpointing = keyword(updated, "gradient_checkpointing")
+        if checkpointing is not None and m.matches(checkpointing.value, m.Name("True")):
+            settings.append(("gradient_checkpointing_kwargs", '{"use_reentrant": False}', "DDP needs non-reentrant checkpointing"))
+        for key, value, why in settings:
+            given = keyword(updated, key)
+            if given is None:
+                updated, _ = _set_keyword(updated, key, cst.parse_expression(value))
+                self.note(original, f"{config}: {key}={value} ({why})")
+            elif code_of(given.value) != value:
+                self.note(original, f"{config}: kept {key}={code_of(given.value)} as written (DDP-safe: {value})")
+        return updated
+
+
+class DistributedSamplerRule(Rule):
+    """Plain PyTorch: a training ``DataLoader`` gets a ``DistributedSampler``; ``shuffle`` moves into it.
+
+    Without it every rank would read the whole data set in the same order, so DDP would average identical
+    gradients: no speed-up. ``DataLoader(ds, shuffle=True)`` becomes
+    ``DataLoader(ds, sampler=_nbddp.distributed_sampler(ds, shuffle=True))`` (a DataLoader refuses both a
+    sampler and ``shuffle``). Loaders that shuffle or are named as training loaders get one; validation and
+    test loaders stay whole on every rank so their metrics are the full set's. A loader with its own
+    ``sampler``/``batch_sampler`` is left alone.
+    """
+
+    name = "sampler"
+    pattern = re.compile(r"\bDataLoader\s*\(")
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and super().wanted(code, module, facts)
+
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._assigned: dict[cst.Call, list[str]] = {}  # a call assigned to names → those names
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if isinstance(node.value, cst.Call):
+            self._assigned[node.value] = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if last_name(updated.func) != "DataLoader" or not updated.args:
+            return updated
+        if not loader_shards(updated, self._assigned.get(original, [])):
+            return updated
+        positional = [a for a in updated.args if a.keyword is None and not a.star]
+        dataset_arg = keyword(updated, "dataset") or (positional[0] if positional else None)
+        if dataset_arg is None or len(positional) > 2:
+            self.note(original, "DataLoader: arguments not understood, left alone (add a DistributedSampler yourself)")
+            return updated
+        args = list(updated.args)
+        dataset = dataset_arg.value
+        if not isinstance(dataset, (cst.Name, cst.Attribute, cst.Subscript)):
+            # an expression: evaluate it once, name it, and hand the name to the sampler as well
+            named = cst.NamedExpr(target=cst.Name("_nbddp_dataset"), value=dataset, lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+            args[args.index(dataset_arg)] = dataset_arg.with_changes(value=named)
+            dataset = cst.Name("_nbddp_dataset")
+        else:
+            dataset = dataset.deep_clone()
+        shuffle = keyword(updated, "shuffle")
+        shuffle_code = code_of(shuffle.value) if shuffle is not None else "False"
+        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffle_code})")
+        if shuffle is not None:
+            args[args.index(shuffle)] = shuffle.with_changes(keyword=cst.Name("sampler"), value=sampler)
+            new = updated.with_changes(args=args)
+        else:
+            new, _ = _set_keyword(updated.with_changes(args=args), "sampler", sampler)
+        self.note(original, f"DataLoader: DistributedSampler(shuffle={shuffle_code}), each rank reads its own share")
         return new
 
 
-class RankZeroTailRule(Rule):
-    """What follows the last training call runs on rank 0 only.
 
-    After ``trainer.train()`` notebooks save, push, print statistics and generate. Run by every rank these
-    would write the same files at once, push twice and print once per GPU; wrapped in
-    ``if _nbddp.is_main_process():`` they happen once. The other ranks go on to the epilogue.
+class _Loaders(cst.CSTVisitor):
+    """Loaders a loop body uses: iterated (``for b in train_loader``) or handed to a function (``fit(train_loader)``)."""
+
+    def __init__(self, facts: JobFacts):
+        self.facts, self.found = facts, []
+
+    def _add(self, name: str | None) -> None:
+        if name and name not in self.found:
+            self.found.append(name)
+
+    def visit_For(self, node: cst.For) -> None:
+        name = _loader_name(node.iter)
+        if name and (name in self.facts.sharded_loaders or "loader" in name.lower()):
+            self._add(name)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if isinstance(node.value, cst.Name) and node.value.value in self.facts.sharded_loaders:
+            self._add(node.value.value)
+
+    def visit_FunctionDef(self, node) -> bool:
+        return False
+
+    def visit_If(self, node: cst.If) -> bool:
+        return not is_dead_if(node)
+
+
+class SetEpochRule(Rule):
+    """Plain PyTorch: each epoch loop calls ``set_epoch`` on the DistributedSamplers it reads from.
+
+    A ``DistributedSampler`` shuffles with a seed plus its epoch; without ``set_epoch(epoch)`` every epoch
+    sees the same order. The innermost loop over epochs (a ``for`` whose body reads a loader, other than
+    the loop over the loader itself) starts with ``_nbddp.set_epoch(loader, epoch)``, which does nothing
+    for a loader without such a sampler.
     """
 
-    name = "rank0_tail"
+    name = "set_epoch"
+    pattern = re.compile(r"\bfor\b")
 
-    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
-        last = self.facts.last_training
-        if last is None or self.position < last[0]:
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        loaders = "loader" in code.lower() or any(name in code for name in facts.sharded_loaders)
+        return facts.plain_loop and loaders and super().wanted(code, module, facts)
+
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._done = [False]  # per open loop: whether a loop inside it already got set_epoch
+
+    def visit_For(self, node: cst.For) -> None:
+        self._done.append(False)
+
+    def leave_For(self, original: cst.For, updated: cst.For) -> cst.For:
+        inner = self._done.pop()
+        if inner:
+            self._done[-1] = True
             return updated
-        start = last[1] + 1 if self.position == last[0] else 0
-        tail = list(updated.body[start:])
-        if not tail:
+        if not isinstance(original.target, cst.Name):
             return updated
-        guard = cst.If(
-            test=cst.parse_expression(MAIN_PROCESS_EXPR),
-            body=cst.IndentedBlock(body=[_strip_leading(tail[0])] + tail[1:]),
-            leading_lines=tail[0].leading_lines,
+        finder = _Loaders(self.facts)
+        original.body.visit(finder)
+        loaders = [name for name in finder.found if name != _loader_name(original.iter)]
+        if not loaders:
+            return updated
+        epoch = original.target.value
+        calls = [cst.parse_statement(f"_nbddp.set_epoch({name}, {epoch})\n") for name in loaders]
+        body = updated.body
+        if isinstance(body, cst.IndentedBlock):
+            body = body.with_changes(body=calls + list(body.body))
+        else:  # for epoch in range(n): fit(loader)
+            body = body.with_changes(body=[c.body[0] for c in calls] + list(body.body))
+        self.note(original, f"each epoch reshuffles {', '.join(loaders)}'s DistributedSampler (set_epoch({epoch}))")
+        self._done[-1] = True
+        return updated.with_changes(body=body)
+
+
+class UnwrapRule(Rule):
+    """Plain PyTorch: saving and loading a DDP-wrapped model goes through ``_nbddp.unwrap(model)``.
+
+    ``DistributedDataParallel`` prefixes every state-dict key with ``module.``; a checkpoint saved from the
+    wrapper would not load into the notebook's plain model (and ``torch.save(model)`` would pickle the
+    wrapper). ``model.state_dict()``, ``model.load_state_dict(…)`` and ``torch.save(model, …)`` use the
+    module inside.
+    """
+
+    name = "unwrap"
+    pattern = re.compile(r"state_dict|torch\.save")
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models) and super().wanted(code, module, facts)
+
+    def _unwrapped(self, name: cst.Name) -> cst.Call:
+        return cst.parse_expression(f"_nbddp.unwrap({name.value})")
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        models = self.facts.ddp_models
+        func = updated.func
+        if m.matches(func, m.Attribute(value=m.Name(), attr=m.Name("state_dict") | m.Name("load_state_dict"))) and func.value.value in models:
+            self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
+            return updated.with_changes(func=func.with_changes(value=self._unwrapped(func.value)))
+        if dotted_name(func) == "torch.save" and updated.args and m.matches(updated.args[0].value, m.Name()) and updated.args[0].value.value in models:
+            self.note(original, f"torch.save({updated.args[0].value.value}): the module inside DDP")
+            first = updated.args[0]
+            return updated.with_changes(args=[first.with_changes(value=self._unwrapped(first.value))] + list(updated.args[1:]))
+        return updated
+
+
+class LoopOutputRule(Rule):
+    """Plain PyTorch: inside the training loop, metrics are printed and checkpoints saved by rank 0 only.
+
+    The notebook's own loop runs on every rank; its ``print(f"epoch {e} loss …")`` would come once per GPU
+    and ``torch.save(…, "best.pt")`` would have every rank write the same file at once. In the statements
+    that train and in the functions that train, ``print`` becomes ``_nbddp.print0`` and a ``torch.save``
+    statement gets ``if _nbddp.is_main_process():`` on its own line.
+    """
+
+    name = "loop_output"
+    pattern = re.compile(r"\bprint\s*\(|torch\.save")
+
+    @classmethod
+    def wanted(cls, code, module, facts) -> bool:
+        trains = ".backward(" in code or any(f"{name}(" in code for name in facts.training_functions)
+        return facts.plain_loop and trains and super().wanted(code, module, facts)
+
+    def __init__(self, facts):
+        super().__init__(facts)
+        self._training: set[cst.CSTNode] = set()
+        self._depth = 0
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self._training = {s for s in node.body if is_training_statement(s, self.facts)}
+
+    def _trains(self, node: cst.CSTNode) -> bool:
+        return node in self._training or (
+            isinstance(node, cst.FunctionDef) and node.name.value in self.facts.training_functions
         )
-        line = self.get_metadata(PositionProvider, original.body[start]).start.line
-        self.changes.append((line, "runs on rank 0 only (after training)"))
-        return updated.with_changes(body=list(updated.body[:start]) + [guard])
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self._trains(node):
+            self._depth += 1
+        return super().on_visit(node)
+
+    def on_leave(self, original, updated):
+        result = super().on_leave(original, updated)
+        if self._trains(original):
+            self._depth -= 1
+        return result
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if self._depth and m.matches(updated.func, m.Name("print")):
+            self.note(original, "print → _nbddp.print0 (rank 0 prints)")
+            return updated.with_changes(func=cst.parse_expression("_nbddp.print0"))
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        if self._depth and len(updated.body) == 1 and m.matches(
+            updated.body[0], m.Expr(value=m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("save"))))
+        ):
+            self.note(original, "torch.save in the training loop: rank 0 saves")
+            return cst.If(
+                test=cst.parse_expression(MAIN_PROCESS_EXPR),
+                body=cst.SimpleStatementSuite(body=list(updated.body), trailing_whitespace=updated.trailing_whitespace),
+                leading_lines=updated.leading_lines,
+            )
+        return updated
 
 
-def _strip_leading(stmt):
-    # the guard carries the statement's leading blank lines and comments
-    return stmt.with_changes(leading_lines=[])
+#: Rules on top-level statements, applied one after the other on the nodes the facts hold.
+STATEMENT_RULES: tuple[type[Rule], ...] = (MainProcessFirstRule, RankZeroRule, DDPWrapRule)
+#: Rules on expressions and loops, applied together in one walk over each cell.
+EXPRESSION_RULES: tuple[type[Rule], ...] = (
+    DeviceMapRule,
+    DeviceRule,
+    AutocastRule,
+    TrainerConfigRule,
+    DistributedSamplerRule,
+    SetEpochRule,
+    UnwrapRule,
+    LoopOutputRule,
+)
+#: Every rule, in the order it is applied.
+RULES: tuple[type[Rule], ...] = STATEMENT_RULES + EXPRESSION_RULES
 
 
-#: The rules in the order they are applied.
-RULES: tuple[type[Rule], ...] = (DeviceMapRule, TrainerConfigRule, RankZeroTailRule)
+class _Together(cst.CSTTransformer):
+    """Several rules in one walk: each node is offered to each rule in turn, as if each walked alone.
+
+    A rule's ``leave`` gets the node as the rules before it left it; once a rule turns a node into another
+    kind (a statement into an ``if``), the rules after it leave that node alone. Walks are what conversion
+    time goes to, so the expression rules share one.
+    """
+
+    def __init__(self, rules: list[Rule], skip: set[cst.CSTNode] = frozenset()):
+        super().__init__()
+        self.rules, self.skip = rules, skip
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        # every rule sees the node (its bookkeeping stays balanced); a skipped statement's inside is not walked
+        return all([rule.on_visit(node) is not False for rule in self.rules]) and node not in self.skip
+
+    def on_leave(self, original, updated):
+        for rule in self.rules:
+            if type(updated) is not type(original):
+                break
+            updated = rule.on_leave(original, updated)
+        return updated
 
 
-def apply_rules(module: cst.Module, facts: JobFacts, position: int) -> tuple[cst.Module, list[tuple[str, int, str]]]:
+def apply_rules(
+    module: cst.Module, facts: JobFacts, code: str | None = None
+) -> tuple[cst.Module, list[tuple[str, int, str]]]:
     """Run every rule over one cell's module; return it and ``(rule, line, message)`` for each change.
 
-    Each rule sees the module as the rules before it left it; its lines are mapped back to the module as it
-    came in, so every change is reported at a line of the cleaned cell.
+    ``code`` is the module's source when the caller has it (it saves generating it). The statement rules
+    run one by one, then the expression rules together. Each step sees the module as the steps before it
+    left it; its lines are mapped back to the module as it came in, so every change is reported at a line of
+    the cleaned cell. A rule with nothing to do in the cell (``Rule.wanted``, asked of the cell's own text)
+    is not run, and source is generated only where a later step needs it.
     """
-    from .lines import align
-
-    original = module.code.splitlines()
+    original = module.code if code is None else code
+    current: str | None = original
     changes: list[tuple[str, int, str]] = []
-    for rule_cls in RULES:
-        rule = rule_cls(facts, position)
-        back = align(original, module.code.splitlines())
-        module = MetadataWrapper(module).visit(rule)
-        for line, msg in rule.changes:
-            j = back[line - 1] if 0 < line <= len(back) else None
-            changes.append((rule.name, (j if j is not None else line - 1) + 1, msg))
+    body = module.body
+    for step in [[cls] for cls in STATEMENT_RULES] + [list(EXPRESSION_RULES)]:
+        rules = [cls(facts) for cls in step if cls.wanted(original, module, facts)]
+        if not rules:
+            continue
+        if step[0] in STATEMENT_RULES:
+            walker = rules[0]
+        else:  # the cell's statements none of the rules could change are not walked
+            texts = _statement_texts(body, original)
+            walker = _Together(rules, {s for s, t in zip(body, texts) if not any(r.could_change(t, facts) for r in rules)})
+        new = module.visit(walker)
+        noted = [(rule.name, node, top, msg) for rule in rules for node, top, msg in rule.changes]
+        if not noted:
+            continue
+        current = module.code if current is None else current
+        lines = _note_lines(module, current, [(node, top) for _, node, top, _ in noted])
+        back = align(original.splitlines(), current.splitlines()) if current != original else None
+        for (name, _, _, msg), line in zip(noted, lines):
+            j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
+            changes.append((name, (j if j is not None else line - 1) + 1, msg))
+        module, current = new, None
     return module, changes
+
+
+def _note_lines(module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]]) -> list[int]:
+    """The line of each noted node in ``code`` (the module's source).
+
+    libcst's ``PositionProvider`` would generate the whole module's source with positions; instead each
+    top-level statement's first line comes from Python's own parser, and a node inside a statement is found
+    in the statement's text by its own source (the k-th node with the same source is its k-th occurrence).
+    Positions are the fallback when that fails.
+    """
+    starts = _statement_starts(module.body, code)
+    texts = _statement_texts(module.body, code, starts)
+    seen: dict[tuple[int, str], int] = {}
+    out = []
+    for node, top in noted:
+        line = None
+        if top is not None and node is module.body[top]:
+            line = starts[top]
+        elif top is not None:
+            if isinstance(node, cst.BaseStatement):  # its comments above are not where it starts
+                node_code = code_of(node.with_changes(leading_lines=[])).strip()
+            else:
+                node_code = code_of(node).strip()
+            nth = seen.get((top, node_code), 0)
+            seen[(top, node_code)] = nth + 1
+            at = -1
+            for _ in range(nth + 1):
+                at = texts[top].find(node_code, at + 1)
+                if at < 0:
+                    break
+            if at >= 0:
+                line = starts[top] + texts[top].count("\n", 0, at)
+        if line is None:
+            line = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line
+        out.append(line)
+    return out
+
+
+def _statement_starts(body: list[cst.BaseStatement], code: str) -> list[int]:
+    """The first line of each top-level statement of ``body`` in ``code``, from Python's own parser (fast)."""
+    tree = ast.parse(code)
+    starts, k = [], 0
+    for stmt in body:
+        node = tree.body[k]
+        decorators = getattr(node, "decorator_list", None)
+        starts.append(decorators[0].lineno if decorators else node.lineno)
+        k += len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
+    return starts
+
+
+def _statement_texts(body: list[cst.BaseStatement], code: str, starts: list[int] | None = None) -> list[str]:
+    """The source text of each top-level statement of ``body`` (with the comments after it)."""
+    lines = code.splitlines(keepends=True)
+    starts = (starts or _statement_starts(body, code)) + [len(lines) + 1]
+    return ["".join(lines[a - 1 : b - 1]) for a, b in zip(starts, starts[1:])]
+

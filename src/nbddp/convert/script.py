@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
 
 from .. import __version__
 from ..cells import Cell, read_notebook
-from ..errors import CellError
+from ..errors import CellError, NotebookError
 from .clean import CleanCell, Install, clean_cell
 from .lines import align
-from .rules import apply_rules, gather_facts
+from .facts import gather_facts
+from .rules import apply_rules
 
 
 @dataclass(frozen=True)
@@ -101,17 +102,25 @@ def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Scrip
 
 
 def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False) -> Script:
-    """Clean every cell, apply the rewrite rules, and assemble the script with its source map."""
+    """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
+
+    Raises ``NotebookError`` when there is no code at all, ``CellError`` for a cell that does not parse
+    (unless ``skip_bad_cells``).
+    """
+    if not any(c.source.strip() for c in cells):
+        raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     cleaned: list[CleanCell] = []
+    modules: list[cst.Module] = []
     warnings: list[str] = []
     for cell in cells:
         try:
-            cleaned.append(clean_cell(cell))
+            clean = clean_cell(cell)
+            modules.append(_parse(clean))
+            cleaned.append(clean)
         except CellError as exc:
             if not skip_bad_cells:
                 raise
             warnings.append(f"skipped {exc}")
-    modules = [cst.parse_module(c.code) for c in cleaned]
     facts = gather_facts(modules)
     if facts.last_training is None:
         warnings.append(
@@ -121,15 +130,19 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
     changes: list[Change] = []
     body_lines: list[str] = []
     body_map: list[tuple[int, int] | None] = []
-    for pos, (clean, module) in enumerate(zip(cleaned, modules)):
+    for clean, module in zip(cleaned, modules):
         cell = clean.cell
         changes += [Change(cell.index, note.line, "ipython", note.message) for note in clean.notes]
-        new_module, rule_changes = apply_rules(module, facts, pos)
+        new_module, rule_changes = apply_rules(module, facts, clean.code)
         to_cell = lambda j: clean.line_map[j] if j is not None and j < len(clean.line_map) else None  # noqa: E731
-        for rule, line, message in rule_changes:
+        for rule, line, message in sorted(rule_changes, key=lambda c: c[1]):
             changes.append(Change(cell.index, to_cell(line - 1) or 1, rule, message))
-        code_lines = new_module.code.splitlines()
-        back = align(clean.code.splitlines(), code_lines)
+        if rule_changes:
+            code_lines = new_module.code.splitlines()
+            back = align(clean.code.splitlines(), code_lines)
+        else:  # no rule changed the cell: its cleaned code, line for line
+            code_lines = clean.code.splitlines()
+            back = list(range(len(code_lines)))
         body_lines.append(f"# [cell {cell.index}]")
         body_map.append(None)
         for text, j in zip(code_lines, back):
@@ -152,6 +165,19 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
         changes=tuple(changes),
         warnings=tuple(warnings),
     )
+
+
+def _parse(clean: CleanCell) -> cst.Module:
+    """The cleaned cell as a libcst module; Python that libcst cannot read is the cell's error, not ours."""
+    try:
+        return cst.parse_module(clean.code)
+    except cst.ParserSyntaxError as exc:
+        j = exc.raw_line - 1
+        line = clean.line_map[j] if 0 <= j < len(clean.line_map) and clean.line_map[j] else None
+        lines = clean.cell.source.splitlines()
+        source = lines[line - 1] if line and line <= len(lines) else ""
+        raise CellError(f"the rewriter cannot read this Python: {exc.message}", cell=clean.cell.index, line=line,
+                        source=source) from None
 
 
 def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], warnings: list[str]) -> list[str]:

@@ -3,7 +3,10 @@
 from .dist import (
     RankInfo,
     cleanup,
+    ddp,
+    device,
     device_map,
+    distributed_sampler,
     display,
     getoutput,
     is_local_main_process,
@@ -12,8 +15,10 @@ from .dist import (
     print0,
     rank_info,
     seed_everything,
+    set_epoch,
     setup,
     shell,
+    unwrap,
     write_file,
 )
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
@@ -23,7 +28,10 @@ __all__ = [
     "MultiGPUConfig",
     "RankInfo",
     "cleanup",
+    "ddp",
+    "device",
     "device_map",
+    "distributed_sampler",
     "display",
     "get_multi_gpu_config",
     "getoutput",
@@ -33,7 +41,9 @@ __all__ = [
     "print0",
     "rank_info",
     "seed_everything",
+    "set_epoch",
     "setup",
     "shell",
+    "unwrap",
     "write_file",
 ]

@@ -7,6 +7,7 @@ without torchrun (plain ``python script.py``) it behaves as a single process of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -163,6 +164,70 @@ def device_map() -> dict:
     """A ``from_pretrained`` device map putting the whole model on this rank's device."""
     info = rank_info()
     return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
+
+
+def device():
+    """This rank's ``torch.device``: ``cuda:<local rank>`` with GPUs, else the CPU (for ``"cuda:0"`` in a notebook)."""
+    import torch
+
+    return torch.device(rank_info().device)
+
+
+def ddp(model):
+    """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is).
+
+    The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
+    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) or not (dist.is_available() and dist.is_initialized()):
+        return model
+    info = rank_info()
+    ids = [info.local_rank] if info.device.startswith("cuda") else None
+    return _notebook_ddp()(model, device_ids=ids)
+
+
+@functools.cache
+def _notebook_ddp():
+    from torch.nn.parallel import DistributedDataParallel
+
+    class NotebookDDP(DistributedDataParallel):
+        """``DistributedDataParallel`` that falls back to the wrapped model's attributes."""
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                inner = self.__dict__.get("_modules", {}).get("module")
+                if inner is None or name == "module":
+                    raise
+                return getattr(inner, name)
+
+    return NotebookDDP
+
+
+def unwrap(model):
+    """The module inside a ``DistributedDataParallel`` wrapper (``.module``), or the model itself."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def distributed_sampler(dataset, shuffle: bool = False):
+    """A ``DistributedSampler`` giving this rank its own share of ``dataset`` (all of it in a single process)."""
+    from torch.utils.data import DistributedSampler
+
+    info = rank_info()
+    return DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=bool(shuffle))
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """Reshuffle a loader's ``DistributedSampler`` for this epoch; a no-op for any other loader."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
 
 
 def print0(*args, **kwargs) -> None:

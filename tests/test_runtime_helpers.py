@@ -1,0 +1,57 @@
+"""The runtime helpers the plain-PyTorch rules call, in a real process group (gloo, world of 2)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+
+RANK = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import nbddp.runtime as _nbddp
+
+    _nbddp.setup()
+    info = _nbddp.rank_info()
+    model = torch.nn.Sequential()
+    model.add_module("body", torch.nn.Linear(2, 4))
+    model.add_module("head", torch.nn.Linear(4, 1))
+    model.note = "mine"
+    wrapped = _nbddp.ddp(model)
+    data = list(range(10))
+    sampler = _nbddp.distributed_sampler(data, shuffle=True)
+    loader = torch.utils.data.DataLoader(data, batch_size=5, sampler=sampler)
+    first = list(sampler)
+    _nbddp.set_epoch(loader, 1)
+    _nbddp.set_epoch([1, 2], 1)  # not a loader with a DistributedSampler: nothing happens
+    out = {
+        "wrapped": type(wrapped).__name__, "again": _nbddp.ddp(wrapped) is wrapped,
+        "head": wrapped.head is model.head, "note": wrapped.note, "unwrap": _nbddp.unwrap(wrapped) is model,
+        "device": str(_nbddp.device()), "share": first, "reshuffled": list(sampler) != first,
+    }
+    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    _nbddp.cleanup()
+    """
+)
+
+
+@pytest.mark.e2e
+def test_ddp_unwrap_sampler_and_set_epoch_on_two_ranks(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["wrapped"] == "NotebookDDP" and r["again"] and r["head"] and r["note"] == "mine" and r["unwrap"]
+        assert r["device"] == "cpu" and r["reshuffled"] and len(r["share"]) == 5
+    assert sorted(ranks[0]["share"] + ranks[1]["share"]) == list(range(10))  # disjoint halves
