@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from .launch import RankFailure, RunResult
 
 
@@ -18,6 +20,9 @@ def summary(result: RunResult) -> str:
     return "\n".join(lines)
 
 
-def failure_report(failure: RankFailure) -> str:
-    """The failing rank, the notebook cell and line, and its traceback with script lines mapped."""
-    return f"nbddp: {failure}\n\n{failure.traceback.rstrip()}\n"
+def failure_report(failure: RankFailure, others: Iterable[str] = ()) -> str:
+    """The failing rank, the notebook cell and line, its traceback with script lines mapped, then ``others``:
+    lines on where the other ranks were when stopped (``launch.where_ranks_were``)."""
+    tb = f"\n\n{failure.traceback.rstrip()}\n" if failure.traceback.strip() else "\n"
+    rest = "".join(f"nbddp:   {line}\n" for line in others)
+    return f"nbddp: {failure}{tb}" + (f"nbddp: when the job stopped:\n{rest}" if rest else "")

@@ -62,11 +62,17 @@ def setup() -> RankInfo:
     """Pick this rank's device, join the process group, and record uncaught errors for the launcher.
 
     Idempotent. The backend is nccl with GPUs and gloo without; ``NBDDP_TIMEOUT`` bounds collectives.
+    Also: weight files saved atomically (``saves``), stacks dumped when the rank is stopped, and
+    ``NBDDP_RESUME=1`` resuming ``trainer.train()`` from the last checkpoint (``resume``).
     """
     global _info
     if _info is not None:
         return _info
     _record_uncaught_errors()
+    _record_stacks_on_termination()
+    from . import saves
+
+    saves.install()  # before anything imports transformers or peft, which bind safetensors' save_file
     import torch
     import torch.distributed as dist
 
@@ -77,9 +83,10 @@ def setup() -> RankInfo:
         timeout = timedelta(seconds=_env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend=info.backend, timeout=timeout)
     _info = info
-    from . import metrics, shims
+    from . import metrics, resume, shims
 
     metrics.attach()
+    resume.attach(log=lambda line: print0(line, flush=True))
     if info.is_main:
         print(
             f"nbddp: {info.world_size} process(es), backend {info.backend}, "
@@ -192,18 +199,56 @@ def _record_uncaught_errors() -> None:
 
 
 def write_error_file(path: str, exc_type, exc, tb) -> None:
+    """torch elastic's error record, written atomically: the agent may read it while this rank dies.
+
+    Beyond torch's fields, ``extraInfo`` carries the global ``rank`` (the file's folder only names the local
+    rank) and ``time`` in fractions of a second, which orders failures that fall within one second.
+    """
     import json
     import time
     import traceback
 
+    from .io import atomic_write_text
+
+    now = time.time()
     data = {
         "message": {
             "message": f"{exc_type.__name__}: {exc}",
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
-                "timestamp": str(int(time.time())),
+                "timestamp": str(int(now)),
+                "time": now,
+                "rank": _env_int("RANK", 0),
             },
         }
     }
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
+    atomic_write_text(path, json.dumps(data))
+
+
+#: Where ``faulthandler`` writes this rank's stacks; kept open for the life of the process.
+_stacks_file = None
+
+
+def _record_stacks_on_termination() -> None:
+    """Dump every thread's Python stack to ``stacks.txt`` beside the rank's error file when the rank is
+    stopped (SIGTERM, sent by torchrun or the launcher) or crashes (segfault, abort).
+
+    A rank stuck in a collective or killed on a timeout raises nothing, so this is the only record of what
+    it was doing; ``faulthandler`` writes it from the signal handler even while the rank waits inside C
+    code, then lets SIGTERM end the process as before. The launcher maps the frames to cells.
+    """
+    global _stacks_file
+    import faulthandler
+    import signal
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or _stacks_file is not None:
+        return
+    try:
+        _stacks_file = open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w", encoding="utf-8")
+        _stacks_file.write(f"nbddp: stacks of rank {_env_int('RANK', 0)} (pid {os.getpid()})\n")
+        _stacks_file.flush()
+        faulthandler.enable(file=_stacks_file, all_threads=True)
+        faulthandler.register(signal.SIGTERM, file=_stacks_file, all_threads=True, chain=True)
+    except (OSError, ValueError, AttributeError):  # no such folder; not the main thread; no SIGTERM here
+        pass
