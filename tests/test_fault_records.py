@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -260,3 +261,25 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path):
     second = train(6)
     assert f"nbddp: resuming from {out / 'checkpoint-2'}" in second
     assert json.loads(second.splitlines()[-1]) == [3, 4, 5, 6]  # steps 1-2 were not trained again
+
+
+def nbddp(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "nbddp.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "source": "x"}]}',
+     "not a notebook"),  # schema-invalid
+    ('{"nbformat": 4, "cells": [', "not valid JSON (line 1"),  # corrupt: cut short
+    ('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "source": "x = (",'
+     ' "metadata": {}, "outputs": [], "execution_count": null, "id": "a"}]}', "cell 1, line 1: not valid Python"),
+])
+def test_a_bad_notebook_is_one_clear_error_and_nothing_runs(tmp_path, content, says):
+    nb = tmp_path / "bad.ipynb"
+    nb.write_text(content)
+    proc = nbddp("run", nb, "--runs-dir", tmp_path / "runs", cwd=tmp_path)
+    assert proc.returncode == 2
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("nbddp: error:")]
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was launched

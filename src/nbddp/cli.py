@@ -95,7 +95,7 @@ def _run(args) -> int:
         print(f"nbddp: warning: {w}", file=sys.stderr)
     if result.failure:
         sys.stderr.write(failure_report(result.failure, where_ranks_were(result)))
-    elif not result.ok and not result.interrupted:
+    elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     print(summary(result), file=sys.stderr)
     return 0 if result.ok else (130 if result.interrupted else 1)

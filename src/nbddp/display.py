@@ -11,7 +11,9 @@ def summary(result: RunResult) -> str:
     """One paragraph: outcome, steps, time, loss first → last, where the files are."""
     steps = max((int(h.get("step", 0)) for h in result.log_history), default=0)
     losses = result.losses
-    parts = [f"{'finished' if result.ok else 'failed'} in {result.duration_s:.1f} s"]
+    outcome = ("finished" if result.ok else "interrupted" if result.interrupted
+               else "timed out" if result.timed_out else "failed")
+    parts = [f"{outcome} in {result.duration_s:.1f} s"]
     if steps:
         parts.append(f"{steps} steps")
     if losses:

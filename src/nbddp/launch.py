@@ -130,7 +130,8 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0
+        """Finished by itself with exit code 0 (a job that was stopped may still have exited 0)."""
+        return self.returncode == 0 and not self.interrupted and not self.timed_out
 
     @property
     def losses(self) -> list[float]:
@@ -328,7 +329,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         metrics.poll()
     code = proc.returncode
     failure, stacks = None, ()
-    if code != 0 and not interrupted:
+    if (code != 0 or timed_out) and not interrupted:
         stacks = read_stacks(plan.log_dir, plan.script, _read_map(plan.script))
         if not timed_out:  # after a timeout, ranks failing as they are stopped are not the cause
             failure = read_failure(plan.log_dir, plan.script, failures=plan.failures_path)
