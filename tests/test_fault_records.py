@@ -283,3 +283,14 @@ def test_a_bad_notebook_is_one_clear_error_and_nothing_runs(tmp_path, content, s
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("nbddp: error:")]
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing was launched
+
+
+def test_ranks_torchrun_stopped_with_sigterm_are_not_the_cause(job, tmp_path):
+    script, logs = job
+    now = int(time.time())
+    failures = record(
+        tmp_path,
+        {"rank": 0, "local_rank": 0, "pid": 6, "exitcode": -15, "signal": "SIGTERM", "error_file": None, "timestamp": now},
+        {"rank": 1, "local_rank": 1, "pid": 7, "exitcode": -9, "signal": "SIGKILL", "error_file": None, "timestamp": now},
+    )
+    assert read_failure(logs, script, failures=failures).rank == 1

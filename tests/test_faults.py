@@ -243,12 +243,15 @@ def test_arguments_with_shell_metacharacters_stay_arguments(tmp_path, notebook, 
 def test_secrets_in_the_environment_reach_the_ranks_but_no_file(tmp_path, notebook, reaper):
     secret = "hf_FAKEtok3n_" + "x" * 20
     nb = notebook(["import os\ntoken = os.environ['HF_TOKEN']\nprint('token length', len(token), flush=True)\n"
+                   "print('resume', os.environ.get('NBDDP_RESUME'), 'timeout', os.environ.get('NBDDP_TIMEOUT'), flush=True)\n"
                    "raise RuntimeError('fail on purpose, so error files are written')"])
     runs = tmp_path / "runs"
-    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path, env={"HF_TOKEN": secret})
+    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, "--resume", "--collective-timeout", "77",
+                     cwd=tmp_path, env={"HF_TOKEN": secret})
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 1
     assert f"token length {len(secret)}" in out  # the ranks got it
+    assert "resume 1 timeout 77" in out  # and the options, through the environment too
     assert secret not in out and secret not in err
     files = [p for p in runs.rglob("*") if p.is_file()]
     assert any(p.name == "error.json" for p in files) and any(p.name == "torchrun.log" for p in files)

@@ -69,8 +69,6 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    # torchrun reads its program name from argv[0] in messages; make them read as torchrun's own
-    sys.argv[0] = "torchrun"
     try:
         torchrun_main(sys.argv[1:] if argv is None else argv)
     except ChildFailedError as exc:

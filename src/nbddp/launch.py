@@ -508,7 +508,8 @@ def read_failure(log_dir: Path, script: Path, failures: Path | None = None) -> R
 
     Candidates are every rank's ``error.json`` (an exception) and, from torch elastic's failure record
     (``failures``, written by ``nbddp.agent``), every rank that ended without one: killed by a signal, or
-    exited non-zero without a Python traceback. The earliest is the root cause.
+    exited non-zero without a Python traceback. The earliest is the root cause, but a rank ended by SIGTERM
+    without an error file comes after all others: that is how torchrun stops the survivors.
     """
     smap = _read_map(script)
     candidates: dict[int, dict] = {}
@@ -534,7 +535,8 @@ def read_failure(log_dir: Path, script: Path, failures: Path | None = None) -> R
                                 signal=-exitcode if exitcode < 0 else None, local_rank=rec.get("local_rank"))
     if not candidates:
         return None
-    rank = min(candidates, key=lambda r: (candidates[r]["time"], r))
+    # torchrun stops the other ranks with SIGTERM once one fails: such deaths come last
+    rank = min(candidates, key=lambda r: (candidates[r].get("signal") == signal.SIGTERM, candidates[r]["time"], r))
     c = candidates[rank]
     if c.get("signal"):
         return _signal_failure(rank, c, log_dir, script, smap)
