@@ -149,6 +149,7 @@ def test_interrupting_the_launcher_ends_every_rank_within_5_seconds(tmp_path, no
     assert gone_after <= 5
     assert proc.returncode == 130
     assert "interrupted; every rank has been stopped" in err
+    assert "rank 1 was at cell 2, line " in err  # where each rank was, from the stacks dumped as they stopped
 
 
 def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path, notebook, reaper):

@@ -126,7 +126,7 @@ class RunResult:
     failure: RankFailure | None = None
     interrupted: bool = False
     timed_out: bool = False
-    stacks: tuple[RankStack, ...] = ()  # where each stopped rank was, when the job failed or timed out
+    stacks: tuple[RankStack, ...] = ()  # where each stopped rank was, when the job did not finish by itself
 
     @property
     def ok(self) -> bool:
@@ -329,9 +329,9 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         metrics.poll()
     code = proc.returncode
     failure, stacks = None, ()
-    if (code != 0 or timed_out) and not interrupted:
+    if code != 0 or timed_out or interrupted:
         stacks = read_stacks(plan.log_dir, plan.script, _read_map(plan.script))
-        if not timed_out:  # after a timeout, ranks failing as they are stopped are not the cause
+        if not (timed_out or interrupted):  # ranks failing as they are stopped are not the cause
             failure = read_failure(plan.log_dir, plan.script, failures=plan.failures_path)
         if failure:  # the failed rank's own place is in the failure itself
             stacks = tuple(st for st in stacks if st.rank != failure.rank)
@@ -346,11 +346,10 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         timed_out=timed_out,
         stacks=stacks,
     )
-    if interrupted:
-        sink("stderr", "\nnbddp: interrupted; every rank has been stopped.\n")
-    if timed_out:
-        sink("stderr", f"\nnbddp: timed out after {plan.timeout_s:.0f} s; every rank has been stopped.\n")
-        sink("stderr", "".join(f"nbddp:   {line}\n" for line in where_ranks_were(result)))
+    if interrupted or timed_out:  # a hang is often ended this way: say where each rank was
+        what = "interrupted" if interrupted else f"timed out after {plan.timeout_s:.0f} s"
+        where = "".join(f"nbddp:   {line}\n" for line in where_ranks_were(result))
+        sink("stderr", f"\nnbddp: {what}; every rank has been stopped.\n{where}")
     return result
 
 
