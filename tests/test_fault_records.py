@@ -294,3 +294,15 @@ def test_ranks_torchrun_stopped_with_sigterm_are_not_the_cause(job, tmp_path):
         {"rank": 1, "local_rank": 1, "pid": 7, "exitcode": -9, "signal": "SIGKILL", "error_file": None, "timestamp": now},
     )
     assert read_failure(logs, script, failures=failures).rank == 1
+
+
+def test_the_agent_ends_itself_when_its_launcher_is_already_gone():
+    def agent_start(launcher_pid: int, then_sleep: int) -> int:
+        code = f"from nbddp.agent import die_with_parent\nimport time\ndie_with_parent({launcher_pid})\ntime.sleep({then_sleep})"
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+        return subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert agent_start(gone.pid, then_sleep=30) == -signal.SIGTERM
+    assert agent_start(os.getpid(), then_sleep=0) == 0

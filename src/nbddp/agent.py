@@ -28,8 +28,12 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int | None) -> bool:
-    """Get SIGTERM when the process that started us dies; True where the OS supports it (Linux)."""
+def die_with_parent(launcher_pid: int | None) -> bool:
+    """Get SIGTERM when the process that started us dies; True where the OS supports it (Linux).
+
+    ``launcher_pid`` closes the gap before ``prctl`` takes effect: if that process is already gone, the
+    SIGTERM is sent now.
+    """
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
@@ -40,8 +44,13 @@ def die_with_parent(parent_pid: int | None) -> bool:
             return False
     except (OSError, AttributeError):
         return False
-    if parent_pid and os.getppid() != parent_pid:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    if launcher_pid:
+        try:
+            os.kill(launcher_pid, 0)
+        except ProcessLookupError:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+        except PermissionError:
+            pass
     return True
 
 
