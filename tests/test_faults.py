@@ -90,6 +90,21 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path, notebook, r
     assert no_rank_processes(str(result.run_dir))
 
 
+def test_a_rank_that_segfaults_is_named_with_its_signal_cell_and_line(tmp_path, notebook, reaper):
+    nb = notebook([
+        IMPORTS + "\nimport ctypes",
+        "t = torch.ones(1)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n    ctypes.string_at(0)  # native crash\n"
+        "time.sleep(600)",
+    ])
+    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet)
+    f = result.failure
+    assert (f.rank, f.signal, f.cell, f.line) == (1, 11, 2, 4)
+    assert str(f).startswith("rank 1 was killed (signal 11) in cell 2, line 4: SIGSEGV: crashed (segmentation fault)")
+    assert 'File "nb.ipynb", cell 2, line 4 in <module>' in f.traceback  # the stack faulthandler dumped
+    assert [str(st) for st in result.stacks] == ["rank 0 was at cell 2, line 5: time.sleep(600)"]
+    assert no_rank_processes(str(result.run_dir))
+
+
 def test_a_rank_stuck_in_a_collective_fails_after_the_collective_timeout(tmp_path, notebook, reaper):
     nb = notebook([
         IMPORTS,
