@@ -325,3 +325,16 @@ def test_where_ranks_were_names_notebook_lines_and_the_last_trainer_step(tmp_pat
                       "nbddp: when the job stopped:\n"
                       "nbddp:   rank 1 was at cell 4, line 2: dist.all_reduce(t)\n"
                       "nbddp:   last Trainer step: 12 of 100\n")
+
+
+def test_saves_reach_the_names_transformers_and_peft_bind_at_import():
+    code = textwrap.dedent('''
+        from nbddp.runtime import saves
+        assert saves.install() == ["torch.save", "safetensors.torch.save_file"]
+        import torch, transformers.modeling_utils as mu, peft.peft_model as pm
+        print(all(getattr(f, "_nbddp_atomic", False) for f in (torch.save, mu.safe_save_file, pm.safe_save_file)))
+    ''')
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True"
