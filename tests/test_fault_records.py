@@ -338,3 +338,17 @@ def test_saves_reach_the_names_transformers_and_peft_bind_at_import():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "True"
+
+
+def test_a_busy_master_port_through_the_cli_is_one_line_and_exit_2(tmp_path, notebook):
+    nb = notebook(["print('never runs')"])
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = nbddp("run", nb, "--runs-dir", tmp_path / "runs", "--", f"--master-port={port}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"nbddp: error: port {port} (--master-port) is already in use on this machine; "
+        "leave --master-port out and torchrun picks a free port")
+    assert not list((tmp_path / "runs").rglob("torchrun.log"))  # nothing was started
