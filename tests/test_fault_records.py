@@ -352,3 +352,35 @@ def test_a_busy_master_port_through_the_cli_is_one_line_and_exit_2(tmp_path, not
         f"nbddp: error: port {port} (--master-port) is already in use on this machine; "
         "leave --master-port out and torchrun picks a free port")
     assert not list((tmp_path / "runs").rglob("torchrun.log"))  # nothing was started
+
+
+def test_an_nccl_watchdog_abort_is_located_in_the_waiting_rank(job, tmp_path):
+    """The records an NCCL collective timeout left on 2 H200s (torch 2.11): the waiting rank aborted by the
+    watchdog, its main thread's dump written by faulthandler; the sleeping rank stopped by torchrun."""
+    script, logs = job
+    (rank_dir(logs, 0) / "stacks.txt").write_text(textwrap.dedent(f"""\
+        nbddp: stacks of rank 0 (pid 41)
+        Fatal Python error: Aborted
+
+        Thread 0x00007fe1e43df140 (most recent call first):
+          File "/opt/torch/.venv/lib/python3.12/site-packages/torch/cuda/__init__.py", line 1162 in synchronize
+          File "{script}", line 12 in <module>
+
+        Extension modules: numpy._core._multiarray_umath, torch._C, torch._C._nn (total: 22)
+        """))
+    (rank_dir(logs, 1) / "stacks.txt").write_text(textwrap.dedent(f"""\
+        nbddp: stacks of rank 1 (pid 42)
+        Current thread 0x00007f36a448b140 (most recent call first):
+          File "{script}", line 10 in <module>
+        """))
+    now = int(time.time())
+    failures = record(
+        tmp_path,
+        {"rank": 0, "local_rank": 0, "pid": 41, "exitcode": -6, "signal": "SIGABRT", "error_file": None, "timestamp": now},
+        {"rank": 1, "local_rank": 1, "pid": 42, "exitcode": -15, "signal": "SIGTERM", "error_file": None, "timestamp": now},
+    )
+    f = read_failure(logs, script, failures=failures)
+    assert str(f).startswith("rank 0 was killed (signal 6) in cell 2, line 3: SIGABRT: aborted by native code")
+    assert "NCCL's watchdog" in f.message
+    stacks = read_stacks(logs, script, SourceMap.from_json(map_path(script).read_text()))
+    assert [str(st) for st in stacks] == ["rank 0 was at cell 2, line 3: line12", "rank 1 was at cell 2, line 1: line10"]

@@ -482,7 +482,8 @@ _SIGNAL_LEAD_S = 0.2
 _SIGNAL_HINTS = {
     signal.SIGKILL: "killed outright, most often by the system running out of memory (the OOM killer)",
     signal.SIGSEGV: "crashed (segmentation fault) in native code",
-    signal.SIGABRT: "aborted by native code (a failed check in a C++ or CUDA library)",
+    signal.SIGABRT: "aborted by native code: a failed check in a C++ or CUDA library, or NCCL's watchdog "
+                    "ending a collective that timed out (the rank's log says which)",
     signal.SIGTERM: "stopped from outside the job",
     signal.SIGBUS: "crashed (bus error), often shared memory (/dev/shm) running out",
 }

@@ -82,6 +82,7 @@ def setup() -> RankInfo:
     if info.world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=_env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend=info.backend, timeout=timeout)
+        _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
     _info = info
     from . import metrics, resume, shims
 
@@ -236,19 +237,23 @@ def _record_stacks_on_termination() -> None:
     A rank stuck in a collective or killed on a timeout raises nothing, so this is the only record of what
     it was doing; ``faulthandler`` writes it from the signal handler even while the rank waits inside C
     code, then lets SIGTERM end the process as before. The launcher maps the frames to cells.
+
+    Called again after the process group is joined: NCCL installs its own SIGABRT handler there, and its
+    watchdog ends a rank whose collective timed out with an abort, whose stack is the one that matters.
     """
     global _stacks_file
     import faulthandler
     import signal
 
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file or _stacks_file is not None:
+    if not error_file:
         return
     try:
-        _stacks_file = open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w", encoding="utf-8")
-        _stacks_file.write(f"nbddp: stacks of rank {_env_int('RANK', 0)} (pid {os.getpid()})\n")
-        _stacks_file.flush()
+        if _stacks_file is None:
+            _stacks_file = open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w", encoding="utf-8")
+            _stacks_file.write(f"nbddp: stacks of rank {_env_int('RANK', 0)} (pid {os.getpid()})\n")
+            _stacks_file.flush()
+            faulthandler.register(signal.SIGTERM, file=_stacks_file, all_threads=True, chain=True)
         faulthandler.enable(file=_stacks_file, all_threads=True)
-        faulthandler.register(signal.SIGTERM, file=_stacks_file, all_threads=True, chain=True)
     except (OSError, ValueError, AttributeError):  # no such folder; not the main thread; no SIGTERM here
         pass
