@@ -57,7 +57,7 @@ def test_a_failing_rank_is_reported_at_its_cell_and_line(tmp_path, notebook):
     nb = notebook(
         [
             "import os\nimport time",
-            "x = 1\nif os.environ['RANK'] == '1':\n    raise ValueError('boom on rank 1')\ntime.sleep(30)",
+            "x = 1\nif os.environ['RANK'] == '1':\n    raise ValueError('boom on rank 1')\ntime.sleep(600)",
         ],
         markdown_first=True,
     )
@@ -68,5 +68,5 @@ def test_a_failing_rank_is_reported_at_its_cell_and_line(tmp_path, notebook):
     assert f.message == "ValueError: boom on rank 1"
     assert "raise ValueError('boom on rank 1')" in f.source
     assert 'File "nb.ipynb", cell 3, line 3, in <module>' in f.traceback
-    assert result.duration_s < 25  # rank 0 was stopped, not left sleeping
+    assert result.duration_s < 300  # rank 0 was stopped, not left sleeping (the bound allows a loaded machine)
     assert no_rank_processes(str(result.run_dir))
