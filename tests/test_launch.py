@@ -31,7 +31,7 @@ def test_traceback_frames_in_the_script_point_at_cells(tmp_path):
 
 def test_plan_passes_arguments_as_argv_and_finds_its_runtime(tmp_path):
     p = plan(tmp_path / "s.py", tmp_path, nproc=2, torchrun_args=["--max-restarts=0", "a b;c"])
-    assert p.argv[:3] == (sys.executable, "-m", "torch.distributed.run")
+    assert p.argv[:3] == (sys.executable, "-m", "nbddp.agent")  # torchrun's main plus a failure record
     assert "--standalone" in p.argv and "--nproc_per_node=2" in p.argv and "a b;c" in p.argv
     assert str(Path(__file__).resolve().parent.parent / "src") in p.env["PYTHONPATH"]
     multi = plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=["--nnodes=2", "--rdzv-endpoint=h:1"])

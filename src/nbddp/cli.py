@@ -29,6 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
     r.add_argument("--runs-dir", type=Path, help="where run directories go (default: ./nbddp_runs)")
     r.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
+    r.add_argument("--collective-timeout", type=float, metavar="SECONDS",
+                   help="fail a collective (all-reduce, barrier) that waits longer than this (default 1800)")
+    r.add_argument("--resume", action="store_true", help="trainer.train() continues from the last checkpoint")
+    r.add_argument("--nnodes", help="machines in the job (multi-node; with --rdzv-endpoint)")
+    r.add_argument("--node-rank", type=int, help="this machine's rank among them (static rendezvous)")
+    r.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous endpoint, the same on every machine")
     r.add_argument("--shim", action="append", default=[], metavar="NAME", help="force a compatibility shim on")
     r.add_argument("--no-shim", action="append", default=[], metavar="NAME", help="force a compatibility shim off")
     r.add_argument("--no-checkpointing", action="store_true",
@@ -96,17 +102,19 @@ def _convert(args) -> int:
 def _run(args) -> int:
     from .display import failure_report, summary
     from .job import JobResult, run_notebook, shim_env
+    from .launch import node_args, where_ranks_were
 
     script, result = run_notebook(
         args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
-        runs_dir=args.runs_dir, timeout_s=args.timeout, torchrun_args=args.torchrun_args,
-        env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing),
+        runs_dir=args.runs_dir, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
+        resume=args.resume, env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing),
+        torchrun_args=node_args(args.nnodes, args.node_rank, args.rdzv_endpoint) + args.torchrun_args,
     )
     for w in script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
     if result.failure:
-        sys.stderr.write(failure_report(result.failure))
-    elif not result.ok and not result.interrupted:
+        sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result)))
+    elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     job = JobResult.from_run(result, args.notebook.resolve().parent)
     print(summary(job), file=sys.stderr)

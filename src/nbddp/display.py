@@ -14,7 +14,7 @@ import io
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from .errors import JobFailed, JobInterrupted, NbddpError
 from .launch import RankFailure
@@ -65,9 +65,12 @@ def failure_headline(failure: RankFailure, label: Callable[[int], str] | None = 
     return f"rank {failure.rank} failed in {label(failure.cell)}, line {failure.line}: {failure.message}{src}"
 
 
-def failure_report(failure: RankFailure, label: Callable[[int], str] | None = None) -> str:
-    """The failing rank, the notebook cell and line, and its traceback with script lines mapped."""
-    return f"nbddp: {failure_headline(failure, label)}\n\n{failure.traceback.rstrip()}\n"
+def failure_report(failure: RankFailure, label: Callable[[int], str] | None = None, others: Iterable[str] = ()) -> str:
+    """The failing rank, the notebook cell and line, its traceback with script lines mapped, then ``others``:
+    lines on where the other ranks were when stopped (``launch.where_ranks_were``)."""
+    tb = f"\n\n{failure.traceback.rstrip()}\n" if failure.traceback.strip() else "\n"
+    rest = "".join(f"nbddp:   {line}\n" for line in others)
+    return f"nbddp: {failure_headline(failure, label)}{tb}" + (f"nbddp: when the job stopped:\n{rest}" if rest else "")
 
 
 def outcome_error(job: "JobResult", label: Callable[[int], str] | None = None) -> NbddpError | None:

@@ -30,20 +30,26 @@ def run_script(
     env: dict[str, str] | None = None,
     skip_installs: bool = False,
     timeout_s: float | None = None,
+    collective_timeout_s: float | None = None,
+    resume: bool = False,
     sink: Sink | None = None,
     on_metrics: Callable[[dict], None] | None = None,
 ) -> RunResult:
     """Write the script into a new run directory, run its installs once, then launch it under torchrun.
 
     ``cwd`` is where the ranks start (default: here); run directories go under ``runs_dir``, ``$NBDDP_RUNS``
-    or ``./nbddp_runs``.
+    or ``./nbddp_runs``. ``timeout_s`` bounds the job, ``collective_timeout_s`` each collective; ``resume``
+    continues ``trainer.train()`` from the last checkpoint (see ``launch.plan``).
     """
     runs = Path(runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
     run_dir = _launch.new_run_dir(runs, name)
     path = script.write(run_dir / "script.py")
     if script.installs and not skip_installs:
         _launch.run_installs((i.argv() for i in script.installs), sink)
-    plan = _launch.plan(path, run_dir, nproc=nproc, torchrun_args=torchrun_args, cwd=cwd, env=env, timeout_s=timeout_s)
+    plan = _launch.plan(
+        path, run_dir, nproc=nproc, torchrun_args=torchrun_args, cwd=cwd, env=env, timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s, resume=resume,
+    )
     return _launch.launch(plan, sink=sink, on_metrics=on_metrics)
 
 

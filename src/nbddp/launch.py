@@ -1,24 +1,36 @@
 """Start torchrun on a script, stream rank 0 live, keep every rank's log, and report failures by cell and line.
 
-torchrun writes each rank's stdout and stderr to files under the run directory (``--log-dir``,
-``--redirects 3``) and each failing rank's exception to an ``error.json`` (torch elastic's error files;
-``nbddp.runtime`` records uncaught exceptions there). The launcher follows rank 0's files as they grow and
-hands new text to a sink, reads the metrics rank 0 writes, and when the job ends maps the first failure's
-traceback back to the notebook through the script's source map. Whatever ends the wait — the job, an
-interrupt, a timeout — every process the job started is gone before ``launch`` returns.
+torchrun (started through ``nbddp.agent``, which is torchrun's own ``main`` plus a failure record) writes
+each rank's stdout and stderr to files under the run directory (``--log-dir``, ``--redirects 3``). Three
+records say how a job ended, all structured, none grepped from text:
+
+- ``error.json`` per failed rank: its uncaught exception (torch elastic's error files, written by
+  ``nbddp.runtime``'s excepthook);
+- ``failures.json``: torch elastic's ``ChildFailedError`` — every failed rank's exit code or signal, the
+  only trace of a rank killed by a signal;
+- ``stacks.txt`` per rank: every thread's stack, dumped by ``faulthandler`` when the rank was stopped or
+  crashed — what a stuck rank was doing.
+
+The launcher follows rank 0's files as they grow and hands new text to a sink, reads the metrics rank 0
+writes, and when the job ends maps the root failure and the stacks back to notebook cells through the
+script's source map. Whatever ends the wait — the job, an interrupt, a timeout — every process the job
+started is gone before ``launch`` returns.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -55,10 +67,19 @@ class LaunchPlan:
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
+    @property
+    def failures_path(self) -> Path:
+        """torch elastic's failure record, written by ``nbddp.agent`` when a rank fails."""
+        return self.run_dir / "failures.json"
+
 
 @dataclass(frozen=True)
 class RankFailure:
-    """The first rank that failed: where, why, and its traceback with script lines mapped to cells."""
+    """The rank whose failure ended the job: where, why, and its traceback with script lines mapped to cells.
+
+    ``signal`` is set when the rank was killed by a signal (it then has no Python traceback; its cell and
+    line, when known, come from the stack ``faulthandler`` dumped, e.g. on a segfault).
+    """
 
     rank: int
     message: str
@@ -67,11 +88,30 @@ class RankFailure:
     line: int | None = None
     source: str = ""
     exitcode: int | None = None
+    signal: int | None = None
 
     def __str__(self) -> str:
         where = f" in cell {self.cell}, line {self.line}" if self.cell else ""
         src = f"\n    {self.source.strip()}" if self.source.strip() else ""
-        return f"rank {self.rank} failed{where}: {self.message}{src}"
+        what = f"was killed (signal {self.signal})" if self.signal else "failed"
+        return f"rank {self.rank} {what}{where}: {self.message}{src}"
+
+
+@dataclass(frozen=True)
+class RankStack:
+    """Where a rank was when it was stopped or crashed: its innermost notebook line and its stack dump."""
+
+    rank: int
+    cell: int | None
+    line: int | None
+    source: str
+    stack: str
+
+    def __str__(self) -> str:
+        if self.cell is None:
+            return f"rank {self.rank} was outside the notebook's code (see its stack in the run directory)"
+        src = f": {self.source.strip()}" if self.source.strip() else ""
+        return f"rank {self.rank} was at cell {self.cell}, line {self.line}{src}"
 
 
 @dataclass(frozen=True)
@@ -86,14 +126,22 @@ class RunResult:
     failure: RankFailure | None = None
     interrupted: bool = False
     timed_out: bool = False
+    stacks: tuple[RankStack, ...] = ()  # where each stopped rank was, when the job did not finish by itself
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0
+        """Finished by itself with exit code 0 (a job that was stopped may still have exited 0)."""
+        return self.returncode == 0 and not self.interrupted and not self.timed_out
 
     @property
     def losses(self) -> list[float]:
         return [float(h["loss"]) for h in self.log_history if h.get("event") == "log" and "loss" in h]
+
+    @property
+    def last_step(self) -> tuple[int, int] | None:
+        """The last Trainer step rank 0 reported, with the planned total: ``(step, max_steps)``."""
+        steps = [h for h in self.log_history if "step" in h]
+        return (int(steps[-1]["step"]), int(steps[-1].get("max_steps") or 0)) if steps else None
 
     def rank_log(self, rank: int, stream: str = "stdout") -> Path | None:
         return find_rank_log(self.run_dir / "logs", rank, stream)
@@ -124,6 +172,22 @@ def new_run_dir(base: str | os.PathLike, name: str) -> Path:
     raise LaunchError(f"cannot make a run directory under {base}")
 
 
+def node_args(nnodes: int | str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None) -> list[str]:
+    """torchrun's multi-node arguments: ``--nnodes``, ``--node-rank``, and a c10d rendezvous at an endpoint.
+
+    Every node runs the same job with the same ``nnodes`` and ``rdzv_endpoint`` (``host:port`` of one of
+    them); the c10d rendezvous assigns ranks, ``node_rank`` only orders nodes under the static backend.
+    """
+    args = []
+    if nnodes is not None:
+        args.append(f"--nnodes={nnodes}")
+    if node_rank is not None:
+        args.append(f"--node-rank={node_rank}")
+    if rdzv_endpoint:
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    return args
+
+
 def plan(
     script: str | os.PathLike,
     run_dir: str | os.PathLike,
@@ -133,14 +197,24 @@ def plan(
     cwd: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float | None = None,
+    collective_timeout_s: float | None = None,
+    resume: bool = False,
 ) -> LaunchPlan:
-    """The torchrun command and environment for a script. Arguments are argv items, never shell text."""
+    """The torchrun command and environment for a script. Arguments are argv items, never shell text.
+
+    A single-node job gets torchrun's ``--standalone`` rendezvous, which listens on a free port, so jobs
+    side by side and a busy 29500 never collide. A ``--master-port`` the user chose is checked first:
+    busy, it is a ``LaunchError`` rather than a rendezvous that fails or hangs later.
+    ``collective_timeout_s`` bounds each collective (``NBDDP_TIMEOUT``, the process group's timeout);
+    ``timeout_s`` the whole job. ``resume`` lets ``trainer.train()`` continue from the last checkpoint.
+    """
     script, run_dir = Path(script).resolve(), Path(run_dir).resolve()
     nproc = nproc or default_nproc()
     extra = list(torchrun_args)
     rendezvous = [] if any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in extra) else ["--standalone"]
+    _check_master_port(extra)
     argv = (
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "nbddp.agent",
         *rendezvous,
         f"--nproc_per_node={nproc}",
         f"--log-dir={run_dir / 'logs'}",
@@ -155,10 +229,53 @@ def plan(
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     full_env["NBDDP_METRICS"] = str(run_dir / "metrics.jsonl")
     full_env["NBDDP_RUN_DIR"] = str(run_dir)
+    full_env["NBDDP_FAILURES"] = str(run_dir / "failures.json")
+    full_env["NBDDP_LAUNCHER_PID"] = str(os.getpid())
+    if collective_timeout_s:
+        full_env["NBDDP_TIMEOUT"] = str(max(1, round(collective_timeout_s)))
+    if resume:
+        full_env["NBDDP_RESUME"] = "1"
     return LaunchPlan(
         argv=tuple(argv), env=full_env, cwd=Path(cwd or script.parent).resolve(), run_dir=run_dir,
         script=script, nproc=nproc, timeout_s=timeout_s,
     )
+
+
+def _check_master_port(torchrun_args: list[str]) -> None:
+    """Refuse a user-chosen ``--master-port`` that something on this machine already listens on.
+
+    Only for a single-node job: across nodes the port is on the master's host, not necessarily this one.
+    """
+    if _arg_value(torchrun_args, "nnodes") not in (None, "1", "1:1"):
+        return
+    port = _arg_value(torchrun_args, "master-port")
+    if port and port.isdigit() and not port_is_free(int(port)):
+        raise LaunchError(
+            f"port {port} (--master-port) is already in use on this machine; "
+            "leave --master-port out and torchrun picks a free port"
+        )
+
+
+def _arg_value(args: list[str], name: str) -> str | None:
+    """The last value of a torchrun option, given as ``--name=v`` or ``--name v`` (``-`` or ``_`` inside)."""
+    pattern = re.compile("--" + re.escape(name).replace("\\-", "[-_]") + r"(?:=(.*))?")
+    value = None
+    for i, a in enumerate(args):
+        m = pattern.fullmatch(a)
+        if m:
+            value = m.group(1) if m.group(1) is not None else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def port_is_free(port: int) -> bool:
+    """True when a server could listen on ``port`` on every interface, as torchrun's TCPStore does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def run_installs(commands: Iterable[list[str]], sink: Sink | None = None) -> None:
@@ -173,7 +290,11 @@ def run_installs(commands: Iterable[list[str]], sink: Sink | None = None) -> Non
 
 
 def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None) -> RunResult:
-    """Run the plan to the end; stream rank 0 to ``sink``; leave no process behind whatever happens."""
+    """Run the plan to the end; stream rank 0 to ``sink``; leave no process behind whatever happens.
+
+    A Ctrl-C (``KeyboardInterrupt``) or the plan's timeout stops every rank; a second Ctrl-C while they are
+    being stopped is held back until they are gone, so it cannot leave ranks running.
+    """
     sink = sink or _stdout_sink
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -200,19 +321,21 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            terminate_tree(proc)
+            with _interrupts_held() as held:
+                terminate_tree(proc)
+            interrupted = interrupted or bool(held)
         for f in followers:
             f.poll(final=True)
         metrics.poll()
     code = proc.returncode
-    failure = None
-    if code != 0 and not interrupted:
-        failure = read_failure(plan.log_dir, plan.script)
-    if interrupted:
-        sink("stderr", "\nnbddp: interrupted; every rank has been stopped.\n")
-    if timed_out:
-        sink("stderr", f"\nnbddp: timed out after {plan.timeout_s:.0f} s; every rank has been stopped.\n")
-    return RunResult(
+    failure, stacks = None, ()
+    if code != 0 or timed_out or interrupted:
+        stacks = read_stacks(plan.log_dir, plan.script, _read_map(plan.script))
+        if not (timed_out or interrupted):  # ranks failing as they are stopped are not the cause
+            failure = read_failure(plan.log_dir, plan.script, failures=plan.failures_path)
+        if failure:  # the failed rank's own place is in the failure itself
+            stacks = tuple(st for st in stacks if st.rank != failure.rank)
+    result = RunResult(
         returncode=code if code is not None else -1,
         run_dir=plan.run_dir,
         script=plan.script,
@@ -221,7 +344,37 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         failure=failure,
         interrupted=interrupted,
         timed_out=timed_out,
+        stacks=stacks,
     )
+    if interrupted or timed_out:  # a hang is often ended this way: say where each rank was
+        what = "interrupted" if interrupted else f"timed out after {plan.timeout_s:.0f} s"
+        where = "".join(f"nbddp:   {line}\n" for line in where_ranks_were(result))
+        sink("stderr", f"\nnbddp: {what}; every rank has been stopped.\n{where}")
+    return result
+
+
+def where_ranks_were(result: RunResult) -> list[str]:
+    """Lines saying where each stopped rank was in the notebook and the last Trainer step, for a failure or a
+    timeout. Ranks stopped outside the notebook's code (starting up, shutting down) are left out."""
+    lines = [str(st) for st in result.stacks if st.cell is not None]
+    if result.last_step:
+        step, total = result.last_step
+        lines.append(f"last Trainer step: {step}" + (f" of {total}" if total else ""))
+    return lines
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Hold SIGINT back for the duration of the block (main thread only); yields the list of those held."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
@@ -317,12 +470,50 @@ class _MetricsReader:
 
 
 _FRAME = re.compile(r'^(\s*)File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<rest>.*)$')
+#: A frame in a ``faulthandler`` dump: ``  File "…", line N in func`` (no comma before "in").
+_DUMP_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.*)$')
+
+#: A death by signal is stamped by torch elastic in whole seconds when its agent notices it (every 0.1 s).
+#: It is taken as this much earlier than its stamp, so that an exception another rank raised within that
+#: second — most often its consequence, a collective whose peer vanished — does not pass for the cause.
+_SIGNAL_LEAD_S = 0.2
+
+#: What a signal most likely means, for the ones a training job meets.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "killed outright, most often by the system running out of memory (the OOM killer)",
+    signal.SIGSEGV: "crashed (segmentation fault) in native code",
+    signal.SIGABRT: "aborted by native code: a failed check in a C++ or CUDA library, or NCCL's watchdog "
+                    "ending a collective that timed out (the rank's log says which)",
+    signal.SIGTERM: "stopped from outside the job",
+    signal.SIGBUS: "crashed (bus error), often shared memory (/dev/shm) running out",
+}
 
 
-def read_failure(log_dir: Path, script: Path) -> RankFailure | None:
-    """The root-cause failure from torch elastic's error files, its traceback mapped to notebook cells."""
-    errors = []
-    for path in log_dir.glob("*/attempt_*/*/error.json"):
+def _newest_attempt(log_dir: Path, name: str) -> list[Path]:
+    """``<log_dir>/<run id>/attempt_N/<local rank>/<name>`` files of the newest attempt only."""
+    found = list(log_dir.glob(f"*/attempt_*/*/{name}"))
+    newest = max((_attempt(p) for p in found), default=None)
+    return [p for p in found if _attempt(p) == newest]
+
+
+def _read_map(script: Path) -> SourceMap | None:
+    try:
+        return SourceMap.from_json(map_path(script).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_failure(log_dir: Path, script: Path, failures: Path | None = None) -> RankFailure | None:
+    """The root-cause failure of the newest attempt, its traceback mapped to notebook cells.
+
+    Candidates are every rank's ``error.json`` (an exception) and, from torch elastic's failure record
+    (``failures``, written by ``nbddp.agent``), every rank that ended without one: killed by a signal, or
+    exited non-zero without a Python traceback. The earliest is the root cause, but a rank ended by SIGTERM
+    without an error file comes after all others: that is how torchrun stops the survivors.
+    """
+    smap = _read_map(script)
+    candidates: dict[int, dict] = {}
+    for path in _newest_attempt(log_dir, "error.json"):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -331,20 +522,99 @@ def read_failure(log_dir: Path, script: Path) -> RankFailure | None:
         if isinstance(msg, str):  # torch writes a string message for some failures
             msg = {"message": msg, "extraInfo": {}}
         info = msg.get("extraInfo", {})
-        stamp = int(info.get("timestamp", 0) or 0)
-        errors.append((stamp, _attempt(path), int(path.parent.name), msg.get("message", ""), info.get("py_callstack", "")))
-    if not errors:
+        rank = int(info.get("rank", path.parent.name))
+        when = float(info.get("time") or info.get("timestamp") or 0)
+        candidates[rank] = dict(time=when, message=msg.get("message", ""), callstack=info.get("py_callstack", ""))
+    for rec in _read_failure_record(failures):
+        rank = rec["rank"]
+        if rank in candidates:
+            candidates[rank]["exitcode"] = rec["exitcode"]
+            continue
+        exitcode = int(rec["exitcode"])
+        candidates[rank] = dict(time=rec["timestamp"] - _SIGNAL_LEAD_S, exitcode=exitcode, callstack="",
+                                signal=-exitcode if exitcode < 0 else None, local_rank=rec.get("local_rank"))
+    if not candidates:
         return None
-    # newest attempt first, then the earliest failure within it
-    errors.sort(key=lambda e: (-e[1], e[0]))
-    _, _, rank, message, callstack = errors[0]
-    try:
-        smap = SourceMap.from_json(map_path(script).read_text())
-    except (OSError, ValueError):
-        smap = None
-    mapped, cell, line = map_traceback(callstack, script, smap)
+    # torchrun stops the other ranks with SIGTERM once one fails: such deaths come last
+    rank = min(candidates, key=lambda r: (candidates[r].get("signal") == signal.SIGTERM, candidates[r]["time"], r))
+    c = candidates[rank]
+    if c.get("signal"):
+        return _signal_failure(rank, c, log_dir, script, smap)
+    if not c.get("message"):
+        message = f"exited with code {c['exitcode']} without a Python traceback (sys.exit or os._exit?)"
+        return RankFailure(rank=rank, message=message, traceback="", exitcode=c["exitcode"])
+    mapped, cell, line = map_traceback(c["callstack"], script, smap)
     source = _cell_line_text(script, smap, cell, line)
-    return RankFailure(rank=rank, message=message.strip(), traceback=mapped, cell=cell, line=line, source=source)
+    return RankFailure(rank=rank, message=c["message"].strip(), traceback=mapped, cell=cell, line=line,
+                       source=source, exitcode=c.get("exitcode"))
+
+
+def _read_failure_record(path: Path | None) -> list[dict]:
+    if path is None:
+        return []
+    try:
+        return list(json.loads(path.read_text()).get("failures", []))
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def _signal_failure(rank: int, c: dict, log_dir: Path, script: Path, smap: SourceMap | None) -> RankFailure:
+    """A rank killed by a signal: what the signal most likely means, and its stack when it could dump one."""
+    number = c["signal"]
+    try:
+        name = signal.Signals(number).name
+        hint = _SIGNAL_HINTS.get(signal.Signals(number), "")
+    except ValueError:
+        name, hint = f"signal {number}", ""
+    message = name + (f": {hint}" if hint else "")
+    stack = next((st for st in read_stacks(log_dir, script, smap) if st.rank == rank), None)
+    if stack is None:
+        return RankFailure(rank=rank, message=message, traceback="", exitcode=c["exitcode"], signal=number)
+    return RankFailure(rank=rank, message=message, traceback=stack.stack, cell=stack.cell, line=stack.line,
+                       source=stack.source, exitcode=c["exitcode"], signal=number)
+
+
+def read_stacks(log_dir: Path, script: Path, smap: SourceMap | None) -> tuple[RankStack, ...]:
+    """Each rank's ``faulthandler`` dump of the newest attempt, its innermost notebook frame located.
+
+    Only the first dump of a file counts (the one written when the rank was stopped or crashed). Of its
+    threads, the one running the script's module-level code is the rank's main thread.
+    """
+    stacks = []
+    for path in _newest_attempt(log_dir, "stacks.txt"):
+        try:
+            header, _, dump = path.read_text(errors="replace").partition("\n")
+        except OSError:
+            continue
+        m = re.search(r"stacks of rank (\d+)", header)
+        if not dump.strip() or not m:
+            continue
+        threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+        main = next((t for t in threads if _script_frames(t, script) and "in <module>" in t), threads[0])
+        mapped, cell, line = _map_dump(main, script, smap)
+        stacks.append(RankStack(rank=int(m.group(1)), cell=cell, line=line,
+                                source=_cell_line_text(script, smap, cell, line), stack=mapped))
+    return tuple(sorted(stacks, key=lambda st: st.rank))
+
+
+def _script_frames(dump: str, script: Path) -> list[re.Match]:
+    found = (_DUMP_FRAME.match(text) for text in dump.splitlines())
+    return [m for m in found if m and Path(m.group("file")).resolve() == script.resolve()]
+
+
+def _map_dump(dump: str, script: Path, smap: SourceMap | None) -> tuple[str, int | None, int | None]:
+    """Like ``map_traceback`` for a ``faulthandler`` dump, where the innermost frame comes first."""
+    cell = line = None
+    out = []
+    for text in dump.splitlines():
+        m = _DUMP_FRAME.match(text)
+        hit = smap.lookup(int(m.group("line"))) if m and smap and Path(m.group("file")).resolve() == script.resolve() else None
+        if hit:
+            if cell is None:
+                cell, line = hit
+            text = f'  File "{smap.origin}", cell {hit[0]}, line {hit[1]} in {m.group("func")}'
+        out.append(text)
+    return "\n".join(out), cell, line
 
 
 def map_traceback(traceback: str, script: Path, smap: SourceMap | None) -> tuple[str, int | None, int | None]:

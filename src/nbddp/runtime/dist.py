@@ -64,11 +64,17 @@ def setup() -> RankInfo:
 
     Idempotent. The backend is nccl with GPUs and gloo without; ``NBDDP_TIMEOUT`` bounds collectives.
     Seeds every rank alike (``NBDDP_SEED``), prints the job's configuration once (rank 0), applies the shims.
+    Also: weight files saved atomically (``saves``), stacks dumped when the rank is stopped, and
+    ``NBDDP_RESUME=1`` resuming ``trainer.train()`` from the last checkpoint (``resume``).
     """
     global _info
     if _info is not None:
         return _info
     _record_uncaught_errors()
+    _record_stacks_on_termination()
+    from . import saves
+
+    saves.install()  # before anything imports transformers or peft, which bind safetensors' save_file
     import torch
     import torch.distributed as dist
 
@@ -82,12 +88,14 @@ def setup() -> RankInfo:
     if info.world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=_env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend=info.backend, timeout=timeout)
+        _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
     _info = info
-    from . import metrics, shims
+    from . import metrics, resume, shims
     from .report import get_multi_gpu_config
 
     seed = seed_everything()
     metrics.attach()
+    resume.attach(log=lambda line: print0(line, flush=True))
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
     shims.apply_all(log=lambda line: print0(line, flush=True))
@@ -290,18 +298,60 @@ def _record_uncaught_errors() -> None:
 
 
 def write_error_file(path: str, exc_type, exc, tb) -> None:
+    """torch elastic's error record, written atomically: the agent may read it while this rank dies.
+
+    Beyond torch's fields, ``extraInfo`` carries the global ``rank`` (the file's folder only names the local
+    rank) and ``time`` in fractions of a second, which orders failures that fall within one second.
+    """
     import json
     import time
     import traceback
 
+    from .io import atomic_write_text
+
+    now = time.time()
     data = {
         "message": {
             "message": f"{exc_type.__name__}: {exc}",
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
-                "timestamp": str(int(time.time())),
+                "timestamp": str(int(now)),
+                "time": now,
+                "rank": _env_int("RANK", 0),
             },
         }
     }
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
+    atomic_write_text(path, json.dumps(data))
+
+
+#: Where ``faulthandler`` writes this rank's stacks; kept open for the life of the process.
+_stacks_file = None
+
+
+def _record_stacks_on_termination() -> None:
+    """Dump every thread's Python stack to ``stacks.txt`` beside the rank's error file when the rank is
+    stopped (SIGTERM, sent by torchrun or the launcher) or crashes (segfault, abort).
+
+    A rank stuck in a collective or killed on a timeout raises nothing, so this is the only record of what
+    it was doing; ``faulthandler`` writes it from the signal handler even while the rank waits inside C
+    code, then lets SIGTERM end the process as before. The launcher maps the frames to cells.
+
+    Called again after the process group is joined: NCCL installs its own SIGABRT handler there, and its
+    watchdog ends a rank whose collective timed out with an abort, whose stack is the one that matters.
+    """
+    global _stacks_file
+    import faulthandler
+    import signal
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    try:
+        if _stacks_file is None:
+            _stacks_file = open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w", encoding="utf-8")
+            _stacks_file.write(f"nbddp: stacks of rank {_env_int('RANK', 0)} (pid {os.getpid()})\n")
+            _stacks_file.flush()
+            faulthandler.register(signal.SIGTERM, file=_stacks_file, all_threads=True, chain=True)
+        faulthandler.enable(file=_stacks_file, all_threads=True)
+    except (OSError, ValueError, AttributeError):  # no such folder; not the main thread; no SIGTERM here
+        pass

@@ -1,0 +1,296 @@
+"""Faults on real runs (torchrun, gloo, CPU): each ends with a clear message naming the rank, no process left
+behind, nothing half-written."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, no_rank_processes
+from nbddp.job import run_notebook
+
+pytestmark = pytest.mark.e2e
+
+IMPORTS = "import os, signal, sys, time\nimport torch\nimport torch.distributed as dist"
+
+
+def quiet(stream, text):
+    pass
+
+
+def processes_with(marker: str) -> list[psutil.Process]:
+    me = os.getpid()
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["pid"] != me and marker in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+@pytest.fixture
+def reaper(tmp_path):
+    """Whatever a test leaves running under its folder is killed afterwards (the test asserts there is none)."""
+    yield
+    for p in processes_with(str(tmp_path)):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def nbddp_cli(*args, cwd, env=None, **kwargs):
+    """``nbddp …`` as a child process; argv items, no shell."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "nbddp.cli", *map(str, args)], cwd=cwd, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}, **kwargs,
+    )
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def rank_log_says(runs: Path, rank: int, text: str) -> bool:
+    return any(text in p.read_text(errors="replace") for p in runs.glob(f"*/logs/*/attempt_*/{rank}/stdout.log"))
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path, notebook, reaper):
+    nb = notebook([
+        IMPORTS,
+        "t = torch.ones(1)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "for _ in range(600):\n    dist.all_reduce(t)\n    time.sleep(0.1)",
+    ])
+    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet)
+    assert not result.ok
+    f = result.failure
+    assert str(f).startswith("rank 1 was killed (signal 9): SIGKILL")
+    assert (f.rank, f.signal, f.exitcode) == (1, 9, -9)
+    # torch elastic's own record of it, kept in the run directory
+    record = json.loads((result.run_dir / "failures.json").read_text())
+    assert any(r["rank"] == 1 and r["signal"] == "SIGKILL" and r["exitcode"] == -9 for r in record["failures"])
+    assert result.duration_s < 120  # rank 0 was stopped, not left looping for a minute
+    assert no_rank_processes(str(result.run_dir))
+
+
+def test_a_rank_that_segfaults_is_named_with_its_signal_cell_and_line(tmp_path, notebook, reaper):
+    nb = notebook([
+        IMPORTS + "\nimport ctypes",
+        "t = torch.ones(1)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n    ctypes.string_at(0)  # native crash\n"
+        "time.sleep(600)",
+    ])
+    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet)
+    f = result.failure
+    assert (f.rank, f.signal, f.cell, f.line) == (1, 11, 2, 4)
+    assert str(f).startswith("rank 1 was killed (signal 11) in cell 2, line 4: SIGSEGV: crashed (segmentation fault)")
+    assert 'File "nb.ipynb", cell 2, line 4 in <module>' in f.traceback  # the stack faulthandler dumped
+    assert [str(st) for st in result.stacks] == ["rank 0 was at cell 2, line 5: time.sleep(600)"]
+    assert no_rank_processes(str(result.run_dir))
+
+
+def test_a_rank_stuck_in_a_collective_fails_after_the_collective_timeout(tmp_path, notebook, reaper):
+    nb = notebook([
+        IMPORTS,
+        "t = torch.ones(1)\ndist.all_reduce(t)\nprint('synced', flush=True)",
+        "if dist.get_rank() == 1:\n    time.sleep(600)\ndist.all_reduce(t)",
+    ])
+    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet, collective_timeout_s=5)
+    assert not result.ok
+    f = result.failure
+    # the rank that waited names the collective it waited in …
+    assert (f.rank, f.cell, f.line) == (0, 3, 3)
+    assert "dist.all_reduce(t)" in f.source
+    # … and the stuck rank's stack, dumped when torchrun stopped it, says where it was
+    (stuck,) = [st for st in result.stacks if st.rank == 1]
+    assert (stuck.cell, stuck.line) == (3, 2)
+    assert str(stuck) == "rank 1 was at cell 3, line 2: time.sleep(600)"
+    assert result.duration_s < 300
+    assert no_rank_processes(str(result.run_dir))
+
+
+def test_the_job_timeout_stops_every_rank_and_says_where_each_was(tmp_path, notebook, reaper):
+    nb = notebook([
+        IMPORTS,
+        "t = torch.ones(1)\ndist.all_reduce(t)\nprint('synced', flush=True)\n"
+        "if dist.get_rank() == 1:\n    time.sleep(600)\ndist.all_reduce(t)",
+    ])
+    chunks = []
+    started = time.monotonic()
+    # the job's own timeout, under a collective timeout far longer
+    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
+                             timeout_s=120, collective_timeout_s=3600)
+    assert result.timed_out and not result.ok
+    assert time.monotonic() - started < 120 + 30
+    said = "".join(chunks)
+    assert "timed out after 120 s; every rank has been stopped." in said
+    assert "rank 0 was at cell 2, line 6: dist.all_reduce(t)" in said
+    assert "rank 1 was at cell 2, line 5: time.sleep(600)" in said
+    assert result.failure is None
+    assert no_rank_processes(str(result.run_dir))
+
+
+def test_interrupting_the_launcher_ends_every_rank_within_5_seconds(tmp_path, notebook, reaper):
+    nb = notebook([IMPORTS, "t = torch.ones(1)\nfor i in range(100000):\n    dist.all_reduce(t)\n    print('step', i, flush=True)\n    time.sleep(0.05)"])
+    runs = tmp_path / "runs"
+    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
+    try:
+        wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "both ranks stepping")
+        (run_dir,) = runs.iterdir()
+        assert len(processes_with(str(run_dir))) >= 3  # torchrun and two ranks
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        wait_for(lambda: not processes_with(str(run_dir)), 5, "every rank to end")  # the bound the issue sets
+        gone_after = time.monotonic() - started
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert gone_after <= 5
+    assert proc.returncode == 130
+    assert "interrupted; every rank has been stopped" in err
+    assert "rank 1 was at cell 2, line " in err  # where each rank was, from the stacks dumped as they stopped
+
+
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path, notebook, reaper):
+    nb = notebook([IMPORTS, "t = torch.ones(1)\nfor i in range(100000):\n    dist.all_reduce(t)\n    print('step', i, flush=True)\n    time.sleep(0.05)"])
+    runs = tmp_path / "runs"
+    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
+    try:
+        wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "both ranks stepping")
+        (run_dir,) = runs.iterdir()
+        proc.kill()  # SIGKILL: no chance to clean up; torchrun gets SIGTERM from the kernel instead
+        proc.wait(timeout=30)
+        wait_for(lambda: not processes_with(str(run_dir)), 60, "torchrun and every rank to end")
+    finally:
+        proc.kill()
+
+
+def _hold_port(port: int):
+    """Listen on ``port`` if nothing does yet; either way, the port is busy while the socket lives."""
+    sock = socket.socket()
+    try:
+        sock.bind(("", port))
+        sock.listen()
+    except OSError:
+        pass  # something else holds it already
+    return sock
+
+
+def test_two_jobs_at_once_with_the_default_port_taken(tmp_path, notebook, reaper):
+    nb = notebook([IMPORTS, "t = torch.ones(1)\ndist.all_reduce(t)\nprint('port', os.environ['MASTER_PORT'], 'sum', int(t.item()), flush=True)"])
+    runs = tmp_path / "runs"
+    held = _hold_port(29500)
+    results, outputs = [None, None], [[], []]
+
+    def job(k):
+        _, results[k] = run_notebook(nb, nproc=2, runs_dir=runs, sink=lambda s, t: outputs[k].append(t))
+
+    try:
+        threads = [threading.Thread(target=job, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=500)
+    finally:
+        held.close()
+    assert all(r is not None and r.ok for r in results), [r and r.failure for r in results]
+    assert results[0].run_dir != results[1].run_dir
+    ports = []
+    for chunks in outputs:
+        said = "".join(chunks)
+        assert "sum 2" in said  # both ranks of each job took part
+        ports.append(int(said.split("port ")[1].split()[0]))
+    assert ports[0] != ports[1] and 29500 not in ports
+    for r in results:
+        assert oct(r.run_dir.stat().st_mode & 0o777) == oct(0o700)  # private to the user
+        assert no_rank_processes(str(r.run_dir))
+
+
+def test_a_weights_file_being_saved_when_a_rank_dies_is_never_truncated(tmp_path, notebook, reaper):
+    out = tmp_path / "out"
+    nb = notebook([
+        IMPORTS,
+        "weights = {'w': torch.arange(4_000_000, dtype=torch.float32)}\ndist.barrier()",
+        f"if dist.get_rank() == 1:\n    time.sleep(3)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"else:\n    os.makedirs({str(out)!r}, exist_ok=True)\n    for i in range(100000):\n"
+        f"        torch.save(weights, {str(out / 'weights.pt')!r})\n"
+        f"        print('saved', i, flush=True)",
+    ])
+    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet)
+    assert result.failure and result.failure.rank == 1 and result.failure.signal == 9
+    assert rank_log_says(tmp_path / "runs", 0, "saved 1")  # rank 0 was saving over and over when stopped
+    import torch
+
+    loaded = torch.load(out / "weights.pt")  # complete: the last save that finished
+    assert torch.equal(loaded["w"], torch.arange(4_000_000, dtype=torch.float32))
+    assert no_rank_processes(str(result.run_dir))
+
+
+def test_arguments_with_shell_metacharacters_stay_arguments(tmp_path, notebook, reaper):
+    odd = tmp_path / "a b;touch PWNED;$(touch PWNED2)`touch PWNED3`"
+    odd.mkdir()
+    nb = notebook(["import os\nprint('hello from', os.environ['RANK'], flush=True)"], name="nb;touch PWNED4 &.ipynb")
+    nb = nb.rename(odd / nb.name)
+    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", odd / "runs|touch PWNED5", cwd=odd)
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    assert "hello from 0" in out
+    assert not list(tmp_path.rglob("PWNED*"))
+    assert not list(Path.cwd().glob("PWNED*")) and not list(odd.parent.parent.glob("PWNED*"))
+    assert no_rank_processes(str(odd))
+
+
+def test_secrets_in_the_environment_reach_the_ranks_but_no_file(tmp_path, notebook, reaper):
+    secret = "hf_FAKEtok3n_" + "x" * 20
+    nb = notebook(["import os\ntoken = os.environ['HF_TOKEN']\nprint('token length', len(token), flush=True)\n"
+                   "print('resume', os.environ.get('NBDDP_RESUME'), 'timeout', os.environ.get('NBDDP_TIMEOUT'), flush=True)\n"
+                   "raise RuntimeError('fail on purpose, so error files are written')"])
+    runs = tmp_path / "runs"
+    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, "--resume", "--collective-timeout", "77",
+                     cwd=tmp_path, env={"HF_TOKEN": secret})
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 1
+    assert f"token length {len(secret)}" in out  # the ranks got it
+    assert "resume 1 timeout 77" in out  # and the options, through the environment too
+    assert secret not in out and secret not in err
+    files = [p for p in runs.rglob("*") if p.is_file()]
+    assert any(p.name == "error.json" for p in files) and any(p.name == "torchrun.log" for p in files)
+    for p in files:
+        assert secret not in p.read_text(errors="replace"), p
+
+
+def test_two_nodes_on_loopback_train_together(tmp_path, notebook, reaper):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nb = notebook([IMPORTS, "t = torch.tensor([float(dist.get_rank() + 1)])\ndist.all_reduce(t)\n"
+                   "print('world', dist.get_world_size(), 'rank', dist.get_rank(), 'sum', int(t.item()), flush=True)"])
+    nodes = [
+        nbddp_cli("run", nb, "--nproc", "1", "--nnodes", "2", "--node-rank", str(k),
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--runs-dir", tmp_path / f"node{k}", cwd=tmp_path)
+        for k in (0, 1)
+    ]
+    outs = [n.communicate(timeout=500) for n in nodes]
+    for n, (out, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-3000:]
+    said = outs[0][0] + outs[1][0]
+    # each node streams its own first process; together they are ranks 0 and 1 of one world of 2 …
+    assert "world 2 rank 0 sum 3" in said and "world 2 rank 1 sum 3" in said  # … and both contributed
+    for k in (0, 1):
+        assert no_rank_processes(str(tmp_path / f"node{k}"))
