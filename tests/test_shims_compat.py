@@ -391,3 +391,16 @@ def test_precision_wrapper_turns_bf16_into_fp16_on_a_t4(monkeypatch, capsys):
     explicit_cpu = types.SimpleNamespace(bf16=True, fp16=False, use_cpu=True)
     post_init(explicit_cpu)
     assert seen[-1] == (False, False)
+
+
+def test_assumed_capability_rehearses_another_gpu(monkeypatch):
+    monkeypatch.delenv("NBDDP_ASSUME_CC", raising=False)
+    assert precision.assumed_capability() is None
+    monkeypatch.setenv("NBDDP_ASSUME_CC", "7.5")
+    assert precision.assumed_capability() == (7, 5)
+    t4_like = precision.Device("cuda", "H200 as if compute capability 7.5", *precision.assumed_capability())
+    chosen = precision.decide(t4_like, bf16=True, fp16=False)
+    assert (chosen.bf16, chosen.fp16) == (False, True)
+    monkeypatch.setenv("NBDDP_ASSUME_CC", "seven")
+    with pytest.raises(ValueError, match="7.5"):
+        precision.assumed_capability()

@@ -11,6 +11,8 @@ on CPU, saying so once. ``decide()`` holds the rule as a pure function of the de
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 from ..patching import installed, wrap, when_imported
@@ -63,7 +65,22 @@ def current_device(use_cpu: bool = False) -> Device:
     if use_cpu or not info.device.startswith("cuda"):
         return Device("cpu", "CPU")
     props = torch.cuda.get_device_properties(info.local_rank)
+    assumed = assumed_capability()
+    if assumed:  # rehearse another GPU's precision rules, e.g. a Kaggle T4 (7.5) on a newer card
+        return Device("cuda", f"{props.name} as if compute capability {assumed[0]}.{assumed[1]}", *assumed)
     return Device("cuda", props.name, props.major, props.minor)
+
+
+def assumed_capability() -> tuple[int, int] | None:
+    """``NBDDP_ASSUME_CC=7.5``: decide precision as on a GPU of that compute capability (None when unset)."""
+    value = os.environ.get("NBDDP_ASSUME_CC", "").strip()
+    if not value:
+        return None
+    major, _, minor = value.partition(".")
+    try:
+        return int(major), int(minor or 0)
+    except ValueError:
+        raise ValueError(f"NBDDP_ASSUME_CC must look like 7.5, not {value!r}") from None
 
 
 def detect() -> bool:
