@@ -9,7 +9,7 @@ and user code calling it directly. ``install()`` puts ``checkpoint`` below in it
 - a call that does not say ``use_reentrant`` runs the non-reentrant variant (torch itself still defaults
   to the reentrant one, which DDP mishandles); a call that says ``use_reentrant=True`` keeps it, with
   gradients switched on for its inputs (without them the checkpointed parameters get no gradient at all);
-- with checkpointing disabled (``set_disabled(True)``, the escape hatch) the function is called directly.
+- with checkpointing disabled (``install(disabled=True)``, the escape hatch) the function is called directly.
 
 ``facts(module)`` reads a model's effective checkpointing — which layers checkpoint and with which
 variant — from the state those libraries leave on it, not from their versions.
@@ -34,7 +34,7 @@ class CheckpointFacts:
 
     layers: int = 0
     reentrant: bool = False
-    source: str = ""  # who set it up, in words: "transformers", "Unsloth", …
+    source: str = ""  # whose checkpointing, in words: "transformers layers", "Unsloth"
     reason: str = ""  # why it is (non-)reentrant, in words
 
     @property
@@ -67,10 +67,6 @@ def uninstall() -> None:
     _original, _disabled, _non_reentrant_default = None, False, False
 
 
-def is_disabled() -> bool:
-    return _disabled
-
-
 def _rebind(old, new) -> None:
     """Replace every module-level name bound to ``old`` (``from torch.utils.checkpoint import checkpoint``)."""
     for module in list(sys.modules.values()):
@@ -91,9 +87,6 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, **kwargs):
     if use_reentrant:
         args = _inputs_with_grad(args)
     return _original(function, *args, use_reentrant=use_reentrant, **kwargs)
-
-
-checkpoint._nbddp = True
 
 
 def _inputs_with_grad(args: tuple) -> tuple:

@@ -16,8 +16,9 @@ What breaks (all reproduced on two gloo ranks by ``tests/test_grad_ckpt.py``):
 What it does: checkpoints that do not say ``use_reentrant`` run non-reentrant (``runtime.checkpointing``),
 which DDP supports with any settings. At each DDP construction (``runtime.ddp``) the wrapped model's
 effective checkpointing is read, and ``decide`` settles the arguments: reentrant checkpointing gets
-``find_unused_parameters=False`` and input gradients; ``static_graph`` stays on only where reentrant
-checkpointing needs it and accumulation is 1. ``NBDDP_DDP_STATIC_GRAPH=auto|0|1`` overrides the latter.
+``find_unused_parameters=False`` and input gradients; a requested ``static_graph`` is dropped with gradient
+accumulation, and with non-reentrant checkpointing (which does not need it). ``NBDDP_DDP_STATIC_GRAPH=
+auto|0|1`` overrides the latter.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _track_trainers(module) -> None:
             try:
                 return train(self, *args, **kwargs)
             finally:
-                _training.remove(self.args)
+                _training.pop()
 
         return tracked
 
