@@ -26,6 +26,8 @@ _original = None  # torch's own checkpoint function, once installed
 _own_kwargs: frozenset[str] = frozenset()  # keywords that belong to checkpoint, not to the checkpointed function
 _disabled = False
 _non_reentrant_default = False
+#: Called (no arguments) before each checkpoint the caller asked to run reentrant, while gradients are on.
+on_explicit_reentrant = None
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,10 @@ def install(*, non_reentrant_default: bool | None = None, disabled: bool | None 
 
 def uninstall() -> None:
     """Put torch's function back everywhere and reset the settings (for tests)."""
-    global _original, _disabled, _non_reentrant_default
+    global _original, _disabled, _non_reentrant_default, on_explicit_reentrant
     if _original is not None:
         _rebind(checkpoint, _original)
-    _original, _disabled, _non_reentrant_default = None, False, False
+    _original, _disabled, _non_reentrant_default, on_explicit_reentrant = None, False, False, None
 
 
 def _rebind(old, new) -> None:
@@ -82,11 +84,19 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, **kwargs):
     """``torch.utils.checkpoint.checkpoint`` as nbddp runs it (see the module docstring)."""
     if _disabled:
         return function(*args, **{k: v for k, v in kwargs.items() if k not in _own_kwargs})
+    if use_reentrant and on_explicit_reentrant is not None and _grad_enabled():
+        on_explicit_reentrant()
     if use_reentrant is None:
         use_reentrant = not _non_reentrant_default
     if use_reentrant:
         args = _inputs_with_grad(args)
     return _original(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def _inputs_with_grad(args: tuple) -> tuple:
