@@ -193,6 +193,8 @@ def test_adjusters_see_effective_arguments_and_hooks_the_instance(process_group)
     assert seen == [(module, False, 10)]
     assert built == [wrapped]
     assert wrapped.find_unused_parameters is True
+    ddp.unregister("test")
+    assert DDP(module).find_unused_parameters is False and len(seen) == 1 and len(built) == 1
 
 
 def test_install_wraps_once(process_group):

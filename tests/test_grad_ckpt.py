@@ -65,6 +65,13 @@ def test_checkpointing_that_does_not_say_use_reentrant_is_made_non_reentrant(tmp
         assert "non-reentrant (use_reentrant not set; nbddp's default)" in out
 
 
+def test_a_reentrant_checkpoint_in_the_scripts_own_forward_is_named_before_ddp_fails(tmp_path):
+    # invisible when DDP is built, and insisted on: nbddp cannot repair it, but says why in plain words
+    result, out = run_job(tmp_path, "ckpt_loop.py", shim=True, CKPT="direct", REENTRANT=1, FIND_UNUSED=1)
+    assert_fails_with(result, READY_TWICE)
+    assert "nbddp: torch.utils.checkpoint(..., use_reentrant=True) runs inside a DDP model built with" in out
+
+
 def test_static_graph_while_the_parameters_used_change_between_steps(tmp_path):
     job = dict(CKPT="hf", FIND_UNUSED=1, STATIC=1, VARY=1)
     result, _ = run_job(tmp_path, "ckpt_loop.py", shim=False, **job)

@@ -2,8 +2,9 @@
 
 CKPT: how checkpointing is switched on — "none", "hf" (transformers' default), "empty" (an empty kwargs dict,
 as PEFT's prepare_model_for_kbit_training passes: torch's default, reentrant), "reentrant", "direct" (the
-layers wrapped by hand in torch.utils.checkpoint with no use_reentrant). FIND_UNUSED / STATIC: the DDP
-arguments. VARY=1: one layer's adapter is skipped on odd steps, so the parameters used change between steps.
+layers wrapped by hand in torch.utils.checkpoint; with use_reentrant=True if REENTRANT=1, else without it).
+FIND_UNUSED / STATIC: the DDP arguments. VARY=1: one layer's adapter is skipped on odd steps, so the
+parameters used change between steps.
 """
 
 import contextlib
@@ -34,8 +35,13 @@ elif ckpt == "direct":
 
     from torch.utils.checkpoint import checkpoint
 
+    reentrant = {"use_reentrant": True} if env("REENTRANT") == "1" else {}
+
+    def checkpointed(forward):
+        return lambda *args, **kwargs: checkpoint(functools.partial(forward, **kwargs), *args, **reentrant)
+
     for layer in model.base_model.model.model.layers:
-        layer.forward = (lambda f: lambda *a, **k: checkpoint(functools.partial(f, **k), *a))(layer.forward)
+        layer.forward = checkpointed(layer.forward)
     model.enable_input_require_grads()
 model.train()
 ddp = DDP(model, find_unused_parameters=env("FIND_UNUSED") == "1", static_graph=env("STATIC") == "1")

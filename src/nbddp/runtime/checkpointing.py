@@ -9,7 +9,7 @@ and user code calling it directly. ``install()`` puts ``checkpoint`` below in it
 - a call that does not say ``use_reentrant`` runs the non-reentrant variant (torch itself still defaults
   to the reentrant one, which DDP mishandles); a call that says ``use_reentrant=True`` keeps it, with
   gradients switched on for its inputs (without them the checkpointed parameters get no gradient at all);
-- with checkpointing disabled (``set_disabled(True)``, the escape hatch) the function is called directly.
+- with checkpointing disabled (``install(disabled=True)``, the escape hatch) the function is called directly.
 
 ``facts(module)`` reads a model's effective checkpointing — which layers checkpoint and with which
 variant — from the state those libraries leave on it, not from their versions.
@@ -26,6 +26,8 @@ _original = None  # torch's own checkpoint function, once installed
 _own_kwargs: frozenset[str] = frozenset()  # keywords that belong to checkpoint, not to the checkpointed function
 _disabled = False
 _non_reentrant_default = False
+#: Called (no arguments) before each checkpoint the caller asked to run reentrant, while gradients are on.
+on_explicit_reentrant = None
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class CheckpointFacts:
 
     layers: int = 0
     reentrant: bool = False
-    source: str = ""  # who set it up, in words: "transformers", "Unsloth", …
+    source: str = ""  # whose checkpointing, in words: "transformers layers", "Unsloth"
     reason: str = ""  # why it is (non-)reentrant, in words
 
     @property
@@ -61,14 +63,10 @@ def install(*, non_reentrant_default: bool | None = None, disabled: bool | None 
 
 def uninstall() -> None:
     """Put torch's function back everywhere and reset the settings (for tests)."""
-    global _original, _disabled, _non_reentrant_default
+    global _original, _disabled, _non_reentrant_default, on_explicit_reentrant
     if _original is not None:
         _rebind(checkpoint, _original)
-    _original, _disabled, _non_reentrant_default = None, False, False
-
-
-def is_disabled() -> bool:
-    return _disabled
+    _original, _disabled, _non_reentrant_default, on_explicit_reentrant = None, False, False, None
 
 
 def _rebind(old, new) -> None:
@@ -86,6 +84,8 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, **kwargs):
     """``torch.utils.checkpoint.checkpoint`` as nbddp runs it (see the module docstring)."""
     if _disabled:
         return function(*args, **{k: v for k, v in kwargs.items() if k not in _own_kwargs})
+    if use_reentrant and on_explicit_reentrant is not None and _grad_enabled():
+        on_explicit_reentrant()
     if use_reentrant is None:
         use_reentrant = not _non_reentrant_default
     if use_reentrant:
@@ -93,7 +93,10 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, **kwargs):
     return _original(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 
-checkpoint._nbddp = True
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def _inputs_with_grad(args: tuple) -> tuple:

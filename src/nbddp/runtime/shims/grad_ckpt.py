@@ -16,8 +16,9 @@ What breaks (all reproduced on two gloo ranks by ``tests/test_grad_ckpt.py``):
 What it does: checkpoints that do not say ``use_reentrant`` run non-reentrant (``runtime.checkpointing``),
 which DDP supports with any settings. At each DDP construction (``runtime.ddp``) the wrapped model's
 effective checkpointing is read, and ``decide`` settles the arguments: reentrant checkpointing gets
-``find_unused_parameters=False`` and input gradients; ``static_graph`` stays on only where reentrant
-checkpointing needs it and accumulation is 1. ``NBDDP_DDP_STATIC_GRAPH=auto|0|1`` overrides the latter.
+``find_unused_parameters=False`` and input gradients; a requested ``static_graph`` is dropped with gradient
+accumulation, and with non-reentrant checkpointing (which does not need it). ``NBDDP_DDP_STATIC_GRAPH=
+auto|0|1`` overrides the latter.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 from .. import checkpointing, ddp
@@ -51,7 +53,9 @@ def detect() -> bool:
 
 def apply() -> str | None:
     checkpointing.install(non_reentrant_default=True)
+    checkpointing.on_explicit_reentrant = _warn_if_ddp_finds_unused
     ddp.register_adjuster(NAME, adjust)
+    ddp.register_hook(NAME, _built.add)
     when_imported("transformers.trainer", _track_trainers)
     return None  # the message comes when a DDP wrapper is built around a checkpointed model
 
@@ -74,7 +78,7 @@ def _track_trainers(module) -> None:
             try:
                 return train(self, *args, **kwargs)
             finally:
-                _training.remove(self.args)
+                _training.pop()
 
         return tracked
 
@@ -159,6 +163,21 @@ def adjust(module, kwargs: dict) -> dict:
     kwargs["find_unused_parameters"] = settings.find_unused_parameters
     kwargs["static_graph"] = settings.static_graph
     return kwargs
+
+
+#: The DDP wrappers built in this process, for the check below.
+_built: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warn_if_ddp_finds_unused() -> None:
+    """A reentrant checkpoint the script calls itself cannot be seen when DDP is built; say so when it runs
+    under a wrapper that looks for unused parameters, before DDP fails with a message naming neither."""
+    if any(d.find_unused_parameters and not d.static_graph for d in list(_built)):
+        _say(
+            "torch.utils.checkpoint(..., use_reentrant=True) runs inside a DDP model built with "
+            "find_unused_parameters=True: its backward will fail with 'marked as ready twice'. Leave out "
+            "use_reentrant=True (nbddp then runs the non-reentrant variant) or set find_unused_parameters=False."
+        )
 
 
 def _enable_input_grads(module) -> None:
