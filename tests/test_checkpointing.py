@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nbddp.runtime import checkpointing, ddp
+from nbddp.runtime import checkpointing, ddp_patch
 from nbddp.runtime.checkpointing import CheckpointFacts
 from nbddp.runtime.shims import grad_ckpt
 
@@ -29,7 +29,7 @@ def process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-    ddp.uninstall()
+    ddp_patch.uninstall()
 
 
 def counted():
@@ -185,22 +185,22 @@ def test_adjusters_see_effective_arguments_and_hooks_the_instance(process_group)
         seen.append((module, kwargs["find_unused_parameters"], kwargs["bucket_cap_mb"]))
         return {**kwargs, "find_unused_parameters": True}
 
-    ddp.register_adjuster("test", adjuster)
-    ddp.register_hook("test", built.append)
-    ddp.register_adjuster("test", adjuster)  # registering again replaces, never stacks
+    ddp_patch.register_adjuster("test", adjuster)
+    ddp_patch.register_hook("test", built.append)
+    ddp_patch.register_adjuster("test", adjuster)  # registering again replaces, never stacks
     module = torch.nn.Linear(2, 2)
     wrapped = DDP(module, None, None, 0, bucket_cap_mb=10)  # positional arguments too
     assert seen == [(module, False, 10)]
     assert built == [wrapped]
     assert wrapped.find_unused_parameters is True
-    ddp.unregister("test")
+    ddp_patch.unregister("test")
     assert DDP(module).find_unused_parameters is False and len(seen) == 1 and len(built) == 1
 
 
 def test_install_wraps_once(process_group):
-    assert ddp.install() is True
-    assert ddp.install() is False
-    ddp.uninstall()
+    assert ddp_patch.install() is True
+    assert ddp_patch.install() is False
+    ddp_patch.uninstall()
     assert not hasattr(DDP.__init__, "_nbddp_original")
 
 

@@ -18,7 +18,7 @@ hooks (no gain measured for LoRA gradients, and they change the numbers).
 
 from __future__ import annotations
 
-from .. import ddp
+from .. import ddp_patch
 
 NAME = "ddp_defaults"
 
@@ -31,7 +31,7 @@ def detect() -> bool:
 
 
 def apply() -> str:
-    ddp.register_adjuster(NAME, adjust)
+    ddp_patch.register_adjuster(NAME, adjust)
     return "DDP defaults: gradient_as_bucket_view on; buffers broadcast only where training changes them"
 
 
@@ -41,8 +41,8 @@ def buffers_change(module) -> bool:
 
 
 def adjust(module, kwargs: dict) -> dict:
-    if not ddp.caller_passed("gradient_as_bucket_view"):
+    if not ddp_patch.caller_passed("gradient_as_bucket_view"):
         kwargs["gradient_as_bucket_view"] = True
-    if not ddp.caller_passed("broadcast_buffers") and not buffers_change(module):
+    if not ddp_patch.caller_passed("broadcast_buffers") and not buffers_change(module):
         kwargs["broadcast_buffers"] = False
     return kwargs

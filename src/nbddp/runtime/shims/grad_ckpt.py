@@ -14,7 +14,7 @@ What breaks (all reproduced on two gloo ranks by ``tests/test_grad_ckpt.py``):
   INTERNAL ASSERT FAILED" in torch's reducer.
 
 What it does: checkpoints that do not say ``use_reentrant`` run non-reentrant (``runtime.checkpointing``),
-which DDP supports with any settings. At each DDP construction (``runtime.ddp``) the wrapped model's
+which DDP supports with any settings. At each DDP construction (``runtime.ddp_patch``) the wrapped model's
 effective checkpointing is read, and ``decide`` settles the arguments: reentrant checkpointing gets
 ``find_unused_parameters=False`` and input gradients; a requested ``static_graph`` is dropped with gradient
 accumulation, and with non-reentrant checkpointing (which does not need it). ``NBDDP_DDP_STATIC_GRAPH=
@@ -29,7 +29,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 
-from .. import checkpointing, ddp
+from .. import checkpointing, ddp_patch
 from ..checkpointing import CheckpointFacts
 from ..patching import when_imported, wrap
 
@@ -54,8 +54,8 @@ def detect() -> bool:
 def apply() -> str | None:
     checkpointing.install(non_reentrant_default=True)
     checkpointing.on_explicit_reentrant = _warn_if_ddp_finds_unused
-    ddp.register_adjuster(NAME, adjust)
-    ddp.register_hook(NAME, _built.add)
+    ddp_patch.register_adjuster(NAME, adjust)
+    ddp_patch.register_hook(NAME, _built.add)
     when_imported("transformers.trainer", _track_trainers)
     return None  # the message comes when a DDP wrapper is built around a checkpointed model
 
@@ -148,7 +148,7 @@ def decide(
 
 
 def adjust(module, kwargs: dict) -> dict:
-    """The ``runtime.ddp`` adjuster: read the module's checkpointing, apply ``decide``, tell rank 0."""
+    """The ``runtime.ddp_patch`` adjuster: read the module's checkpointing, apply ``decide``, tell rank 0."""
     settings = decide(
         checkpointing.facts(module),
         bool(kwargs.get("find_unused_parameters")),
