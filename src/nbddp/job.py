@@ -63,7 +63,7 @@ def run_notebook(path: str | os.PathLike, *, skip_bad_cells: bool = False, **kwa
 
 def run_template(
     path: str | os.PathLike, namespace: Mapping[str, object], **kwargs
-) -> tuple[Script, RunResult]:
+) -> tuple[Script, "JobResult"]:
     """Train a papermill template's cells under torchrun with the parameter values a kernel holds.
 
     A template's kernel (papermill's, or Jupyter's) runs only the cell tagged ``parameters`` (and the one
@@ -71,7 +71,8 @@ def run_template(
     ``nbddp-skip``, calls this with ``globals()``. The parameter names papermill finds in the saved notebook
     take their values from ``namespace`` and are injected after the ``parameters`` cell by papermill's own
     ``parameterize_notebook``, as in papermill's output notebook; then the notebook is converted and run
-    like ``run_notebook``, its ranks starting in the notebook's folder.
+    like ``run_notebook``, its ranks starting in the notebook's folder. Returns the script and the
+    ``JobResult`` a kernel's next cell reads, as ``%%ddp_train`` leaves it.
     """
     try:
         from papermill.inspection import inspect_notebook
@@ -92,7 +93,7 @@ def run_template(
     nb = parameterize_notebook(load_notebook_node(str(path)), {n: namespace[n] for n in names})
     script = convert_cells(notebook_cells(nb, origin=str(path)), origin=path.name)
     kwargs.setdefault("cwd", path.resolve().parent)
-    return script, run_script(script, name=path.stem, **kwargs)
+    return script, JobResult.from_run(run_script(script, name=path.stem, **kwargs), kwargs["cwd"])
 
 
 def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
