@@ -149,13 +149,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--phase", default="scaling", choices=["explore", "scaling", "all"])
-    ap.add_argument("--only", default="", help="comma-separated name prefixes to run")
+    ap.add_argument("--only", default="", help="comma-separated configuration names to run (exact)")
     ap.add_argument("--repeat", type=int, default=1, help="run the whole list N times, interleaved; report medians")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, str(HERE / "gpu_workload.py"), "prepare"], check=True)  # no CUDA in this process
     configs = [c for c in configurations(args.out, args.phase)
-               if not args.only or any(c[0].startswith(p) for p in args.only.split(","))]
+               if not args.only or c[0] in args.only.split(",")]
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeat):  # interleaved, so drift in the machine touches every configuration alike
         for name, argv, env in configs:
