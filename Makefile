@@ -22,6 +22,7 @@ test: $(STAMP)  ## the full test suite, as CI runs it
 
 bench: $(STAMP)  ## CPU benchmarks; results land in benchmarks/results/
 	$(PY) benchmarks/convert_speed.py
+	$(PY) benchmarks/cpu_overheads.py
 
 clean:
 	rm -rf nbddp_runs .pytest_cache
