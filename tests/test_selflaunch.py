@@ -70,3 +70,15 @@ def test_a_failing_rank_fails_the_kaggle_run(tmp_path):
     proc = run_exported(tmp_path, ["import os\nif os.environ['RANK'] == '1':\n    raise ValueError('boom on rank 1')"])
     assert proc.returncode != 0  # Kaggle marks the version failed
     assert "ValueError: boom on rank 1" in proc.stdout + proc.stderr  # torchrun's failure summary
+
+
+def test_several_machines_through_the_command_line_or_the_environment(monkeypatch):
+    monkeypatch.delenv("NBDDP_TORCHRUN_ARGS", raising=False)
+    assert selflaunch.torchrun_options([]) == []
+    single = selflaunch.torchrun_argv("/k/run.py", 2, "/k/logs", [])
+    assert "--standalone" in single
+    monkeypatch.setenv("NBDDP_TORCHRUN_ARGS", "--nnodes=2 --rdzv-endpoint=10.0.0.1:29400")
+    extra = selflaunch.torchrun_options(["--node-rank=1"])
+    assert extra == ["--nnodes=2", "--rdzv-endpoint=10.0.0.1:29400", "--node-rank=1"]
+    multi = selflaunch.torchrun_argv("/k/run.py", 2, "/k/logs", extra)
+    assert "--standalone" not in multi and multi[-4:] == [*extra, "/k/run.py"]

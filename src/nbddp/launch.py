@@ -38,6 +38,7 @@ import psutil
 
 from .convert.script import SourceMap, map_path
 from .errors import LaunchError
+from .runtime import selflaunch
 
 #: Seconds between two looks at the log files.
 POLL_S = 0.05
@@ -211,7 +212,7 @@ def plan(
     script, run_dir = Path(script).resolve(), Path(run_dir).resolve()
     nproc = nproc or default_nproc()
     extra = list(torchrun_args)
-    rendezvous = [] if any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in extra) else ["--standalone"]
+    rendezvous = selflaunch.rendezvous(extra)
     _check_master_port(extra)
     argv = (
         sys.executable, "-m", "nbddp.agent",

@@ -4,7 +4,9 @@ The exported script calls ``main(__file__, installs)`` before any training code.
 the notebook's installs once, starts ``torchrun`` on the same file with one process per GPU (two gloo
 processes on a machine without GPUs) and exits with torchrun's exit code. Under torchrun it returns at once,
 and the rest of the file trains. Every rank's output goes to ``nbddp_logs/`` under the working directory;
-rank 0's is also shown on the console.
+rank 0's is also shown on the console. torchrun options for several machines come after the file name
+(``python kernel.py --nnodes=2 --rdzv-endpoint=HOST:PORT``) or, where no command line can be given, in
+``NBDDP_TORCHRUN_ARGS``.
 
 Only the standard library (and torch, to count GPUs) is used: this module runs before anything is installed.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from typing import Iterable, Sequence
@@ -53,12 +56,23 @@ def run_installs(installs: Iterable[Sequence[str]]) -> None:
             raise SystemExit(f"nbddp: install failed (exit {code}): {' '.join(argv)}")
 
 
-def torchrun_argv(script: str, nproc: int, log_dir: str) -> list[str]:
-    """torchrun on ``script``: standalone rendezvous, every rank logged to files, rank 0 teed to the console."""
+def rendezvous(extra: Sequence[str]) -> list[str]:
+    """``--standalone`` (a free local port) unless ``extra`` sets up a rendezvous of several machines."""
+    return [] if any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in extra) else ["--standalone"]
+
+
+def torchrun_options(argv: Sequence[str] | None = None) -> list[str]:
+    """torchrun options given to the plain run: ``NBDDP_TORCHRUN_ARGS``, then the script's own arguments."""
+    return shlex.split(os.environ.get("NBDDP_TORCHRUN_ARGS", "")) + list(sys.argv[1:] if argv is None else argv)
+
+
+def torchrun_argv(script: str, nproc: int, log_dir: str, extra: Sequence[str] = ()) -> list[str]:
+    """torchrun on ``script``: every rank logged to files, rank 0 teed to the console, ``extra`` options."""
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc_per_node={nproc}",
+        *rendezvous(extra), f"--nproc_per_node={nproc}",
         f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
+        *extra,
         script,
     ]
 
@@ -69,7 +83,8 @@ def launch_self(script: str, installs: Iterable[Sequence[str]] = ()) -> int:
     nproc = process_count()
     log_dir = os.path.abspath(os.environ.get("NBDDP_LOG_DIR") or LOG_DIR)
     print(f"nbddp: starting {nproc} processes with torchrun; every rank's log goes to {log_dir}", flush=True)
-    return subprocess.run(torchrun_argv(os.path.abspath(script), nproc, log_dir)).returncode
+    argv = torchrun_argv(os.path.abspath(script), nproc, log_dir, torchrun_options())
+    return subprocess.run(argv).returncode
 
 
 def main(script: str, installs: Iterable[Sequence[str]] = ()) -> None:
