@@ -310,6 +310,7 @@ def test_the_agent_ends_itself_when_its_launcher_is_already_gone():
 
 def test_where_ranks_were_names_notebook_lines_and_the_last_trainer_step(tmp_path):
     from nbddp.display import failure_report, summary
+    from nbddp.job import JobResult
     from nbddp.launch import RankFailure, RankStack, RunResult, where_ranks_were
 
     stacks = (RankStack(0, None, None, "", "Garbage-collecting"),  # not in notebook code: left out
@@ -319,7 +320,7 @@ def test_where_ranks_were_names_notebook_lines_and_the_last_trainer_step(tmp_pat
                        log_history=history, timed_out=True, stacks=stacks)
     assert not result.ok and result.last_step == (12, 100)
     assert where_ranks_were(result) == ["rank 1 was at cell 4, line 2: dist.all_reduce(t)", "last Trainer step: 12 of 100"]
-    assert summary(result).startswith("nbddp: timed out in 3.0 s")
+    assert summary(JobResult.from_run(result, tmp_path)).startswith("nbddp: timed out in 3.0 s")
     report = failure_report(RankFailure(rank=2, message="SIGKILL: …", traceback="", signal=9), others=where_ranks_were(result))
     assert report == ("nbddp: rank 2 was killed (signal 9): SIGKILL: …\n"
                       "nbddp: when the job stopped:\n"
