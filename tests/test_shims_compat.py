@@ -404,3 +404,27 @@ def test_assumed_capability_rehearses_another_gpu(monkeypatch):
     monkeypatch.setenv("NBDDP_ASSUME_CC", "seven")
     with pytest.raises(ValueError, match="7.5"):
         precision.assumed_capability()
+
+
+def test_different_patches_of_one_function_each_apply_once():
+    class Args:
+        def __post_init__(self):
+            self.calls = ["original"]
+
+    def first(original):
+        def run(self):
+            original(self)
+            self.calls.append("first")
+        return run
+
+    def second(original):
+        def run(self):
+            original(self)
+            self.calls.append("second")
+        return run
+
+    assert patching.wrap(Args, "__post_init__", first) and patching.wrap(Args, "__post_init__", second)
+    assert not patching.wrap(Args, "__post_init__", first)  # already applied beneath the second
+    args = Args()
+    args.__post_init__()
+    assert args.calls == ["original", "first", "second"]

@@ -13,7 +13,8 @@ import importlib.util
 import inspect
 from typing import Callable
 
-#: Attribute set on every wrapper nbddp installs, so that applying a patch twice wraps nothing twice.
+#: Attribute on every wrapper nbddp installs: the names of the patches applied in it and beneath it, so
+#: applying a patch twice wraps nothing twice while different patches of one function each apply once.
 MARK = "_nbddp_patched"
 
 
@@ -32,29 +33,36 @@ def when_imported(name: str, patch: Callable) -> None:
     wrapt.register_post_import_hook(patch, name)
 
 
-def is_patched(func) -> bool:
-    return getattr(func, MARK, False)
+def patch_name(make_wrapper: Callable) -> str:
+    """What identifies a patch: its maker's module and qualified name (the same on every call of a shim)."""
+    return f"{getattr(make_wrapper, '__module__', '')}.{getattr(make_wrapper, '__qualname__', repr(make_wrapper))}"
+
+
+def is_patched(func, make_wrapper: Callable | None = None) -> bool:
+    """Whether nbddp wrapped ``func`` at all, or (given ``make_wrapper``) with that patch."""
+    applied = getattr(func, MARK, frozenset())
+    return bool(applied) if make_wrapper is None else patch_name(make_wrapper) in applied
 
 
 def wrap(owner, attr: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
-    """Replace ``owner.attr`` with ``make_wrapper(original)`` unless nbddp already did.
+    """Replace ``owner.attr`` with ``make_wrapper(original)`` unless this patch was already applied.
 
     Keeps a ``staticmethod`` or ``classmethod`` what it was, and gives the wrapper the original's name,
     docstring and signature (``functools.wraps``: libraries that inspect the signature still see the real
-    one). Returns False, changing nothing, when the attribute is missing or already wrapped, or when
-    ``make_wrapper`` hands the original back (nothing to change).
+    one). Other patches of the same attribute stack: each applies once. Returns False, changing nothing, when
+    the attribute is missing, this patch is already applied, or ``make_wrapper`` hands the original back.
     """
     raw = inspect.getattr_static(owner, attr, None)
     if raw is None:
         return False
     kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
     original = raw.__func__ if kind else raw
-    if is_patched(original):
+    if is_patched(original, make_wrapper):
         return False
     wrapper = make_wrapper(original)
     if wrapper is original:
         return False
     wrapper = functools.wraps(original)(wrapper)
-    setattr(wrapper, MARK, True)
+    setattr(wrapper, MARK, getattr(original, MARK, frozenset()) | {patch_name(make_wrapper)})
     setattr(owner, attr, kind(wrapper) if kind else wrapper)
     return True
