@@ -38,7 +38,12 @@ def test_a_line_still_being_redrawn_is_passed_on_at_most_every_interval():
     assert cr.feed("\r 6%\nnext") == "\r 6%\nnext"  # a finished line always goes through
     clock.now = 0.9
     assert cr.feed("\r 7%") == ""
-    assert cr.flush() == "\r 7%" and cr.flush() == ""
+    assert cr.due() == ""  # not yet
+    clock.now = 1.5
+    assert cr.due() == "\r 7%" and cr.due() == ""  # passed on once its interval is over
+    clock.now = 1.6
+    assert cr.feed("\r 8%") == ""
+    assert cr.flush() == "\r 8%" and cr.flush() == ""
 
 
 def test_crlf_split_across_chunks_stays_a_newline():

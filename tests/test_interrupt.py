@@ -35,16 +35,16 @@ def execute(kc, code, timeout=300, until=None):
         elif kind == "error":
             errors.append(content)
         elif kind == "status" and content["execution_state"] == "idle":
-            return shell_reply(kc, msg_id)["content"]["status"], text, errors
+            return reply(kc, msg_id)["status"], text, errors
     raise TimeoutError(f"no answer within {timeout} s; output so far:\n{text}")
 
 
-def shell_reply(kc, msg_id, timeout=30):
-    """The shell reply to ``msg_id``, skipping replies to earlier requests (an interrupted cell's)."""
+def reply(kc, msg_id):
+    """The shell channel's execute reply to ``msg_id`` (replies to earlier requests are passed over)."""
     while True:
-        reply = kc.get_shell_msg(timeout=timeout)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply
+        msg = kc.get_shell_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg["content"]
 
 
 def finish(kc, msg_id, timeout=60):
@@ -57,6 +57,7 @@ def finish(kc, msg_id, timeout=60):
         if msg["msg_type"] == "error":
             errors.append(msg["content"])
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            assert reply(kc, msg_id)["status"] == "error"
             return errors
 
 
@@ -77,7 +78,7 @@ def test_interrupting_the_kernel_stops_every_rank_and_a_rerun_works(tmp_path):
         assert error["traceback"] == [f"JobInterrupted: {error['evalue']}"]
 
         status, text, errors = execute(kc, '%%ddp_train --nproc 2\nimport os\nprint("again on", os.environ["RANK"])')
-        assert status == "ok" and not errors and "again on 0" in text and "finished in" in text, (errors, text[-2000:])
+        assert status == "ok" and not errors and "again on 0" in text and "finished in" in text, (text, errors)
         assert no_rank_processes(str(tmp_path))
     finally:
         kc.stop_channels()

@@ -2,6 +2,9 @@
 
 __version__ = "0.1.0"
 
+#: The magics ``%load_ext nbddp`` registered in this process, if any.
+_magics = None
+
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext nbddp``: register ``%%ddp_train``, ``%%ddp_setup`` and ``%ddp_doctor``.
@@ -19,6 +22,3 @@ def unload_ipython_extension(ipython) -> None:
     """``%unload_ext nbddp``: stop following cell runs (the magics stay until the kernel restarts)."""
     if _magics is not None:
         _magics.unregister()
-
-
-_magics = None

@@ -123,6 +123,12 @@ class CarriageReturns:
         self.pending = held
         return out + tail
 
+    def due(self) -> str:
+        """A held-back redraw whose interval has passed, for callers that look in between chunks."""
+        if "\r" in self.pending.rstrip("\r") and self.clock() - self.last_redraw >= self.interval_s:
+            return self.feed("")
+        return ""
+
     def flush(self) -> str:
         text, self.pending = self.pending.rstrip("\r"), ""
         return text
@@ -270,6 +276,8 @@ class LivePanel:
 
     def on_metrics(self, record: dict) -> None:
         self.progress.update(record)
+        for name, stream in self.streams.items():  # a bar held back is not left behind while training goes on
+            self._write(name, stream.due())
         now = self.clock()
         if self.status and (record.get("event") in ("begin", "end") or now - self._status_at >= self.status_interval_s):
             self._status_at = now

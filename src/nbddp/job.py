@@ -147,6 +147,7 @@ class JobResult:
 
     @classmethod
     def from_run(cls, run: RunResult, cwd: str | os.PathLike) -> "JobResult":
+        """The result of ``run``, whose ranks started in ``cwd``: looks for what the run wrote there."""
         cwd = Path(cwd).resolve()
         begin = next((r for r in run.log_history if r.get("event") == "begin" and r.get("output_dir")), None)
         output_dir = (cwd / begin["output_dir"]).resolve() if begin else None
