@@ -282,8 +282,7 @@ def port_is_free(port: int) -> bool:
 def run_installs(commands: Iterable[list[str]], sink: Sink | None = None) -> None:
     """Run each install once, in this process's Python environment (``pip`` → ``python -m pip``)."""
     for argv in commands:
-        if argv and re.fullmatch(r"pip[0-9.]*", argv[0]):
-            argv = [sys.executable, "-m", "pip", *argv[1:]]
+        argv = selflaunch.install_argv(argv)
         (sink or _stdout_sink)("stdout", f"nbddp: installing: {' '.join(argv)}\n")
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode:
