@@ -43,6 +43,8 @@ def buffers_change(module) -> bool:
 def adjust(module, kwargs: dict) -> dict:
     if not ddp_patch.caller_passed("gradient_as_bucket_view"):
         kwargs["gradient_as_bucket_view"] = True
-    if not ddp_patch.caller_passed("broadcast_buffers") and not buffers_change(module):
-        kwargs["broadcast_buffers"] = False
+    caller_chose = ddp_patch.caller_passed("broadcast_buffers") or ddp_patch.caller_passed("forward_sync_buffers")
+    if not caller_chose and not buffers_change(module):
+        # torch ≥ 2.13 names it forward_sync_buffers and warns for broadcast_buffers; earlier torch has only the latter
+        kwargs["forward_sync_buffers" if "forward_sync_buffers" in kwargs else "broadcast_buffers"] = False
     return kwargs
