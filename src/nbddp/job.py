@@ -157,8 +157,8 @@ class JobResult:
 
     @property
     def ok(self) -> bool:
-        """Finished by itself with exit code 0 (torchrun can exit 0 when it is stopped)."""
-        return self.run.ok and not self.run.interrupted and not self.run.timed_out
+        """Finished by itself with exit code 0 (``RunResult.ok``: a stopped job is never ok)."""
+        return self.run.ok
 
     @property
     def failure(self) -> RankFailure | None:
