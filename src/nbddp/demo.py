@@ -53,7 +53,11 @@ def build_tokenizer():
 
 
 def build_model(tokenizer=None, seed: int = 0):
-    """A randomly initialised ``LlamaForCausalLM`` of ``TINY_CONFIG``'s shape."""
+    """A randomly initialised ``LlamaForCausalLM`` of ``TINY_CONFIG``'s shape.
+
+    The caller's random state is left as it was, so a script that builds the model on its first run (the
+    cache is empty) and one that loads it afterwards draw the same numbers from then on.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -65,8 +69,9 @@ def build_model(tokenizer=None, seed: int = 0):
         pad_token_id=tokenizer.pad_token_id,
         **TINY_CONFIG,
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
 
 
 def tiny_model(path: str | os.PathLike | None = None) -> str:

@@ -27,6 +27,7 @@ SHIMS: tuple[str, ...] = (
     "no_ckpt",  # gradient checkpointing: the escape hatch first,
     "grad_ckpt",  # then DDP × checkpointing
     "ddp_defaults",  # performance defaults that cannot change the result
+    "loss_filter",  # the Trainer's per-step NaN check, without a host wait
 )
 
 
