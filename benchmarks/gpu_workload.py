@@ -24,7 +24,7 @@ import time
 
 SEQ = int(os.environ.get("BENCH_SEQ", 1024))
 BATCH = int(os.environ.get("BENCH_BATCH", 4))
-STEPS = int(os.environ.get("BENCH_STEPS", 40))
+STEPS = int(os.environ.get("BENCH_STEPS", 60))
 WARMUP = int(os.environ.get("BENCH_WARMUP", 10))
 DTYPE = os.environ.get("BENCH_DTYPE", "bf16")
 LAYERS = int(os.environ.get("BENCH_LAYERS", 16))
@@ -101,20 +101,20 @@ def timing_callback():
         def __init__(self):
             self.t0 = self.t1 = None
             self.losses = []
+            self.profile = None
 
         def on_step_begin(self, args, state, control, **kw):
-            if os.environ.get("BENCH_PROFILE") and state.global_step == WARMUP + 5:
-                self.prof = torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            if os.environ.get("BENCH_PROFILE") and state.global_step == WARMUP + PROFILE_FROM:
+                torch.cuda.synchronize()
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 self.prof.__enter__()
 
         def on_step_end(self, args, state, control, **kw):
-            if getattr(self, "prof", None) is not None and state.global_step == WARMUP + 8:
+            if getattr(self, "prof", None) is not None and state.global_step == WARMUP + PROFILE_FROM + PROFILE_STEPS:
                 torch.cuda.synchronize()
                 self.prof.__exit__(None, None, None)
-                if int(os.environ.get("RANK", 0)) == 0:
-                    print(self.prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
-                    print(self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+                self.profile = gpu_time(self.prof, PROFILE_STEPS)
+                print(f"rank {os.environ.get('RANK', 0)} profile: {json.dumps(self.profile)}", flush=True)
                 self.prof = None
             if state.global_step in (WARMUP, STEPS):
                 torch.cuda.synchronize()
@@ -137,6 +137,7 @@ def timing_callback():
                 "tokens_per_s": steps * BATCH * SEQ * world / (self.t1 - self.t0),
                 "step_ms": 1000 * (self.t1 - self.t0) / steps,
                 "losses": self.losses,
+                "profile": self.profile,
                 "peak_mem_gib": max(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())) / 2**30
                 if world == 1 else torch.cuda.max_memory_allocated() / 2**30,
             }
@@ -146,6 +147,46 @@ def timing_callback():
                     json.dump(out, fh)
 
     return Timing()
+
+
+PROFILE_FROM, PROFILE_STEPS = 5, 10  # with BENCH_PROFILE=1: steps WARMUP+5 .. WARMUP+15, kept out of the timing
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def gpu_time(prof, steps: int) -> dict:
+    """Where the GPU's time went over the profiled steps, in ms per step, from the kernels' own timeline.
+
+    ``busy``: any kernel or copy running; ``nccl_exposed``: only communication running (what DDP costs the
+    GPU beyond overlapped all-reduce); ``idle``: nothing running (waiting for the CPU or for the other rank);
+    ``nccl_total``: all communication kernels, overlapped or not.
+    """
+    import torch
+
+    every, compute, nccl = [], [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        every.append(span)
+        (nccl if "nccl" in e.name.lower() else compute).append(span)
+    if not every:
+        return {}
+    length = lambda spans: sum(b - a for a, b in merged(spans))  # noqa: E731
+    window = max(b for _, b in every) - min(a for a, _ in every)
+    busy, compute_busy = length(every), length(compute)
+    per_step = lambda us: round(us / steps / 1000, 2)  # noqa: E731
+    return {"window": per_step(window), "busy": per_step(busy), "compute": per_step(compute_busy),
+            "nccl_exposed": per_step(busy - compute_busy), "nccl_total": per_step(length(nccl)),
+            "idle": per_step(window - busy)}
 
 
 def train(device_map, output_dir="/tmp/bench-out", **extra):
@@ -172,6 +213,11 @@ def handwritten():
     torch.cuda.set_device(local)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         dist.init_process_group("nccl")
+    shims = os.environ.get("BENCH_SHIMS")
+    if shims:  # nbddp's runtime shims, by name, in the hand-written recipe (e.g. on one GPU)
+        from nbddp.runtime.shims import apply_all
+
+        apply_all(names=tuple(shims.split(",")))
     knobs = json.loads(os.environ.get("BENCH_KNOBS", "{}"))
     _patch_ddp(knobs.pop("comm_hook", None), knobs.pop("gradient_as_bucket_view", None))
     train({"": local}, ddp_find_unused_parameters=False, **knobs)
