@@ -198,7 +198,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--phase", action="append", choices=PHASES,
                     help="main (default), variants, profile, explore; repeatable")
-    ap.add_argument("--only", default="", help="comma-separated configuration names to run (exact)")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only this configuration (exact name; repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="run the whole list N times, interleaved; report medians")
     ap.add_argument("--report", type=Path, nargs="*", default=None,
                     help="run nothing: write the report into --out from the runs.jsonl of these folders")
@@ -209,7 +210,7 @@ def main() -> None:
         return
     subprocess.run([sys.executable, str(HERE / "gpu_workload.py"), "prepare"], check=True)  # no CUDA in this process
     configs = [c for phase in args.phase or ["main"] for c in configurations(args.out, phase)
-               if not args.only or c[0] in args.only.split(",")]
+               if not args.only or c[0] in args.only]
     for _ in range(args.repeat):  # interleaved, so drift in the machine touches every configuration alike
         for name, argv, env in configs:
             run(name, argv, env, args.out)
