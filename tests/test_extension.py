@@ -1,5 +1,7 @@
 """``%load_ext nbddp`` in an in-process IPython shell: what gets registered, and the cells a dry run takes."""
 
+import json
+
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -45,3 +47,35 @@ def test_errors_show_as_one_line_without_nbddp_frames(shell, capsys):
     shown = err.out + err.err
     assert "NbddpError: no cells registered: mark the cells of the job with %%ddp_setup first" in shown
     assert "magics.py" not in shown and "Traceback" not in shown
+
+
+def test_ddp_export_writes_the_kaggle_kernel_of_the_notebook_this_kernel_runs(shell, tmp_path, capsys):
+    from conftest import QUICKSTART
+
+    out = tmp_path / "kaggle"
+    shell.user_ns["__vsc_ipynb_file__"] = str(QUICKSTART)  # what VS Code tells the kernel
+    assert shell.run_cell(f"%ddp_export --kaggle {out} --id someone/quickstart-ddp --public").success
+    meta = json.loads((out / "kernel-metadata.json").read_text())
+    assert meta["id"] == "someone/quickstart-ddp" and meta["is_private"] is False
+    assert meta["machine_shape"] == "NvidiaTeslaT4"  # two T4s unless told otherwise
+    assert (out / "quickstart-ddp.py").read_text().startswith("#")
+    printed = capsys.readouterr().out
+    assert "exported quickstart.ipynb" in printed and f"kaggle kernels push -p {out}" in printed
+
+
+def test_ddp_export_without_a_known_notebook_says_how_to_name_it(shell, tmp_path, capsys):
+    result = shell.run_cell(f"%ddp_export --kaggle {tmp_path} --id someone/x")
+    assert not result.success
+    assert "give its path, %ddp_export my_notebook.ipynb" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_ddp_export_stops_at_a_secret_with_cell_and_line(shell, tmp_path, capsys):
+    from conftest import write_notebook
+
+    nb = write_notebook(tmp_path / "leaky.ipynb", ["import os", 'x = 1\nHF_TOKEN = "hf_' + "a" * 34 + '"'])
+    result = shell.run_cell(f"%ddp_export {nb} --kaggle {tmp_path / 'k'} --id someone/leaky")
+    assert not result.success
+    shown = "".join(capsys.readouterr())
+    assert "cell 2, line 2" in shown and "Traceback" not in shown
+    assert not (tmp_path / "k").exists()

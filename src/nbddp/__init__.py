@@ -7,7 +7,7 @@ _magics = None
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext nbddp``: register ``%%ddp_train``, ``%%ddp_setup`` and ``%ddp_doctor``.
+    """``%load_ext nbddp``: register ``%%ddp_train``, ``%%ddp_setup``, ``%ddp_doctor`` and ``%ddp_export``.
 
     The magics module (and what it imports) loads only here, so ``import nbddp`` stays cheap.
     """

@@ -43,16 +43,10 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="write a self-launching Kaggle Script kernel and its kernel-metadata.json")
     e.add_argument("notebook", type=Path)
-    e.add_argument("--kaggle", type=Path, required=True, metavar="DIR", help="folder for `kaggle kernels push -p DIR`")
-    e.add_argument("--id", required=True, dest="kernel_id", metavar="USER/SLUG", help="the kernel's Kaggle id")
-    e.add_argument("--title", help="the kernel's title (default: made from the slug; must slug to it)")
-    e.add_argument("--accelerator", default="NvidiaTeslaT4", help="NvidiaTeslaT4 (two T4s), NvidiaTeslaP100 or none")
-    e.add_argument("--dataset", action="append", default=[], metavar="OWNER/SLUG", help="a dataset to attach (repeatable)")
-    vis = e.add_mutually_exclusive_group()
-    vis.add_argument("--private", dest="private", action="store_true", default=True, help="a private kernel (default)")
-    vis.add_argument("--public", dest="private", action="store_false", help="a public kernel")
-    e.add_argument("--allow-secrets", action="store_true", help="export even if a cell holds a token or key")
-    e.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
+    from .export.options import OPTIONS as EXPORT_OPTIONS
+
+    for flags, options in EXPORT_OPTIONS:
+        e.add_argument(*flags, **options)
 
     d = sub.add_parser("doctor", help="pre-flight checks: GPUs, precision, /dev/shm, an all-reduce across every GPU")
     d.add_argument("--nproc", type=int, default=None, help="processes for the all-reduce (default: one per GPU; 2 without GPUs)")
@@ -122,13 +116,9 @@ def _run(args) -> int:
 
 
 def _export(args) -> int:
-    from .export import export_kaggle
+    from .export import export_kaggle, export_options
 
-    result = export_kaggle(
-        args.notebook, args.kaggle, kernel_id=args.kernel_id, title=args.title, accelerator=args.accelerator,
-        datasets=args.dataset, private=args.private, allow_secrets=args.allow_secrets,
-        skip_bad_cells=args.skip_bad_cells,
-    )
+    result = export_kaggle(args.notebook, args.kaggle, **export_options(args))
     for w in result.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
     print(f"nbddp: {result}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""IPython magics: ``%%ddp_train``, ``%%ddp_setup``, ``%ddp_doctor``. ``%load_ext nbddp`` registers them.
+"""IPython magics: ``%%ddp_train``, ``%%ddp_setup``, ``%ddp_doctor``, ``%ddp_export``. ``%load_ext nbddp``
+registers them.
 
 Thin on purpose: parse the arguments, call the API (``cells``, ``convert``, ``job``, ``doctor``), render with
 ``display``. ``%ddp_train?`` shows every option.
@@ -20,8 +21,21 @@ from .cells import SOURCES, Registry, find_notebook, select_cells
 from .convert import convert_cells, convert_notebook
 from .display import LivePanel, outcome_error
 from .errors import NbddpError
+from .export import OPTIONS as EXPORT_OPTIONS
+from .export import export_options
 from .job import JobResult, parse_env, run_script, shim_env, split_torchrun_args
 from .launch import default_nproc
+
+
+def _arguments(options):
+    """``@argument`` for each (flags, keywords) of ``options``, in their order in the help."""
+
+    def decorate(func):
+        for flags, keywords in reversed(options):
+            func = argument(*flags, **keywords)(func)
+        return func
+
+    return decorate
 
 
 @magics_class
@@ -151,6 +165,30 @@ class NbddpMagics(Magics):
         every GPU (gloo on CPU), and the DataParallel trap of training in a kernel that sees several GPUs."""
         args = parse_argstring(self.ddp_doctor, line)
         print(doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout).text())
+
+    @magic_arguments()
+    @argument("notebook", nargs="?", help="the notebook file (default: the one this kernel runs, as last saved)")
+    @_arguments(EXPORT_OPTIONS)
+    @line_magic
+    def ddp_export(self, line: str):
+        """Export a notebook as a Kaggle Script kernel that trains on every GPU of Kaggle's machine: a
+        self-launching script and its kernel-metadata.json in DIR, for ``!kaggle kernels push -p DIR``.
+
+        Without a path it exports the notebook this kernel runs, as last saved: save it first. Cells holding
+        a token or key stop the export at their cell and line (``--allow-secrets`` to go on); cells tagged
+        ``nbddp-skip`` are left out. Example: ``%ddp_export --kaggle kaggle_out --id me/my-finetune``.
+        """
+        from .export import export_kaggle
+
+        args = parse_argstring(self.ddp_export, line)
+        path = Path(args.notebook) if args.notebook else find_notebook(self.shell.user_ns, os.environ, Path.cwd())
+        if path is None:
+            raise UsageError("this kernel does not say which notebook it runs: give its path, "
+                             "%ddp_export my_notebook.ipynb --kaggle DIR --id USER/SLUG")
+        result = export_kaggle(path, args.kaggle, **export_options(args))
+        for warning in result.warnings:
+            print(f"nbddp: warning: {warning}", file=sys.stderr)
+        print(f"nbddp: exported {path.name}: {result}")
 
 
 def _positive_int(text: str) -> int:
