@@ -6,6 +6,7 @@
 #   ckpt         the checkpointing shim on GPUs: the two DDP failures reproduced with it off, fixed with it on
 #   t4-fp16      precision as on a T4: bf16 refused, fp16 with a GradScaler, the quickstart trains, loss falls
 #   templates    tests/gpu/prove_templates_and_export.py: QLoRA 4-bit template via papermill + Kaggle export
+#   each-template  tests/gpu/prove_each_template.py: every template via `nbddp run` and `%ddp_train` in a kernel
 set -u
 cd "$(dirname "$0")/../.."
 LOGS=${LOGS:-gpu-logs}; mkdir -p "$LOGS"
@@ -40,5 +41,9 @@ t4_fp16() {  # NBDDP_ASSUME_CC makes the precision shim decide as on a compute-c
   grep -q "fp16" "$LOGS/t4-fp16.log" && grep -q "Adapter saved" "$LOGS/t4-fp16.log"
 }
 templates() { python3 tests/gpu/prove_templates_and_export.py; }
-for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates}; do check "$c" "${c//-/_}"; done
+each_template() {
+  python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
+  python3 tests/gpu/prove_each_template.py
+}
+for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates each-template}; do check "$c" "${c//-/_}"; done
 printf '%s\n' "== GPU proofs" "${RESULTS[@]}"
