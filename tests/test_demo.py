@@ -1,5 +1,6 @@
 """The embedded default's tiny model."""
 
+
 def test_building_the_tiny_model_leaves_the_callers_random_state_alone():
     import torch
 
