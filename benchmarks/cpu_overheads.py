@@ -5,7 +5,8 @@
 - launch overhead: wall time of ``nbddp run`` on a two-cell notebook (convert, write the run directory,
   torchrun, follow rank 0, collect) against plain ``torchrun --standalone`` on the same code as a minimal
   hand-written DDP script (``init_process_group``, the cells, ``destroy_process_group``);
-  the runs alternate and the medians are compared (target: ≤ 1 s more).
+  the runs alternate and the medians are compared (target: ≤ 1 s more). Twice: cells no rule changes,
+  and cells a rule rewrites (the converter then loads libcst as well).
 - interrupt: SIGINT to ``nbddp run`` while both ranks sleep in a cell → seconds until no process of the
   job is left (target ≤ 5 s).
 - rank-0 line latency: a cell prints ``time.time()`` every 50 ms; the launcher's sink notes when each line
@@ -32,6 +33,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
 CELLS = ["import os", "print('hello from rank', os.environ['RANK'])"]
+#: Cells one of the converter's rules rewrites (the device string), so the conversion loads libcst too.
+REWRITTEN = ["import os, torch", "device = 'cuda:0' if torch.cuda.is_available() else 'cpu'\n"
+             "print('hello from rank', os.environ['RANK'], 'on', device)"]
 
 
 def write_notebook(path: Path, cells: list[str]) -> Path:
@@ -45,10 +49,10 @@ def timed(argv: list[str], cwd: Path) -> float:
     return time.perf_counter() - t
 
 
-def launch_overhead(work: Path, repeat: int) -> dict:
-    nb = write_notebook(work / "hello.ipynb", CELLS)
-    script = work / "hello.py"  # the same cells as a minimal hand-written DDP script: join the group, leave it
-    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n" + "\n".join(CELLS)
+def launch_overhead(work: Path, repeat: int, cells: list[str] = CELLS, name: str = "hello") -> dict:
+    nb = write_notebook(work / f"{name}.ipynb", cells)
+    script = work / f"{name}.py"  # the same cells as a minimal hand-written DDP script: join the group, leave it
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n" + "\n".join(cells)
                       + "\ndist.destroy_process_group()\n")
     nbddp = [sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2", "--runs-dir", str(work / "runs")]
     plain = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
@@ -110,17 +114,20 @@ def main() -> None:
         result = {
             "machine": f"{os.cpu_count()} CPUs, {sys.platform}",
             "launch": launch_overhead(work, args.repeat),
+            "launch_rewritten": launch_overhead(work, args.repeat, REWRITTEN, "rewritten"),
             "interrupt": interrupt(work, args.repeat),
             "latency": line_latency(work),
         }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_overheads.json").write_text(json.dumps(result, indent=1))
-    la, it, lt = result["launch"], result["interrupt"], result["latency"]
+    la, lr, it, lt = result["launch"], result["launch_rewritten"], result["interrupt"], result["latency"]
     md = [
         "| measure | nbddp | reference | target |",
         "|---|---:|---:|---:|",
         f"| launch, 2 gloo ranks, median of {args.repeat} | {statistics.median(la['nbddp_s']):.2f} s | "
         f"{statistics.median(la['torchrun_s']):.2f} s (hand-written, torchrun) | overhead {la['overhead_s']:+.2f} s (≤ 1 s) |",
+        f"| the same, cells a rule rewrites (libcst loads) | {statistics.median(lr['nbddp_s']):.2f} s | "
+        f"{statistics.median(lr['torchrun_s']):.2f} s | overhead {lr['overhead_s']:+.2f} s (≤ 1 s) |",
         f"| SIGINT → no process left | median {it['median_s']:.2f} s, max {it['max_s']:.2f} s | | ≤ 5 s |",
         f"| rank-0 line → sink ({lt['lines']} lines) | median {lt['median_ms']:.0f} ms, p95 {lt['p95_ms']:.0f} ms | | ≤ 100 ms |",
     ]
