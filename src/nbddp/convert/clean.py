@@ -283,11 +283,15 @@ class _IPythonCalls(cst.CSTTransformer):
             command = _string_arg(call, 0)
             if command is not None and self._pulls_out(command):
                 self.installs.append((line, command.strip()))
-                return _dropped(f"`{command.strip()}` runs once before launch")
+                return _dropped(f"`{command.strip()}` runs once before launch").with_changes(
+                    leading_lines=original.leading_lines
+                )
             return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", call.args))])
         if method == "run_line_magic":
             name, arg = _string_arg(call, 0), _string_arg(call, 1) or ""
-            return self._line_magic(original, updated, name, arg, line)
+            # the comments and blank lines above the magic stay: one line for one line
+            new = self._line_magic(original, updated, name, arg, line)
+            return new.with_changes(leading_lines=original.leading_lines)
         return updated
 
     def _line_magic(self, original, updated, name, arg, line):
@@ -303,7 +307,7 @@ class _IPythonCalls(cst.CSTTransformer):
             except cst.ParserSyntaxError:
                 raise _MagicError(f"%{name} wraps code that is not valid Python", line) from None
             self.notes.append((line, f"%{name} dropped; its statement is kept"))
-            return stmt.with_changes(leading_lines=original.leading_lines)
+            return stmt
         if name == "env":
             key, _, value = arg.replace("=", " ", 1).partition(" ")
             if not key or not value.strip():
