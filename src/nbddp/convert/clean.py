@@ -11,18 +11,17 @@ Cell magics (``%%capture``, ``%%time``, ``%%bash``, …) are handled before, fro
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shlex
 from dataclasses import dataclass
 
 import libcst as cst
-import libcst.matchers as m
-from IPython.core.inputtransformer2 import TransformerManager
 
 from ..cells import Cell
 from ..errors import CellError
 from .lines import align
-from .facts import is_dead_if
+from .facts import is_attribute, is_dead_if, is_name
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(
@@ -39,8 +38,14 @@ SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system"})
 #: Cell magics that only display something in the notebook.
 DISPLAY_CELL_MAGICS = frozenset({"html", "HTML", "markdown", "javascript", "js", "latex", "svg"})
 
-#: IPython's input transformers (stateless between cells: one is enough).
-_TRANSFORMER = TransformerManager()
+
+
+@functools.cache
+def _transformer():
+    """IPython's input transformers (stateless between cells: one is enough), imported on first need."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager()
 
 _INSTALL = re.compile(
     r"^\s*(?:sudo\s+)?(?:(?:python[0-9.]*|py)\s+-m\s+)?(?:pip[0-9.]*|uv\s+pip|conda|mamba|micromamba|apt|apt-get)"
@@ -148,7 +153,7 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int) -> tuple[st
     except SyntaxError:
         pass
     try:
-        transformed = _TRANSFORMER.transform_cell(body_src)
+        transformed = _transformer().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
         raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
     return transformed, align(body, transformed.splitlines())
@@ -224,10 +229,12 @@ def _string_arg(call: cst.Call, index: int) -> str | None:
     return None
 
 
-_GET_IPYTHON = m.Call(func=m.Name("get_ipython"))
-
-
-_GETOUTPUT = m.Call(func=m.Attribute(value=_GET_IPYTHON, attr=m.Name("getoutput")))
+def _ipython_call(node: cst.CSTNode, *methods: str) -> bool:
+    """``get_ipython().method(…)``, with ``method`` one of ``methods`` when given."""
+    if not isinstance(node, cst.Call) or not is_attribute(node.func, *methods):
+        return False
+    owner = node.func.value
+    return isinstance(owner, cst.Call) and is_name(owner.func, "get_ipython")
 
 
 class _MagicError(Exception):
@@ -274,7 +281,7 @@ class _IPythonCalls(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(self, original, updated):
         """Statements made only of a ``get_ipython()`` call become what they mean, or go."""
-        if len(updated.body) != 1 or not m.matches(updated.body[0], m.Expr(value=_GET_IPYTHON_ANY)):
+        if len(updated.body) != 1 or not isinstance(updated.body[0], cst.Expr) or not _ipython_call(updated.body[0].value):
             return updated
         call = updated.body[0].value
         method = call.func.attr.value
@@ -323,12 +330,9 @@ class _IPythonCalls(cst.CSTTransformer):
 
     def leave_Call(self, original, updated):
         """``x = !cmd`` → ``x = _nbddp.getoutput("cmd")``; ``x = %magic`` in expressions likewise."""
-        if m.matches(updated, _GETOUTPUT):
+        if _ipython_call(updated, "getoutput"):
             return _nbddp_call("getoutput", updated.args)
         return updated
-
-
-_GET_IPYTHON_ANY = m.Call(func=m.Attribute(value=_GET_IPYTHON))
 
 
 def _interpolates(command: str) -> bool:

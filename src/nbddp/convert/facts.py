@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import libcst as cst
-import libcst.matchers as m
 
 _OPTIMIZERS = frozenset(
     "SGD Adam AdamW RMSprop Adagrad Adadelta Adamax NAdam RAdam LBFGS SparseAdam ASGD Rprop Lion Adafactor "
@@ -57,13 +56,25 @@ def last_name(node: cst.BaseExpression) -> str | None:
     return None
 
 
+def is_name(node: cst.CSTNode | None, *values: str) -> bool:
+    """A ``Name`` node, with one of ``values`` when given."""
+    return isinstance(node, cst.Name) and (not values or node.value in values)
+
+
+def is_attribute(node: cst.CSTNode | None, *attrs: str) -> bool:
+    """An ``owner.attr`` node, with ``attr`` one of ``attrs`` when given."""
+    return isinstance(node, cst.Attribute) and (not attrs or node.attr.value in attrs)
+
+
 def is_trainer_class(name: str | None) -> bool:
     return bool(name) and name.endswith("Trainer")
 
 
 def is_dead_if(node: cst.CSTNode) -> bool:
     """``if False:`` / ``if 0:``: code a notebook keeps switched off."""
-    return isinstance(node, cst.If) and m.matches(node.test, m.Name("False") | m.Integer("0"))
+    if not isinstance(node, cst.If):
+        return False
+    return is_name(node.test, "False") or isinstance(node.test, cst.Integer) and node.test.value == "0"
 
 
 def keyword(call: cst.Call, key: str) -> cst.Arg | None:
@@ -333,7 +344,7 @@ class _Scan(cst.CSTVisitor):
         if _is_optimizer(node):
             for arg in node.args:
                 for call in calls_in(arg, into_defs=True) + ([arg.value] if isinstance(arg.value, cst.Call) else []):
-                    if m.matches(call, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("parameters") | m.Name("named_parameters")))):
+                    if is_attribute(call.func, "parameters", "named_parameters") and is_name(call.func.value):
                         self.facts.ddp_models.add(call.func.value.value)
         name = dotted_name(node.func) or ""
         if name.endswith(("DistributedDataParallel", "Accelerator")) or name == "DDP":
@@ -349,7 +360,7 @@ def loader_shards(call: cst.Call, targets: list[str]) -> bool:
     if has_keyword(call, "sampler") or has_keyword(call, "batch_sampler"):
         return False
     shuffle = keyword(call, "shuffle")
-    if shuffle is not None and not m.matches(shuffle.value, m.Name("False") | m.Name("None")):
+    if shuffle is not None and not is_name(shuffle.value, "False", "None"):
         return True
     return any("train" in t.lower() for t in targets)
 
@@ -443,10 +454,12 @@ def _places(stmt: cst.CSTNode, name: str) -> bool:
     if not isinstance(stmt, cst.SimpleStatementLine):
         return False
     for small in stmt.body:
-        if isinstance(small, cst.Assign) and any(m.matches(t.target, m.Name(name)) for t in small.targets):
+        if isinstance(small, cst.Assign) and any(is_name(t.target, name) for t in small.targets):
             return True
-        if m.matches(small, m.Expr(value=m.Call(func=m.Attribute(value=m.Name(name), attr=m.Name("to") | m.Name("cuda"))))):
-            return True
+        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+            func = small.value.func
+            if is_attribute(func, "to", "cuda") and is_name(func.value, name):
+                return True
     return False
 
 

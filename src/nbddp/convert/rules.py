@@ -22,7 +22,6 @@ import ast
 import re
 
 import libcst as cst
-import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .facts import (
@@ -31,7 +30,9 @@ from .facts import (
     dotted_name,
     gather_facts,
     has_keyword,
+    is_attribute,
     is_dead_if,
+    is_name,
     is_training_statement,
     keyword,
     last_name,
@@ -71,7 +72,7 @@ def is_model_loader(call: cst.Call) -> bool:
     Covers ``AutoModel*``, ``*For*`` (``LlamaForCausalLM``), ``AutoPeftModel*``, ``PeftModel`` and Unsloth's
     ``FastLanguageModel``/``FastModel``/``FastVisionModel``.
     """
-    if not m.matches(call.func, m.Attribute(attr=m.Name("from_pretrained"))):
+    if not is_attribute(call.func, "from_pretrained"):
         return False
     owner = last_name(call.func.value)
     if not owner or any(word in owner for word in _NOT_MODELS):
@@ -84,6 +85,27 @@ def _string_value(node: cst.BaseExpression) -> str | None:
         value = node.evaluated_value
         return value if isinstance(value, str) else None
     return None
+
+
+def _environ_key(small: cst.BaseSmallStatement) -> str | None:
+    """The key of ``os.environ["KEY"] = …`` (one target, a plain string key), else None."""
+    if not isinstance(small, cst.Assign) or len(small.targets) != 1:
+        return None
+    target = small.targets[0].target
+    if not isinstance(target, cst.Subscript) or len(target.slice) != 1:
+        return None
+    if not (is_attribute(target.value, "environ") and is_name(target.value.value, "os")):
+        return None
+    index = target.slice[0].slice
+    return _string_value(index.value) if isinstance(index, cst.Index) else None
+
+
+def _is_torch_save(small: cst.BaseSmallStatement) -> bool:
+    """A ``torch.save(…)`` expression statement."""
+    if not isinstance(small, cst.Expr) or not isinstance(small.value, cst.Call):
+        return False
+    func = small.value.func
+    return is_attribute(func, "save") and is_name(func.value, "torch")
 
 
 def _loader_name(expr: cst.BaseExpression) -> str | None:
@@ -375,10 +397,10 @@ class DeviceRule(Rule):
         self._in_device_map = 0  # DeviceMapRule owns device_map values
 
     def visit_Arg(self, node: cst.Arg) -> None:
-        self._in_device_map += m.matches(node.keyword, m.Name("device_map"))
+        self._in_device_map += is_name(node.keyword, "device_map")
 
     def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
-        self._in_device_map -= m.matches(original.keyword, m.Name("device_map"))
+        self._in_device_map -= is_name(original.keyword, "device_map")
         return updated
 
     def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.BaseExpression:
@@ -390,26 +412,20 @@ class DeviceRule(Rule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         name = dotted_name(updated.func) or ""
-        is_cuda = m.matches(updated.func, m.Attribute(attr=m.Name("cuda")))
-        if (name == "torch.cuda.set_device" or is_cuda) and len(updated.args) == 1 and m.matches(
-            updated.args[0].value, m.Integer()
+        is_cuda = is_attribute(updated.func, "cuda")
+        if (name == "torch.cuda.set_device" or is_cuda) and len(updated.args) == 1 and isinstance(
+            updated.args[0].value, cst.Integer
         ):
             self.note(original, f"{code_of(original)} → this rank's device")
             return updated.with_changes(args=[updated.args[0].with_changes(value=cst.parse_expression(DEVICE_EXPR))])
         return updated
 
     def leave_SimpleStatementLine(self, original, updated):
-        target = m.Subscript(
-            value=m.Attribute(value=m.Name("os"), attr=m.Name("environ")),
-            slice=[m.SubscriptElement(m.Index(m.SimpleString()))],
-        )
-        if len(updated.body) == 1 and m.matches(updated.body[0], m.Assign(targets=[m.AssignTarget(target)])):
-            key = _string_value(updated.body[0].targets[0].target.slice[0].slice.value)
-            if key == "CUDA_VISIBLE_DEVICES":
-                self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
-                return cst.parse_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
-                    leading_lines=updated.leading_lines
-                )
+        if len(updated.body) == 1 and _environ_key(updated.body[0]) == "CUDA_VISIBLE_DEVICES":
+            self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
+            return cst.parse_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
+                leading_lines=updated.leading_lines
+            )
         return updated
 
 
@@ -490,7 +506,7 @@ class TrainerConfigRule(Rule):
             return updated
         settings = list(self._SAFE)
         checkpointing = keyword(updated, "gradient_checkpointing")
-        if checkpointing is not None and m.matches(checkpointing.value, m.Name("True")):
+        if checkpointing is not None and is_name(checkpointing.value, "True"):
             settings.append(("gradient_checkpointing_kwargs", '{"use_reentrant": False}', "DDP needs non-reentrant checkpointing"))
         for key, value, why in settings:
             given = keyword(updated, key)
@@ -656,10 +672,10 @@ class UnwrapRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         models = self.facts.ddp_models
         func = updated.func
-        if m.matches(func, m.Attribute(value=m.Name(), attr=m.Name("state_dict") | m.Name("load_state_dict"))) and func.value.value in models:
+        if is_attribute(func, "state_dict", "load_state_dict") and is_name(func.value) and func.value.value in models:
             self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
             return updated.with_changes(func=func.with_changes(value=self._unwrapped(func.value)))
-        if dotted_name(func) == "torch.save" and updated.args and m.matches(updated.args[0].value, m.Name()) and updated.args[0].value.value in models:
+        if dotted_name(func) == "torch.save" and updated.args and is_name(updated.args[0].value) and updated.args[0].value.value in models:
             self.note(original, f"torch.save({updated.args[0].value.value}): the module inside DDP")
             first = updated.args[0]
             return updated.with_changes(args=[first.with_changes(value=self._unwrapped(first.value))] + list(updated.args[1:]))
@@ -708,15 +724,13 @@ class LoopOutputRule(Rule):
         return result
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if self._depth and m.matches(updated.func, m.Name("print")):
+        if self._depth and is_name(updated.func, "print"):
             self.note(original, "print → _nbddp.print0 (rank 0 prints)")
             return updated.with_changes(func=cst.parse_expression("_nbddp.print0"))
         return updated
 
     def leave_SimpleStatementLine(self, original, updated):
-        if self._depth and len(updated.body) == 1 and m.matches(
-            updated.body[0], m.Expr(value=m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("save"))))
-        ):
+        if self._depth and len(updated.body) == 1 and _is_torch_save(updated.body[0]):
             self.note(original, "torch.save in the training loop: rank 0 saves")
             return cst.If(
                 test=cst.parse_expression(MAIN_PROCESS_EXPR),

@@ -6,16 +6,17 @@ import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import libcst as cst
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..cells import Cell, read_notebook
 from ..errors import CellError, NotebookError
-from .clean import CleanCell, Install, clean_cell
 from .lines import align
-from .facts import gather_facts
-from .rules import apply_rules
+
+if TYPE_CHECKING:
+    import libcst as cst
+
+    from .clean import CleanCell, Install
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,11 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
     Raises ``NotebookError`` when there is no code at all, ``CellError`` for a cell that does not parse
     (unless ``skip_bad_cells``).
     """
+    # libcst and IPython load with the first conversion, not with nbddp.job or nbddp.launch
+    from .clean import clean_cell
+    from .facts import gather_facts
+    from .rules import apply_rules
+
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     cleaned: list[CleanCell] = []
@@ -169,6 +175,8 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
 
 def _parse(clean: CleanCell) -> cst.Module:
     """The cleaned cell as a libcst module; Python that libcst cannot read is the cell's error, not ours."""
+    import libcst as cst
+
     try:
         return cst.parse_module(clean.code)
     except cst.ParserSyntaxError as exc:
