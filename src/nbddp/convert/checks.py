@@ -101,7 +101,7 @@ class DDPWrap(Check):
 
 class DeviceMap(Check):
     name = "device_map"
-    pattern = re.compile(r"\w*(?:Model|For[A-Z])\w*\s*\.\s*from_pretrained")
+    pattern = re.compile(r"(?:Model|For[A-Z])\w*\s*\.\s*from_pretrained")
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:

@@ -125,7 +125,7 @@ def clean_cell(cell: Cell) -> CleanCell:
 
     magics = Magics(transformed.splitlines())
     try:
-        new_code = _ipython_calls(transformed, tree, magics)
+        new_code, new_tree = _ipython_calls(transformed, tree, magics)
     except UnreadablePython as exc:
         src_line = _body_line(t_map, exc.line, offset)
         raise CellError(f"not valid Python: {exc.message}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
@@ -135,12 +135,11 @@ def clean_cell(cell: Cell) -> CleanCell:
     # Every replacement is one line for one line, so new line k is transformed line k.
     installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in magics.installs)
     notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in magics.notes]
-    new_tree = tree if new_code == transformed else ast.parse(new_code)
     return CleanCell(cell, new_code, line_map, installs, tuple(notes), new_tree)
 
 
-def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> str:
-    """``code`` with its ``get_ipython()`` calls rewritten, statement by statement, in order.
+def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> tuple[str, ast.Module]:
+    """``code`` with its ``get_ipython()`` calls rewritten, statement by statement, in order; and its ast.
 
     A statement as IPython's transformers write it (``get_ipython().system('pip install x')`` alone on its
     line) is rewritten as text; any other goes through libcst (``ipycalls.py``), parsed on its own and put
@@ -167,7 +166,9 @@ def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> str:
                 new = rewrite_statement(lines[first - 1][len(indent) :] + "".join(lines[first:last]), magics, dead, first)
             lines[first - 1 : last] = [indent + new] + [""] * (last - first)
         new_code = "".join(lines)
-    return _finish(new_code) if PLACEHOLDER in new_code else new_code
+    if PLACEHOLDER in new_code:
+        return _finish(new_code)
+    return new_code, (tree if new_code == code else ast.parse(new_code))
 
 
 def _as_text(group: list[ast.stmt], line: str, indent: str, magics: Magics, dead: bool) -> str | None:
@@ -301,7 +302,7 @@ class Magics:
 
 
 class UnreadablePython(Exception):
-    """Code Python's parser read but libcst cannot, at a line of that code."""
+    """Code that libcst (or, after a rewrite, Python) cannot read, at a line of that code."""
 
     def __init__(self, message: str, line: int):
         super().__init__(message)
@@ -380,14 +381,17 @@ PLACEHOLDER = "_NBDDPPLACEHOLDER_"
 _PLACEHOLDER_LINE = re.compile(rf"^(\s*){PLACEHOLDER}  # (.*)$", re.M)
 
 
-def _finish(code: str) -> str:
-    """Placeholders become comments, or ``pass  # …`` where a block would be left empty."""
+def _finish(code: str) -> tuple[str, ast.Module]:
+    """Placeholders become comments, or ``pass  # …`` where a block would be left empty; and the code's ast."""
     as_comments = _PLACEHOLDER_LINE.sub(r"\1# \2", code)
     try:
-        ast.parse(as_comments)
-        return as_comments
+        return as_comments, ast.parse(as_comments)
     except SyntaxError:
-        return _PLACEHOLDER_LINE.sub(r"\1pass  # \2", code)
+        code = _PLACEHOLDER_LINE.sub(r"\1pass  # \2", code)
+    try:
+        return code, ast.parse(code)
+    except SyntaxError as exc:
+        raise UnreadablePython(exc.msg, exc.lineno or 1) from None
 
 
 def _line_at(lines: list[str], line: int) -> str:

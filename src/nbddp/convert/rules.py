@@ -214,7 +214,9 @@ class Rule(cst.CSTTransformer):
 
 @functools.cache
 def _handled(cls: type) -> frozenset[str]:
-    return frozenset(name.split("_", 1)[1] for name in dir(cls) if name.startswith(("visit_", "leave_")))
+    """The node kinds a rule class has its own ``visit_``/``leave_`` methods for (libcst's stubs aside)."""
+    own = (vars(k) for k in cls.__mro__ if not k.__module__.startswith(("libcst", "builtins")))
+    return frozenset(name.split("_", 1)[1] for names in own for name in names if name.startswith(("visit_", "leave_")))
 
 
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
