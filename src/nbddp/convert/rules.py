@@ -42,7 +42,6 @@ MAIN_PROCESS_EXPR = "_nbddp.is_main_process()"
 MAIN_FIRST_EXPR = "_nbddp.main_process_first()"
 
 
-
 # ------------------------------------------------------------------------------------- libcst helpers
 
 
@@ -55,8 +54,8 @@ def _subclasses(*bases: type) -> frozenset[type]:
     return frozenset(found)
 
 
-#: Whitespace, comments, operators and punctuation: no rule rewrites them, so no walk goes into them (a
-#: third of a statement's nodes, and most of the time a walk takes).
+#: Whitespace, comments, operators and punctuation: no rule rewrites them, so no walk goes into them (about
+#: half of a statement's nodes).
 _TRIVIA = _subclasses(
     cst.BaseParenthesizableWhitespace, cst.TrailingWhitespace, cst.EmptyLine, cst.Newline, cst.Comment,
     cst.Semicolon, cst.Colon, cst.Comma, cst.Dot, cst.AssignEqual, cst.ImportStar, cst.BaseUnaryOp,
@@ -175,6 +174,10 @@ class Rule(cst.CSTTransformer):
     check: type[checks.Check] = checks.Check
     name = "rule"
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.name = cls.check.name
+
     def __init__(self, facts: JobFacts, chunk: _Chunk):
         super().__init__()
         self.facts, self.chunk = facts, chunk
@@ -191,10 +194,6 @@ class Rule(cst.CSTTransformer):
         elif node in self._top:
             self._current = self._top[node]
         return super().on_visit(node)
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        cls.name = cls.check.name
 
     @classmethod
     def reads(cls, node: cst.CSTNode) -> bool:
@@ -826,7 +825,7 @@ class _Chunk:
     """
 
     def __init__(self, cell: CellCode, statements: list[Statement], facts: JobFacts):
-        self.cell, self.statements, self.facts = cell, statements, facts
+        self.cell, self.statements = cell, statements
         self.first = statements[0].first  # its first line in the cell
         nxt = statements[-1].index + 1
         self.end = cell.statements[nxt].first if nxt < len(cell.statements) else len(cell.lines) + 1
@@ -867,52 +866,61 @@ def rewrite(cell: CellCode, plan: checks.Plan, facts: JobFacts) -> tuple[str, li
 
     Only the plan's chunks are parsed with libcst; the lines between them stay as they are. The statement
     rules run one by one, then the expression rules together (``_Together``), each step on every chunk of
-    the cell as the steps before it left them. A step that notes nothing leaves the cell as it was. Each
-    change is reported at a line of the cleaned cell: its line in the code as the step found it, mapped back
-    to the cleaned code by line alignment. Raises ``UnreadableCode`` where libcst cannot parse a chunk.
+    the cell as the steps before it left them. A step that notes nothing leaves the cell as it was. Raises
+    ``UnreadableCode`` where libcst cannot parse a chunk.
     """
     chunks = [_Chunk(cell, stmts, facts) for stmts in plan.chunks]
-    original = cell.code
     changes: list[tuple[str, int, str]] = []
     for step in plan.steps:
-        classes = [RULE_OF[check] for check in step]
-        ran = []
-        for chunk in chunks:
-            rules = [cls(facts, chunk) for cls in classes]
-            if step[0] in checks.STATEMENT_CHECKS:
-                walker = rules[0]
-            elif plan.touching is None:  # the chunk's statements none of the rules could change are not walked
-                walker = _Together(rules, {n for n, s in zip(chunk.parsed.body, chunk.statements) if s not in plan.walked})
-            else:  # each statement is walked by the rules that may change it, if any
-                only = {node: [r for r in rules if r.check in plan.touching[s]]
-                        for node, s in chunk.statement_of.items() if s in plan.touching}
-                walker = _Together(rules, {n for n, s in chunk.statement_of.items() if s not in plan.touching}, only)
-            ran.append((chunk, rules, chunk.module.visit(walker)))
-        if not any(rule.changes for _, rules, _ in ran for rule in rules):
-            continue
-        current = _join(cell, chunks)
-        back = align(original.splitlines(), current.splitlines()) if current != original else None
-        located = {}  # (chunk, rule index) → the lines of the rule's notes in the current code
-        offset, at = 0, 1  # lines of the current code before the chunk; the cell's line after the last chunk
-        for k, chunk in enumerate(chunks):
-            offset += chunk.first - at
-            for i, rule in enumerate(ran[k][1]):
-                if rule.changes:
-                    # as parsed, the chunk's statements start where the cell's do
-                    starts = [s.first - chunk.first + 1 for s in chunk.statements] if chunk.module is chunk.parsed else None
-                    noted = [(node, top) for node, top, _ in rule.changes]
-                    lines = _note_lines(chunk.module, chunk.current(), noted, starts)
-                    located[k, i] = [offset + line for line in lines]
-            offset += len(chunk.current().splitlines())
-            at = chunk.end
-        for i in range(len(classes)):  # rule by rule, as if each rule had walked the whole cell
-            for k, (chunk, rules, _) in enumerate(ran):
-                for (_, _, msg), line in zip(rules[i].changes, located.get((k, i), ())):
-                    j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
-                    changes.append((rules[i].name, (j if j is not None else line - 1) + 1, msg))
-        for chunk, _, new in ran:
-            chunk.module, chunk.code = new, None
-    return (_join(cell, chunks) if changes else original), changes
+        ran = [_run(step, chunk, plan, facts) for chunk in chunks]
+        if any(rule.changes for rules, _ in ran for rule in rules):
+            changes += _changes(cell, chunks, [rules for rules, _ in ran])
+            for chunk, (_, new) in zip(chunks, ran):
+                chunk.module, chunk.code = new, None
+    return (_join(cell, chunks) if changes else cell.code), changes
+
+
+def _run(step: tuple[type[checks.Check], ...], chunk: _Chunk, plan: checks.Plan, facts: JobFacts):
+    """One step's rules over one chunk: the rules (with their notes) and the chunk as they leave it."""
+    rules = [RULE_OF[check](facts, chunk) for check in step]
+    if step[0] in checks.STATEMENT_CHECKS:
+        walker = rules[0]
+    elif plan.touching is None:  # the chunk's statements none of the rules could change are not walked
+        walker = _Together(rules, {n for n, s in zip(chunk.parsed.body, chunk.statements) if s not in plan.walked})
+    else:  # each statement is walked by the rules that may change it, if any
+        only = {node: [r for r in rules if r.check in plan.touching[s]]
+                for node, s in chunk.statement_of.items() if s in plan.touching}
+        walker = _Together(rules, {n for n, s in chunk.statement_of.items() if s not in plan.touching}, only)
+    return rules, chunk.module.visit(walker)
+
+
+def _changes(cell: CellCode, chunks: list[_Chunk], ran: list[list[Rule]]) -> list[tuple[str, int, str]]:
+    """A step's notes as ``(rule, line, message)``, rule by rule, as if each rule had walked the whole cell.
+
+    A note's line is its node's line in the code as the step found it, mapped back to the cleaned code by
+    line alignment, so every change is reported at a line of the cleaned cell.
+    """
+    current = _join(cell, chunks)
+    back = align(cell.code.splitlines(), current.splitlines()) if current != cell.code else None
+    located = {}  # (chunk, rule) → the lines of the rule's notes in the current code
+    offset, at = 0, 1  # lines of the current code before the chunk; the cell's line after the last chunk
+    for k, (chunk, rules) in enumerate(zip(chunks, ran)):
+        offset += chunk.first - at
+        # as parsed, the chunk's statements start where the cell's do
+        starts = [s.first - chunk.first + 1 for s in chunk.statements] if chunk.module is chunk.parsed else None
+        for i, rule in enumerate(rules):
+            if rule.changes:
+                noted = [(node, top) for node, top, _ in rule.changes]
+                located[k, i] = [offset + line for line in _note_lines(chunk.module, chunk.current(), noted, starts)]
+        offset += len(chunk.current().splitlines())
+        at = chunk.end
+    out = []
+    for i in range(len(ran[0]) if ran else 0):
+        for k, rules in enumerate(ran):
+            for (_, _, msg), line in zip(rules[i].changes, located.get((k, i), ())):
+                j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
+                out.append((rules[i].name, (j if j is not None else line - 1) + 1, msg))
+    return out
 
 
 def _join(cell: CellCode, chunks: list[_Chunk]) -> str:
