@@ -18,11 +18,24 @@ from nbddp.cells import Cell, cells_from_sources, read_notebook
 from nbddp.convert import checks, clean, convert_cells
 from nbddp.convert.clean import clean_cell
 from nbddp.convert.facts import CellCode
+from test_script import ODD_CELLS
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "tests" / "corpus").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted(
     (ROOT / "templates").glob("*.ipynb")
 )
+
+
+PLAIN_LOOP = """model = Net().to("cuda:0")
+opt = torch.optim.Adam(model.parameters())
+train_loader = DataLoader(ds, batch_size=8, shuffle=True)
+for epoch in range(2):
+    for x, y in train_loader:
+        loss = model(x).sum()
+        loss.backward()
+        print(loss.item())
+torch.save(model.state_dict(), "m.pt")
+"""
 
 
 def _sources(path):
@@ -57,6 +70,11 @@ def variants():
         yield f"{path.stem}-indent2", [_reindented(c, "  ") for c in code]
         yield f"{path.stem}-tabs", [_reindented(c, "\t") for c in code]
         yield f"{path.stem}-one-cell", ["\n".join(c for c in code if not c.lstrip().startswith("%%"))]
+    # odd but valid cells, before and after training (after it, rank 0 guards take them in)
+    train = "trainer = Trainer(model=m)\ntrainer.train()\n"
+    yield "odd-cells", list(ODD_CELLS)
+    yield "odd-cells-around-training", [c for odd in ODD_CELLS for c in (odd, train, odd)]
+    yield "odd-cells-plain-loop", [c for odd in ODD_CELLS for c in (odd, PLAIN_LOOP, odd)]
 
 
 VARIANTS = dict(variants())

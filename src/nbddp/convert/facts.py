@@ -158,11 +158,6 @@ class Statement:
     binds: set[str] = field(default_factory=set)
     reads: set[str] = field(default_factory=set)
 
-    @property
-    def last(self) -> int:
-        """Its last line (before the comments and blank lines after it)."""
-        return self.nodes[-1].end_lineno
-
     @cached_property
     def text(self) -> str:
         """Its source, with the comments and blank lines up to the next statement."""
