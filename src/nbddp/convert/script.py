@@ -12,7 +12,7 @@ from ..cells import Cell, read_notebook
 from ..errors import CellError, NotebookError
 from .checks import plan_cell
 from .clean import CleanCell, Install, clean_cell
-from .facts import CellCode, gather_facts
+from .facts import CellCode, JobFacts, gather_facts
 from .lines import align
 
 
@@ -170,7 +170,9 @@ def convert_cells(
     )
 
 
-def _rewrite(clean: CleanCell, code: CellCode, facts, precheck: bool, warnings: list[str], skip_bad_cells: bool):
+def _rewrite(
+    clean: CleanCell, code: CellCode, facts: JobFacts, precheck: bool, warnings: list[str], skip_bad_cells: bool
+) -> tuple[str, list[tuple[str, int, str]]]:
     """The cell's code after the rewrite rules, and their ``(rule, line, message)`` changes.
 
     libcst (in ``rules.py``) is imported only for a cell some rule has work in. Python that libcst cannot
