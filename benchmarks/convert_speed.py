@@ -2,9 +2,10 @@
 
 The notebook is made of the fixture corpus's cells (Unsloth, Trainer, TRL, plain PyTorch, magics) until it
 has 50 code cells, so every rule has work somewhere and most cells have nothing for most rules. Besides the
-median of the whole conversion, the run times each stage once per repeat (read with nbformat, clean,
-facts, rules, assemble) and compares, side by side, conversion with the rules' cheap pre-check
-(``Rule.wanted``) against running every rule over every cell. Writes ``benchmarks/results/convert_speed.json``.
+median of the whole conversion, the run times the stages of a few conversions (read with nbformat, clean,
+facts and checks with ``ast``, the libcst rewrite) and compares, side by side, conversion with the rules'
+checks against running the rules over every statement with libcst (``precheck=False``). It also times
+``import nbddp.job`` in a fresh interpreter. Writes ``benchmarks/results/convert_speed.json``.
 
     python benchmarks/convert_speed.py [--repeats 30]
 """
@@ -15,11 +16,12 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -29,9 +31,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from nbddp import __version__  # noqa: E402
 from nbddp.cells import read_notebook  # noqa: E402
-from nbddp.convert import convert_notebook  # noqa: E402
-from nbddp.convert import rules as rules_mod  # noqa: E402
+from nbddp.convert import convert_cells, convert_notebook  # noqa: E402
+from nbddp.convert.checks import plan_cell  # noqa: E402
 from nbddp.convert.clean import clean_cell  # noqa: E402
+from nbddp.convert.facts import CellCode, gather_facts  # noqa: E402
 
 CORPUS = ROOT / "tests" / "corpus"
 ORDER = ("unsloth_kaggle_sft", "hf_trainer_text_classification", "pytorch_image_cnn", "kaggle_magics",
@@ -54,22 +57,6 @@ def fifty_cell_notebook(path: Path, cells: int = 50) -> Path:
     return path
 
 
-@contextmanager
-def every_rule_everywhere():
-    """Run every rule over every cell: the pre-check switched off (what the pre-check saves)."""
-    saved = {cls: cls.__dict__.get("wanted") for cls in rules_mod.RULES}
-    for cls in rules_mod.RULES:
-        cls.wanted = classmethod(lambda cls, code, module, facts: True)
-    try:
-        yield
-    finally:
-        for cls, fn in saved.items():
-            if fn is None:
-                del cls.wanted
-            else:
-                cls.wanted = fn
-
-
 def timed(fn, repeats: int) -> tuple[list[float], list[float]]:
     """CPU and wall milliseconds of ``repeats`` calls (after one warm-up call: imports, caches).
 
@@ -87,8 +74,8 @@ def timed(fn, repeats: int) -> tuple[list[float], list[float]]:
 
 
 def stages(path: Path) -> dict[str, float]:
-    """One conversion, stage by stage, in milliseconds."""
-    import libcst as cst
+    """One conversion, stage by stage, in milliseconds (what the script's assembly adds is not timed)."""
+    from nbddp.convert.rules import rewrite
 
     clock = time.process_time
     t0 = clock()
@@ -96,18 +83,39 @@ def stages(path: Path) -> dict[str, float]:
     t1 = clock()
     cleaned = [clean_cell(c) for c in cells]
     t2 = clock()
-    modules = [cst.parse_module(c.code) for c in cleaned]
+    codes = [CellCode.read(c.code, c.tree, i) for i, c in enumerate(cleaned)]
+    facts = gather_facts(codes)
     t3 = clock()
-    facts = rules_mod.gather_facts(modules)
+    plans = [plan_cell(code, facts) for code in codes]
     t4 = clock()
-    new = [rules_mod.apply_rules(module, facts)[0] for module in modules]
+    for code, plan in zip(codes, plans):
+        if plan is not None:
+            rewrite(code, plan, facts)
     t5 = clock()
-    for module in new:
-        module.code
-    t6 = clock()
     ms = lambda a, b: round((b - a) * 1000, 2)  # noqa: E731
-    return {"read": ms(t0, t1), "clean": ms(t1, t2), "parse": ms(t2, t3), "facts": ms(t3, t4),
-            "rules": ms(t4, t5), "codegen": ms(t5, t6)}
+    return {"read": ms(t0, t1), "clean": ms(t1, t2), "facts": ms(t2, t3), "checks": ms(t3, t4),
+            "libcst_rewrite": ms(t4, t5)}
+
+
+def libcst_share(path: Path) -> dict[str, int]:
+    """How many top-level statements the conversion parses with libcst, of how many."""
+    codes = [CellCode.read(c.code, c.tree, i) for i, c in enumerate(clean_cell(c) for c in read_notebook(path))]
+    facts = gather_facts(codes)
+    plans = [plan_cell(code, facts) for code in codes]
+    return {
+        "statements": sum(len(code.statements) for code in codes),
+        "parsed_with_libcst": sum(len(chunk) for plan in plans if plan for chunk in plan.chunks),
+        "cells_parsed_with_libcst": sum(1 for plan in plans if plan),
+    }
+
+
+def import_time_s() -> float:
+    """Seconds ``import nbddp.job`` takes in a fresh interpreter (``-X importtime``, cumulative)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import nbddp.job"], capture_output=True,
+                         text=True, env=env, check=True).stderr
+    last = [ln for ln in out.splitlines() if re.search(r"\|\s*nbddp\.job$", ln)][-1]
+    return round(int(last.split("|")[1]) / 1e6, 3)
 
 
 def main(argv=None) -> int:
@@ -120,9 +128,11 @@ def main(argv=None) -> int:
         path = fifty_cell_notebook(Path(tmp) / "fifty.ipynb")
         code_cells = len(read_notebook(path))
         with_check, with_check_wall = timed(lambda: convert_notebook(path), args.repeats)
-        with every_rule_everywhere():
-            without_check, _ = timed(lambda: convert_notebook(path), args.repeats)
-        per_stage = [stages(path) for _ in range(5)]
+        every_statement = lambda: convert_cells(read_notebook(path), origin=path.name, precheck=False)  # noqa: E731
+        without_check, _ = timed(every_statement, args.repeats)
+        per_stage = [stages(path) for _ in range(9)]
+        share = libcst_share(path)
+    imports = sorted(import_time_s() for _ in range(5))
     median = statistics.median(with_check)
     load = os.getloadavg()[0]
     result = {
@@ -141,9 +151,11 @@ def main(argv=None) -> int:
         "wall_median_ms": round(statistics.median(with_check_wall), 2),
         "load_average_1min": round(load, 2),
         "cpus": os.cpu_count(),
-        "every_rule_everywhere_median_ms": round(statistics.median(without_check), 2),
+        "every_statement_with_libcst_median_ms": round(statistics.median(without_check), 2),
         "precheck_speedup": round(statistics.median(without_check) / median, 2),
         "stages_ms_median": {k: statistics.median(s[k] for s in per_stage) for k in per_stage[0]},
+        "libcst": share,
+        "import_nbddp_job_s_median": imports[len(imports) // 2],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -120,3 +120,22 @@ def test_time_magic_around_bad_code_names_its_line():
     with pytest.raises(CellError) as err:
         clean("a = 1\n%time b = (\n", index=2)
     assert err.value.line == 2
+
+
+def test_comments_and_blank_lines_above_a_replaced_magic_stay():
+    src = "x = 1\n# install it\n\n!pip install foo\n# go there\n%cd /tmp\n\n%env A=1\n# hush\n%matplotlib inline\n"
+    c = clean(src)
+    assert c.code.splitlines() == [
+        "x = 1",
+        "# install it",
+        "",
+        "# nbddp: `pip install foo` runs once before launch",
+        "# go there",
+        "os.chdir(os.path.expanduser('/tmp'))",
+        "",
+        "os.environ['A'] = '1'",
+        "# hush",
+        "# nbddp: %matplotlib inline dropped (notebook-only)",
+    ]
+    assert c.line_map == tuple(range(1, 11))
+    assert [(i.line, i.command) for i in c.installs] == [(4, "pip install foo")]

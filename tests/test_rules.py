@@ -1,21 +1,33 @@
-"""Each rule as before/after source pairs."""
+"""Each rule as before/after source pairs, with the rules' checks on (the fast path) and off."""
 
 import textwrap
 
-import libcst as cst
 import pytest
 
-from nbddp.convert.rules import RULES, apply_rules, gather_facts
+from nbddp.convert.checks import CHECKS, plan_cell
+from nbddp.convert.facts import CellCode, gather_facts
+from nbddp.convert.rules import RULES, rewrite as rewrite_cell
+
+PRECHECK = {"on": True}
+
+
+@pytest.fixture(autouse=True, params=["checks", "every statement"])
+def precheck(request):
+    """Every rule test runs twice: libcst only where the checks say, and libcst over every statement."""
+    PRECHECK["on"] = request.param == "checks"
+    yield
+    PRECHECK["on"] = True
 
 
 def rewrite(*cells):
     """Cells (dedented) through the rules; the new sources and the ``(rule, line, message)`` changes."""
-    modules = [cst.parse_module(textwrap.dedent(c)) for c in cells]
-    facts = gather_facts(modules)
+    codes = [CellCode.read(textwrap.dedent(c), position=i) for i, c in enumerate(cells)]
+    facts = gather_facts(codes)
     out, changes = [], []
-    for mod in modules:
-        new, ch = apply_rules(mod, facts)
-        out.append(new.code)
+    for code in codes:
+        plan = plan_cell(code, facts, every_statement=not PRECHECK["on"])
+        new, ch = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
+        out.append(new)
         changes += ch
     return out, changes
 
@@ -28,6 +40,11 @@ def test_every_rule_says_what_and_why():
     for rule in RULES:
         doc = rule.__doc__ or ""
         assert len(doc.split()) > 25, rule.__name__
+
+
+def test_every_rule_has_its_check_in_the_same_order():
+    assert [rule.check for rule in RULES] == list(CHECKS)
+    assert len({rule.name for rule in RULES}) == len(RULES)
 
 
 # ------------------------------------------------------------------------------------------- device_map

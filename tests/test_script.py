@@ -176,3 +176,13 @@ def test_odd_but_valid_cells_convert_and_compile(crlf):
     sources = [c.replace("\n", "\r\n") if crlf else c for c in ODD_CELLS]
     script = convert_cells(cells_from_sources(sources))
     compile(script.text, "script.py", "exec")
+
+
+def test_the_job_api_imports_neither_libcst_nor_ipython():
+    """libcst and IPython's transformers load with the first cell that needs them, not with nbddp's API."""
+    code = ("import sys, nbddp.job, nbddp.launch, nbddp.cli, nbddp.convert\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('libcst', 'IPython')))")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "[]", out.stdout

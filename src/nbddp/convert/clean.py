@@ -1,28 +1,27 @@
 """IPython syntax → plain Python, with installs pulled out into a plan that runs once before launch.
 
-IPython's own ``TransformerManager`` turns ``!cmd``, ``%magic`` and ``x = !cmd`` into
-``get_ipython().…`` calls; a libcst pass then replaces each of those calls with what it means in a script
-run by every rank: installs leave the script (they run once, before torchrun starts), ``%time stmt`` becomes
-``stmt``, ``%env``/``%cd`` become ``os.environ``/``os.chdir``, other shell commands run through
-``_nbddp.shell`` on one process per node while the others wait, display-only magics are dropped.
-Cell magics (``%%capture``, ``%%time``, ``%%bash``, …) are handled before, from the cell's first line.
+A cell that Python's parser reads is Python as it stands, and most cells are: they cost one ``ast.parse``.
+For the others, IPython's own ``TransformerManager`` turns ``!cmd``, ``%magic`` and ``x = !cmd`` into
+``get_ipython().…`` calls; a libcst pass (``ipycalls.py``, over the statements holding those calls) then
+replaces each call with what it means in a script run by every rank: installs leave the script (they run
+once, before torchrun starts), ``%time stmt`` becomes ``stmt``, ``%env``/``%cd`` become
+``os.environ``/``os.chdir``, other shell commands run through ``_nbddp.shell`` on one process per node while
+the others wait, display-only magics are dropped. Cell magics (``%%capture``, ``%%time``, ``%%bash``, …) are
+handled before, from the cell's first line. IPython and libcst are imported only for cells that need them.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shlex
-from dataclasses import dataclass
-
-import libcst as cst
-import libcst.matchers as m
-from IPython.core.inputtransformer2 import TransformerManager
+from dataclasses import dataclass, field
 
 from ..cells import Cell
 from ..errors import CellError
+from .facts import CellCode, compound_bodies, group_lines, is_compound, is_dead_if
 from .lines import align
-from .facts import is_dead_if
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(
@@ -39,8 +38,14 @@ SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system"})
 #: Cell magics that only display something in the notebook.
 DISPLAY_CELL_MAGICS = frozenset({"html", "HTML", "markdown", "javascript", "js", "latex", "svg"})
 
-#: IPython's input transformers (stateless between cells: one is enough).
-_TRANSFORMER = TransformerManager()
+
+
+@functools.cache
+def _transformer():
+    """IPython's input transformers (stateless between cells: one is enough), imported on first need."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager()
 
 _INSTALL = re.compile(
     r"^\s*(?:sudo\s+)?(?:(?:python[0-9.]*|py)\s+-m\s+)?(?:pip[0-9.]*|uv\s+pip|conda|mamba|micromamba|apt|apt-get)"
@@ -75,13 +80,17 @@ class Note:
 
 @dataclass(frozen=True)
 class CleanCell:
-    """A cell as plain Python. ``line_map[i]`` is the 1-based cell line of code line ``i`` (0-based), or None."""
+    """A cell as plain Python. ``line_map[i]`` is the 1-based cell line of code line ``i`` (0-based), or None.
+
+    ``tree``: the code's ast, when cleaning parsed it anyway (the facts read it rather than parse again).
+    """
 
     cell: Cell
     code: str
     line_map: tuple[int | None, ...]
     installs: tuple[Install, ...] = ()
     notes: tuple[Note, ...] = ()
+    tree: ast.Module | None = field(default=None, compare=False, repr=False)
 
 
 def clean_cell(cell: Cell) -> CleanCell:
@@ -107,51 +116,260 @@ def clean_cell(cell: Cell) -> CleanCell:
         body, offset = lines, 0
 
     body_src = "\n".join(body) + "\n"
-    transformed, t_map = _python(body_src, body, cell, offset)
-    try:
-        if t_map is not None:
-            ast.parse(transformed)  # CPython's parser points at the line a person would fix
-        else:
-            t_map = list(range(len(body)))
-        module = cst.parse_module(transformed) if "get_ipython" in transformed else None
-    except (SyntaxError, cst.ParserSyntaxError) as exc:
-        raw = getattr(exc, "lineno", None) or getattr(exc, "raw_line", 1)
-        src_line = _body_line(t_map, raw, offset)
-        msg = exc.msg if isinstance(exc, SyntaxError) else exc.message
-        raise CellError(f"not valid Python: {msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
+    transformed, t_map, tree = _python(body_src, body, cell, offset, lines)
+    if t_map is None:
+        t_map = list(range(len(body)))
+    line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
+    if "get_ipython" not in transformed:  # plain Python: nothing for the libcst pass to do
+        return CleanCell(cell, transformed, line_map, (), tuple(notes), tree)
 
-    if module is None:  # plain Python: nothing for the libcst pass to do
-        line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
-        return CleanCell(cell, transformed, line_map, (), tuple(notes))
-    rewriter = _IPythonCalls(cell, transformed.splitlines())
+    magics = Magics(transformed.splitlines())
     try:
-        new_code = _finish(module.visit(rewriter).code)
-    except _MagicError as exc:  # raised at a line of the transformed code: point at the cell's line
+        new_code, new_tree = _ipython_calls(transformed, tree, magics)
+    except UnreadablePython as exc:
+        src_line = _body_line(t_map, exc.line, offset)
+        raise CellError(f"not valid Python: {exc.message}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
+    except MagicError as exc:  # raised at a line of the transformed code: point at the cell's line
         src_line = _body_line(t_map, exc.line, offset)
         raise CellError(exc.message, cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
     # Every replacement is one line for one line, so new line k is transformed line k.
-    line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
-    installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in rewriter.installs)
-    notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in rewriter.notes]
-    return CleanCell(cell, new_code, line_map, installs, tuple(notes))
+    installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in magics.installs)
+    notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in magics.notes]
+    return CleanCell(cell, new_code, line_map, installs, tuple(notes), new_tree)
 
 
-def _python(body_src: str, body: list[str], cell: Cell, offset: int) -> tuple[str, list[int | None] | None]:
-    """The cell body as Python, and which body line each of its lines comes from (None: one for one).
+def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> tuple[str, ast.Module]:
+    """``code`` with its ``get_ipython()`` calls rewritten, statement by statement, in order; and its ast.
+
+    A statement as IPython's transformers write it (``get_ipython().system('pip install x')`` alone on its
+    line) is rewritten as text; any other goes through libcst (``ipycalls.py``), parsed on its own and put
+    back at its indentation. Either way ``Magics`` decides what it becomes, and the rest of the cell stays as
+    it is. A cell with such a call where no statement can be taken alone (a loop's header, a decorator) is
+    parsed whole. Raises ``UnreadablePython`` where libcst cannot parse the code, ``MagicError`` for a magic with
+    no meaning in a script.
+    """
+    cell = CellCode.read(code, tree)
+    found = _ipython_statements(cell.tree.body, cell, False)
+    if found is None:
+        from .ipycalls import rewrite_module
+
+        new_code = rewrite_module(code, magics)
+    else:
+        lines = list(cell.lines)
+        for group, dead in found:
+            first, last = group[0].lineno, group[-1].end_lineno
+            indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
+            new = _as_text(group, lines[first - 1], indent, magics, dead)
+            if new is None:
+                from .ipycalls import rewrite_statement
+
+                new = rewrite_statement(lines[first - 1][len(indent) :] + "".join(lines[first:last]), magics, dead, first)
+            lines[first - 1 : last] = [indent + new] + [""] * (last - first)
+        new_code = "".join(lines)
+    if PLACEHOLDER in new_code:
+        return _finish(new_code)
+    return new_code, (tree if new_code == code else ast.parse(new_code))
+
+
+def _as_text(group: list[ast.stmt], line: str, indent: str, magics: Magics, dead: bool) -> str | None:
+    """A statement as IPython's transformers write it, rewritten as text (None for any other statement).
+
+    That is ``get_ipython().method('…', …)`` alone on its line, or ``x = get_ipython().getoutput('…')``,
+    with string arguments written as ``repr`` writes them: exactly what the libcst pass would give.
+    """
+    if len(group) != 1:
+        return None
+    node = group[0]
+    if isinstance(node, ast.Expr):
+        call, prefix = node.value, ""
+    elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+        call, prefix = node.value, "".join(f"{t.id} = " for t in node.targets)
+    else:
+        return None
+    if not isinstance(call, ast.Call) or call.keywords or not isinstance(call.func, ast.Attribute):
+        return None
+    owner, method = call.func.value, call.func.attr
+    if not (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "get_ipython"
+            and not owner.args and not owner.keywords):
+        return None
+    values = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    args = ", ".join(map(repr, values))
+    if len(values) != len(call.args) or any("\n" in v or "\r" in v for v in values):
+        return None
+    if line != f"{indent}{prefix}get_ipython().{method}({args})\n":
+        return None
+    if method == "getoutput":
+        return f"{prefix}_nbddp.getoutput({args})\n"
+    if prefix:  # ``x = %magic``: left as it is
+        return line[len(indent) :]
+    action = magics.statement(method, values[0] if values else None, values[1] if len(values) > 1 else None,
+                              line.strip(), dead)
+    kind, value = action
+    if kind == "keep":
+        return line[len(indent) :]
+    if kind == "shell":
+        return f"_nbddp.shell({args})\n"
+    if kind == "shell_command":
+        return f"_nbddp.shell({value!r})\n"
+    if kind == "dropped":
+        return f"{PLACEHOLDER}  # nbddp: {value}\n"
+    return value + "\n"  # "statement"
+
+
+class MagicError(Exception):
+    """A magic that cannot be converted, at a line of the transformed cell (``clean_cell`` maps it back)."""
+
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
+class Magics:
+    """What each ``get_ipython()`` statement of a cell becomes, and the installs and notes that go with it.
+
+    Asked by both ways a statement is rewritten (as text, or with libcst in ``ipycalls.py``), one
+    statement at a time in the order they come. An answer is ``(kind, value)``: ``("keep", None)``,
+    ``("shell", None)`` (``_nbddp.shell`` with the call's own arguments), ``("shell_command", command)``,
+    ``("dropped", what)`` (a placeholder that becomes a ``# nbddp:`` comment), ``("statement", code)``.
+    """
+
+    def __init__(self, lines: list[str]):
+        self.lines = [ln.strip() for ln in lines]
+        self._next = 0  # statements come in order: where to look for the next one's line
+        self.installs: list[tuple[int, str]] = []
+        self.notes: list[tuple[int, str]] = []
+
+    def line_of(self, text: str) -> int:
+        """The line of a one-line statement in the transformed cell: the next line with its text.
+
+        (libcst's positions would generate the cell's source once more; a ``get_ipython()`` statement is one
+        line, and statements are asked about in the order they come.)
+        """
+        for k in range(self._next, len(self.lines)):
+            if self.lines[k] == text:
+                self._next = k + 1
+                return k + 1
+        return self._next or 1
+
+    @staticmethod
+    def _pulls_out(command: str, dead: bool) -> bool:
+        return is_install(command) and not interpolates(command) and not dead
+
+    def statement(self, method: str, first: str | None, second: str | None, text: str, dead: bool):
+        """``get_ipython().method(first, second)``, a statement of its own whose code is ``text``.
+
+        ``first``/``second``: its string arguments (None where absent or not a string); ``dead``: it sits in
+        ``if False:`` (nothing is pulled out; the block stays as written).
+        """
+        line = self.line_of(text)
+        if method == "system":
+            if first is not None and self._pulls_out(first, dead):
+                self.installs.append((line, first.strip()))
+                return "dropped", f"`{first.strip()}` runs once before launch"
+            return "shell", None
+        if method == "run_line_magic":
+            return self._line_magic(first, second or "", line, dead)
+        return "keep", None
+
+    def _line_magic(self, name: str | None, arg: str, line: int, dead: bool):
+        if name in ("pip", "conda", "mamba", "uv"):
+            command = f"{name} {arg}".strip() if name != "uv" else f"uv {arg}"
+            if self._pulls_out(command, dead):
+                self.installs.append((line, command))
+                return "dropped", f"`{command}` runs once before launch"
+            return "shell_command", command
+        if name in STATEMENT_LINE_MAGICS:
+            import libcst as cst  # what libcst reads as one statement is what the script can hold
+
+            try:
+                stmt = cst.parse_statement(arg + "\n")
+            except cst.ParserSyntaxError:
+                raise MagicError(f"%{name} wraps code that is not valid Python", line) from None
+            self.notes.append((line, f"%{name} dropped; its statement is kept"))
+            return "statement", cst.Module([]).code_for_node(stmt).rstrip("\n")
+        if name == "env":
+            key, _, value = arg.replace("=", " ", 1).partition(" ")
+            if not key or not value.strip():
+                self.notes.append((line, "%env without a value dropped"))
+                return "dropped", f"%env {arg} dropped"
+            return "statement", f"os.environ[{key!r}] = {value.strip()!r}"
+        if name == "cd":
+            return "statement", f"os.chdir(os.path.expanduser({arg.strip()!r}))"
+        if name in DROPPED_LINE_MAGICS or name is None:
+            self.notes.append((line, f"%{name} dropped (notebook-only)"))
+            return "dropped", f"%{name} {arg}".rstrip() + " dropped (notebook-only)"
+        raise MagicError(f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train", line)
+
+
+class UnreadablePython(Exception):
+    """Code that libcst (or, after a rewrite, Python) cannot read, at a line of that code."""
+
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
+def _ipython_statements(body: list[ast.stmt], cell: CellCode, dead: bool):
+    """The line-statements holding a ``get_ipython().…(…)`` call, each with whether it sits in ``if False:``.
+
+    None when such a call sits anywhere libcst could not take one statement at a time: in a compound
+    statement's header, or in statements that share a line with a block's header (``if x: !ls``).
+    """
+    found = []
+    for group in group_lines(body, cell):
+        node = group[0]
+        if is_compound(node):
+            inner = dead or is_dead_if(node)
+            bodies = compound_bodies(node)
+            header = [n for n in ast.iter_child_nodes(node) if not isinstance(n, (ast.stmt, ast.excepthandler, ast.match_case))]
+            header += [h.type for h in getattr(node, "handlers", ()) if h.type is not None]
+            header += [n for c in getattr(node, "cases", ()) for n in (c.pattern, c.guard) if n is not None]
+            if any(_has_ipython_call(n) for n in header):
+                return None
+            for sub in bodies:
+                more = _ipython_statements(sub, cell, inner)
+                if more is None:
+                    return None
+                found += more
+        elif "get_ipython" in "".join(cell.lines[node.lineno - 1 : group[-1].end_lineno]) and any(
+            _has_ipython_call(n) for n in group
+        ):
+            line = cell.lines[node.lineno - 1]
+            if len(line.encode()) - len(line.lstrip().encode()) != node.col_offset:
+                return None
+            found.append((group, dead))
+    return found
+
+
+def _has_ipython_call(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "get_ipython":
+            return True
+    return False
+
+
+def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list[str]):
+    """The cell body as Python, which body line each of its lines comes from (None: one for one), its ast.
 
     A body that already parses is Python as it stands: IPython's transformers would leave it as it is, and
-    skipping them keeps conversion fast. Anything else goes through ``TransformerManager``.
+    skipping them keeps conversion fast. Anything else goes through ``TransformerManager``; what it gives
+    must then parse (``CellError`` at the cell's line, as CPython's parser points at the line a person would
+    fix).
     """
     try:
-        ast.parse(body_src)
-        return body_src, None
+        return body_src, None, ast.parse(body_src)
     except SyntaxError:
         pass
     try:
-        transformed = _TRANSFORMER.transform_cell(body_src)
+        transformed = _transformer().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
         raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
-    return transformed, align(body, transformed.splitlines())
+    t_map = align(body, transformed.splitlines())
+    try:
+        return transformed, t_map, ast.parse(transformed)
+    except SyntaxError as exc:
+        src_line = _body_line(t_map, exc.lineno or 1, offset)
+        raise CellError(f"not valid Python: {exc.msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
 
 
 def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> int:
@@ -159,28 +377,21 @@ def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> i
     return (j if j is not None else transformed_line - 1) + 1 + offset
 
 
-_DROPPED = "_NBDDP_DROPPED_"
-_DROPPED_LINE = re.compile(rf"^(\s*){_DROPPED}  # (.*)$", re.M)
+PLACEHOLDER = "_NBDDPPLACEHOLDER_"
+_PLACEHOLDER_LINE = re.compile(rf"^(\s*){PLACEHOLDER}  # (.*)$", re.M)
 
 
-def _dropped(what: str) -> cst.SimpleStatementLine:
-    """A placeholder for a statement that leaves the script; ``_finish`` turns it into a comment."""
-    return cst.SimpleStatementLine(
-        [cst.Expr(cst.Name(_DROPPED))],
-        trailing_whitespace=cst.TrailingWhitespace(
-            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(f"# nbddp: {what}")
-        ),
-    )
-
-
-def _finish(code: str) -> str:
-    """Placeholders become comments, or ``pass  # …`` where a block would be left empty."""
-    as_comments = _DROPPED_LINE.sub(r"\1# \2", code)
+def _finish(code: str) -> tuple[str, ast.Module]:
+    """Placeholders become comments, or ``pass  # …`` where a block would be left empty; and the code's ast."""
+    as_comments = _PLACEHOLDER_LINE.sub(r"\1# \2", code)
     try:
-        ast.parse(as_comments)
-        return as_comments
+        return as_comments, ast.parse(as_comments)
     except SyntaxError:
-        return _DROPPED_LINE.sub(r"\1pass  # \2", code)
+        code = _PLACEHOLDER_LINE.sub(r"\1pass  # \2", code)
+    try:
+        return code, ast.parse(code)
+    except SyntaxError as exc:
+        raise UnreadablePython(exc.msg, exc.lineno or 1) from None
 
 
 def _line_at(lines: list[str], line: int) -> str:
@@ -214,123 +425,6 @@ def _writefile_cell(cell: Cell, head: str, body: list[str], offset: int) -> Clea
     return CleanCell(cell, code, (offset,), (), (Note(offset, f"%%writefile {paths[0]} written once per node"),))
 
 
-def _string_arg(call: cst.Call, index: int) -> str | None:
-    if len(call.args) <= index:
-        return None
-    value = call.args[index].value
-    if isinstance(value, (cst.SimpleString, cst.ConcatenatedString)):
-        evaluated = value.evaluated_value
-        return evaluated if isinstance(evaluated, str) else None
-    return None
-
-
-_GET_IPYTHON = m.Call(func=m.Name("get_ipython"))
-
-
-_GETOUTPUT = m.Call(func=m.Attribute(value=_GET_IPYTHON, attr=m.Name("getoutput")))
-
-
-class _MagicError(Exception):
-    """A magic that cannot be converted, at a line of the transformed cell (``clean_cell`` maps it back)."""
-
-    def __init__(self, message: str, line: int):
-        super().__init__(message)
-        self.message, self.line = message, line
-
-
-class _IPythonCalls(cst.CSTTransformer):
-    """Replace the ``get_ipython()`` calls that TransformerManager produced."""
-
-    def __init__(self, cell: Cell, lines: list[str]):
-        super().__init__()
-        self.cell, self.lines = cell, [ln.strip() for ln in lines]
-        self._next = 0  # statements come in order: where to look for the next one's line
-        self.installs: list[tuple[int, str]] = []
-        self.notes: list[tuple[int, str]] = []
-        self._dead = 0  # inside ``if False:``: nothing is pulled out, the block stays as written
-
-    def visit_If(self, node: cst.If) -> None:
-        self._dead += is_dead_if(node)
-
-    def leave_If(self, original, updated):
-        self._dead -= is_dead_if(original)
-        return updated
-
-    def _pulls_out(self, command: str) -> bool:
-        return is_install(command) and not _interpolates(command) and not self._dead
-
-    def _line(self, node: cst.SimpleStatementLine) -> int:
-        """The line of a one-line statement in the transformed cell: the next line with its text.
-
-        (libcst's positions would generate the cell's source once more; a ``get_ipython()`` statement is one
-        line, and statements are left in the order they come.)
-        """
-        text = cst.Module([]).code_for_node(node.with_changes(leading_lines=[])).strip()
-        for k in range(self._next, len(self.lines)):
-            if self.lines[k] == text:
-                self._next = k + 1
-                return k + 1
-        return self._next or 1
-
-    def leave_SimpleStatementLine(self, original, updated):
-        """Statements made only of a ``get_ipython()`` call become what they mean, or go."""
-        if len(updated.body) != 1 or not m.matches(updated.body[0], m.Expr(value=_GET_IPYTHON_ANY)):
-            return updated
-        call = updated.body[0].value
-        method = call.func.attr.value
-        line = self._line(original)
-        if method == "system":
-            command = _string_arg(call, 0)
-            if command is not None and self._pulls_out(command):
-                self.installs.append((line, command.strip()))
-                return _dropped(f"`{command.strip()}` runs once before launch")
-            return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", call.args))])
-        if method == "run_line_magic":
-            name, arg = _string_arg(call, 0), _string_arg(call, 1) or ""
-            return self._line_magic(original, updated, name, arg, line)
-        return updated
-
-    def _line_magic(self, original, updated, name, arg, line):
-        if name in ("pip", "conda", "mamba", "uv"):
-            command = f"{name} {arg}".strip() if name != "uv" else f"uv {arg}"
-            if self._pulls_out(command):
-                self.installs.append((line, command))
-                return _dropped(f"`{command}` runs once before launch")
-            return updated.with_changes(body=[cst.Expr(_nbddp_call("shell", [cst.Arg(cst.SimpleString(repr(command)))]))])
-        if name in STATEMENT_LINE_MAGICS:
-            try:
-                stmt = cst.parse_statement(arg + "\n")
-            except cst.ParserSyntaxError:
-                raise _MagicError(f"%{name} wraps code that is not valid Python", line) from None
-            self.notes.append((line, f"%{name} dropped; its statement is kept"))
-            return stmt.with_changes(leading_lines=original.leading_lines)
-        if name == "env":
-            key, _, value = arg.replace("=", " ", 1).partition(" ")
-            if not key or not value.strip():
-                self.notes.append((line, "%env without a value dropped"))
-                return _dropped(f"%env {arg} dropped")
-            return cst.parse_statement(f"os.environ[{key!r}] = {value.strip()!r}\n")
-        if name == "cd":
-            return cst.parse_statement(f"os.chdir(os.path.expanduser({arg.strip()!r}))\n")
-        if name in DROPPED_LINE_MAGICS or name is None:
-            self.notes.append((line, f"%{name} dropped (notebook-only)"))
-            return _dropped(f"%{name} {arg}".rstrip() + " dropped (notebook-only)")
-        raise _MagicError(f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train", line)
-
-    def leave_Call(self, original, updated):
-        """``x = !cmd`` → ``x = _nbddp.getoutput("cmd")``; ``x = %magic`` in expressions likewise."""
-        if m.matches(updated, _GETOUTPUT):
-            return _nbddp_call("getoutput", updated.args)
-        return updated
-
-
-_GET_IPYTHON_ANY = m.Call(func=m.Attribute(value=_GET_IPYTHON))
-
-
-def _interpolates(command: str) -> bool:
+def interpolates(command: str) -> bool:
     """IPython expands ``{expr}`` and ``$name`` in shell lines from the kernel's namespace."""
     return bool(re.search(r"\{[^}]*\}|\$[A-Za-z_]", command))
-
-
-def _nbddp_call(name: str, args) -> cst.Call:
-    return cst.Call(func=cst.Attribute(value=cst.Name("_nbddp"), attr=cst.Name(name)), args=list(args))

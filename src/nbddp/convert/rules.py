@@ -1,15 +1,17 @@
-"""Rewrite rules: one libcst transformer each, applied to every cleaned cell in order.
+"""Rewrite rules: one libcst transformer each, run on the statements of a cell where they have work.
 
-Each rule notes what it changed (the node and a message); ``apply_rules`` turns the notes into lines of the
-cleaned cell, so the script can say what it changed and where. Rules read a shared ``JobFacts`` gathered
-over all cells first (``facts.py``: which names hold trainers, which statements train, which top-level
-statements run on rank 0 only).
+Each rule notes what it changed (the node and a message); ``rewrite`` turns the notes into lines of the
+cleaned cell, so the script can say what it changed and where. Rules read a shared ``JobFacts`` gathered with
+Python's ast over all cells first (``facts.py``: which names hold trainers, which statements train, which
+top-level statements run on rank 0 only), and run only where their check (``checks.py``, same name) says
+they may have work: libcst parses just those runs of statements (``Plan.chunks``), and every other line of
+the cell stays as it was cleaned.
 
 Two kinds of rule:
 
 - *statement rules* (``MainProcessFirstRule``, ``RankZeroRule``, ``DDPWrapRule``) act on top-level
-  statements that ``gather_facts`` picked out. They run first, on the very nodes the facts were gathered
-  from (the facts hold those nodes), so the choice is made once for the whole notebook.
+  statements that ``gather_facts`` picked out. They run first, one after the other, and find their
+  statements through the chunk (``Rule.statement``), so the choice is made once for the whole notebook.
 - *expression rules* rewrite calls, arguments and loops wherever they are, together in one walk.
 
 No rule looks inside an ``if False:`` block: notebooks keep optional steps there (GGUF export, pushing to
@@ -19,28 +21,16 @@ the Hub), and they stay exactly as written.
 from __future__ import annotations
 
 import ast
-import re
+import functools
 
 import libcst as cst
-import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from .facts import (
-    JobFacts,
-    code_of,
-    dotted_name,
-    gather_facts,
-    has_keyword,
-    is_dead_if,
-    is_training_statement,
-    keyword,
-    last_name,
-    loader_shards,
-    placement,
-)
+from . import checks
+from .facts import CUDA_INDEX, TRAINER_CONFIGS, CellCode, JobFacts, Statement, is_model_loader_owner, loader_shards
 from .lines import align
 
-__all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "JobFacts", "Rule", "apply_rules", "gather_facts"]
+__all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "Rule", "UnreadableCode", "rewrite"]
 
 #: The runtime call that gives each rank its own device as a ``device_map``.
 DEVICE_MAP_EXPR = "_nbddp.device_map()"
@@ -51,32 +41,88 @@ MAIN_PROCESS_EXPR = "_nbddp.is_main_process()"
 #: Context manager letting the first process of each machine go first (caches, downloads).
 MAIN_FIRST_EXPR = "_nbddp.main_process_first()"
 
-_NOT_MODELS = ("Tokenizer", "Processor", "Config", "FeatureExtractor", "ImageProcessor", "Dataset")
-_TRAINER_CONFIGS = frozenset(
-    {"TrainingArguments", "Seq2SeqTrainingArguments", "UnslothTrainingArguments"}
-    | {
-        f"{p}Config"
-        for p in "SFT DPO GRPO ORPO KTO CPO BCO PPO RLOO Reward PRM GKD OnlineDPO XPO Nash Unsloth".split()
-    }
+
+# ------------------------------------------------------------------------------------- libcst helpers
+
+
+def _subclasses(*bases: type) -> frozenset[type]:
+    found, todo = set(), list(bases)
+    while todo:
+        cls = todo.pop()
+        found.add(cls)
+        todo += cls.__subclasses__()
+    return frozenset(found)
+
+
+#: Whitespace, comments, operators and punctuation: no rule rewrites them, so no walk goes into them (about
+#: half of a statement's nodes).
+_TRIVIA = _subclasses(
+    cst.BaseParenthesizableWhitespace, cst.TrailingWhitespace, cst.EmptyLine, cst.Newline, cst.Comment,
+    cst.Semicolon, cst.Colon, cst.Comma, cst.Dot, cst.AssignEqual, cst.ImportStar, cst.BaseUnaryOp,
+    cst.BaseBooleanOp, cst.BaseBinaryOp, cst.BaseCompOp, cst.BaseAugOp, cst.LeftParen, cst.RightParen,
+    cst.LeftSquareBracket, cst.RightSquareBracket, cst.LeftCurlyBrace, cst.RightCurlyBrace,
 )
-_CUDA_INDEX = re.compile(r"^cuda:\d+$")
+#: Values with nothing inside but trivia: an argument holding one is not walked unless a rule reads its kind.
+_LEAVES = frozenset({cst.Name, cst.Integer, cst.Float, cst.Imaginary, cst.SimpleString, cst.Ellipsis})
 
 
-# --------------------------------------------------------------------------------------------- helpers
+@functools.cache
+def _expression(code: str) -> cst.BaseExpression:
+    """One of the fixed expressions the rules write, parsed once (libcst nodes are immutable)."""
+    return cst.parse_expression(code)
+
+
+def dotted_name(node: cst.BaseExpression) -> str | None:
+    """``a.b.C`` for a Name/Attribute chain, else None."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted_name(node.value)
+        return f"{base}.{node.attr.value}" if base else None
+    return None
+
+
+def last_name(node: cst.BaseExpression) -> str | None:
+    """The last part of a call's name: ``AutoModel`` for ``transformers.AutoModel``, ``train`` for ``t.train``."""
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    if isinstance(node, cst.Name):
+        return node.value
+    return None
+
+
+def is_name(node: cst.CSTNode | None, *values: str) -> bool:
+    """A ``Name`` node, with one of ``values`` when given."""
+    return isinstance(node, cst.Name) and (not values or node.value in values)
+
+
+def is_attribute(node: cst.CSTNode | None, *attrs: str) -> bool:
+    """An ``owner.attr`` node, with ``attr`` one of ``attrs`` when given."""
+    return isinstance(node, cst.Attribute) and (not attrs or node.attr.value in attrs)
+
+
+def is_dead_if(node: cst.CSTNode) -> bool:
+    """``if False:`` / ``if 0:``: code a notebook keeps switched off."""
+    if not isinstance(node, cst.If):
+        return False
+    return is_name(node.test, "False") or isinstance(node.test, cst.Integer) and node.test.value == "0"
+
+
+def keyword(call: cst.Call, key: str) -> cst.Arg | None:
+    return next((a for a in call.args if a.keyword is not None and a.keyword.value == key), None)
+
+
+def has_keyword(call: cst.Call, key: str) -> bool:
+    return keyword(call, key) is not None
+
+
+def code_of(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
 
 
 def is_model_loader(call: cst.Call) -> bool:
-    """``X.from_pretrained(...)`` where X names a model class (not a tokenizer, processor or config).
-
-    Covers ``AutoModel*``, ``*For*`` (``LlamaForCausalLM``), ``AutoPeftModel*``, ``PeftModel`` and Unsloth's
-    ``FastLanguageModel``/``FastModel``/``FastVisionModel``.
-    """
-    if not m.matches(call.func, m.Attribute(attr=m.Name("from_pretrained"))):
-        return False
-    owner = last_name(call.func.value)
-    if not owner or any(word in owner for word in _NOT_MODELS):
-        return False
-    return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))
+    """``X.from_pretrained(...)`` where X names a model class (``facts.is_model_loader_owner``)."""
+    return is_attribute(call.func, "from_pretrained") and is_model_loader_owner(last_name(call.func.value))
 
 
 def _string_value(node: cst.BaseExpression) -> str | None:
@@ -84,6 +130,27 @@ def _string_value(node: cst.BaseExpression) -> str | None:
         value = node.evaluated_value
         return value if isinstance(value, str) else None
     return None
+
+
+def _environ_key(small: cst.BaseSmallStatement) -> str | None:
+    """The key of ``os.environ["KEY"] = …`` (one target, a plain string key), else None."""
+    if not isinstance(small, cst.Assign) or len(small.targets) != 1:
+        return None
+    target = small.targets[0].target
+    if not isinstance(target, cst.Subscript) or len(target.slice) != 1:
+        return None
+    if not (is_attribute(target.value, "environ") and is_name(target.value.value, "os")):
+        return None
+    index = target.slice[0].slice
+    return _string_value(index.value) if isinstance(index, cst.Index) else None
+
+
+def _is_torch_save(small: cst.BaseSmallStatement) -> bool:
+    """A ``torch.save(…)`` expression statement."""
+    if not isinstance(small, cst.Expr) or not isinstance(small.value, cst.Call):
+        return False
+    func = small.value.func
+    return is_attribute(func, "save") and is_name(func.value, "torch")
 
 
 def _loader_name(expr: cst.BaseExpression) -> str | None:
@@ -99,24 +166,29 @@ def _loader_name(expr: cst.BaseExpression) -> str | None:
 class Rule(cst.CSTTransformer):
     """Base: a named transformer that records ``(node, message)`` for each change.
 
-    ``pattern``: what a cell's text must contain for the rule to have anything to do there; a rule whose
-    pattern is absent is not run on the cell at all (conversion stays fast on long notebooks). The
-    noted nodes are nodes of the module the rule was given; ``apply_rules`` turns them into lines, and only
-    for rules that changed something, since positions cost a pass over the module.
+    ``check``: where the rule has work (``checks.py``); it gives the rule its name. A rule runs on one chunk
+    of a cell at a time (``_Chunk``: consecutive top-level statements parsed together). The noted nodes are
+    nodes of the module the rule was given; ``rewrite`` turns them into lines of the cell.
     """
 
+    check: type[checks.Check] = checks.Check
     name = "rule"
-    pattern: re.Pattern | None = None
 
-    def __init__(self, facts: JobFacts):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.name = cls.check.name
+
+    def __init__(self, facts: JobFacts, chunk: _Chunk):
         super().__init__()
-        self.facts = facts
+        self.facts, self.chunk = facts, chunk
         #: (node, index of the top-level statement holding it, message)
         self.changes: list[tuple[cst.CSTNode, int | None, str]] = []
         self._top: dict[cst.CSTNode, int] = {}
         self._current: int | None = None
 
     def on_visit(self, node: cst.CSTNode) -> bool:
+        if type(node) in _TRIVIA:
+            return False
         if isinstance(node, cst.Module):
             self._top = {stmt: i for i, stmt in enumerate(node.body)}
         elif node in self._top:
@@ -124,19 +196,26 @@ class Rule(cst.CSTTransformer):
         return super().on_visit(node)
 
     @classmethod
-    def could_change(cls, text: str, facts: JobFacts) -> bool:
-        """Whether code with this text may hold something for the rule (a cell, or one statement)."""
-        return cls.pattern is None or cls.pattern.search(text) is not None
+    def reads(cls, node: cst.CSTNode) -> bool:
+        """Whether the rule has a ``visit_``/``leave_`` method for nodes of this kind."""
+        return type(node).__name__ in _handled(cls)
 
-    @classmethod
-    def wanted(cls, code: str, module: cst.Module, facts: JobFacts) -> bool:
-        return cls.could_change(code, facts)
+    def statement(self, node: cst.CSTNode) -> Statement | None:
+        """The notebook's top-level statement a top-level node of the chunk stands for (None for a new node)."""
+        return self.chunk.statement_of.get(node)
 
     def visit_If(self, node: cst.If) -> bool:
         return not is_dead_if(node)
 
     def note(self, node: cst.CSTNode, message: str) -> None:
         self.changes.append((node, self._top.get(node, self._current), message))
+
+
+@functools.cache
+def _handled(cls: type) -> frozenset[str]:
+    """The node kinds a rule class has its own ``visit_``/``leave_`` methods for (libcst's stubs aside)."""
+    own = (vars(k) for k in cls.__mro__ if not k.__module__.startswith(("libcst", "builtins")))
+    return frozenset(name.split("_", 1)[1] for names in own for name in names if name.startswith(("visit_", "leave_")))
 
 
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
@@ -178,9 +257,8 @@ def _has_star_kwargs(call: cst.Call) -> bool:
 class _StatementRule(Rule):
     """Base of the statement rules: each run of consecutive chosen top-level statements goes into one block."""
 
-    @staticmethod
-    def picks(facts: JobFacts, stmt: cst.BaseStatement) -> bool:
-        """Whether the rule takes this top-level statement (one of the nodes the facts were gathered from)."""
+    def picks(self, stmt: Statement | None) -> bool:
+        """Whether the rule takes this top-level statement of the notebook."""
         raise NotImplementedError
 
     def block(self, run: list[cst.BaseStatement]) -> cst.BaseCompoundStatement:
@@ -190,17 +268,14 @@ class _StatementRule(Rule):
     def message(self, run: list[cst.BaseStatement]) -> str:
         raise NotImplementedError
 
-    @staticmethod
-    def inside(run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+    def inside(self, run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
         """The run as a block's body: the block takes the first statement's comments and blank lines above."""
-        return [run[0].with_changes(leading_lines=[])] + run[1:]
-
-    @classmethod
-    def wanted(cls, code, module, facts) -> bool:
-        return any(cls.picks(facts, s) for s in module.body)
+        first = run[0].with_changes(leading_lines=[])
+        self.chunk.statement_of[first] = self.statement(run[0])
+        return [first] + run[1:]
 
     def visit_Module(self, node: cst.Module) -> bool:
-        return False  # top-level statements only; they stay the very nodes the facts hold
+        return False  # top-level statements only; they stay the very nodes the chunk maps to statements
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
         body: list[cst.BaseStatement] = []
@@ -213,7 +288,7 @@ class _StatementRule(Rule):
                 run.clear()
 
         for stmt in original.body:
-            if self.picks(self.facts, stmt):
+            if self.picks(self.statement(stmt)):
                 run.append(stmt)
             else:
                 flush()
@@ -233,11 +308,7 @@ class DDPWrapRule(Rule):
     DDP shares the module's parameters.
     """
 
-    name = "ddp_wrap"
-
-    @classmethod
-    def wanted(cls, code, module, facts) -> bool:
-        return facts.plain_loop and bool(facts.ddp_models)
+    check = checks.DDPWrap
 
     def _wrap(self, stmt: cst.BaseStatement, names: list[str]) -> list[cst.BaseStatement]:
         self.note(stmt, f"{', '.join(names)} wrapped in DistributedDataParallel (gradients averaged over ranks)")
@@ -253,21 +324,19 @@ class DDPWrapRule(Rule):
         return out
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
-        return updated.with_changes(body=self._wrap_block(original.body, updated.body, lambda s: self.facts.ddp_wrap_after.get(s)))
+        for old, new in zip(original.body, updated.body):  # the walk rebuilt them: later rules find them still
+            if (stmt := self.statement(old)) is not None:
+                self.chunk.statement_of[new] = stmt
+        planned = lambda s: self.facts.ddp_wrap_after.get(self.statement(s))  # noqa: E731
+        return updated.with_changes(body=self._wrap_block(original.body, updated.body, planned))
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
-        stmts = list(original.body)
-        first = next((i for i, s in enumerate(stmts) if is_training_statement(s, self.facts)), None)
-        if first is None:
+        if not self.chunk.wraps_inside:  # the facts chose no statement in a block of this chunk
             return updated
-        plan: dict[cst.BaseStatement, list[str]] = {}
-        for name in sorted(self.facts.ddp_models):
-            at = placement(stmts[:first], name)
-            if at is not None:
-                plan.setdefault(at, []).append(name)
+        plan = {s: names for s in original.body if (names := self.chunk.wrap_inside(s))}
         if not plan:
             return updated
-        return updated.with_changes(body=self._wrap_block(stmts, list(updated.body), plan.get))
+        return updated.with_changes(body=self._wrap_block(list(original.body), list(updated.body), plan.get))
 
 
 class MainProcessFirstRule(_StatementRule):
@@ -278,14 +347,13 @@ class MainProcessFirstRule(_StatementRule):
     and caches, the others wait and then read the cache.
     """
 
-    name = "main_process_first"
+    check = checks.MainProcessFirst
 
-    @staticmethod
-    def picks(facts, stmt) -> bool:
-        return stmt in facts.main_first
+    def picks(self, stmt) -> bool:
+        return stmt in self.facts.main_first
 
     def block(self, run):
-        return cst.With(items=[cst.WithItem(cst.parse_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=self.inside(run)))
+        return cst.With(items=[cst.WithItem(_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=self.inside(run)))
 
     def message(self, run) -> str:
         return "dataset preparation: the first process of each machine runs it first, the others read its cache"
@@ -303,31 +371,27 @@ class RankZeroRule(_StatementRule):
     since rank 0 alone cannot run a DDP forward (it would wait for the others).
     """
 
-    name = "rank0"
+    check = checks.RankZero
 
-    @classmethod
-    def wanted(cls, code, module, facts) -> bool:
-        return any(s in facts.rank0 or s in facts.all_ranks for s in module.body)
-
-    @staticmethod
-    def picks(facts, stmt) -> bool:
-        return stmt in facts.rank0
+    def picks(self, stmt) -> bool:
+        return stmt in self.facts.rank0
 
     def visit_Module(self, node: cst.Module) -> bool:
         for stmt in node.body:
-            if stmt in self.facts.all_ranks:
-                self.note(stmt, f"stays on every rank: {self.facts.all_ranks[stmt]}")
+            if (reason := self.facts.all_ranks.get(self.statement(stmt))) is not None:
+                self.note(stmt, f"stays on every rank: {reason}")
         return False
 
     def block(self, run):
         unwrap = []
-        if self.facts.plain_loop and run[0] in self.facts.tail:
+        if self.facts.plain_loop and self.statement(run[0]) in self.facts.tail:
             models = sorted(self.facts.ddp_models & self.facts.module_names)
             unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
-        return cst.If(test=cst.parse_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
+        return cst.If(test=_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
 
     def message(self, run) -> str:
-        return "runs on rank 0 only (" + ("after training)" if run[0] in self.facts.tail else "between training runs)")
+        tail = self.statement(run[0]) in self.facts.tail
+        return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)")
 
 
 class DeviceMapRule(Rule):
@@ -341,8 +405,7 @@ class DeviceMapRule(Rule):
     processors and configs are left alone. A call with ``**kwargs`` is left alone too (the key may be in them).
     """
 
-    name = "device_map"
-    pattern = re.compile(r"\w*(?:Model|For[A-Z])\w*\s*\.\s*from_pretrained")
+    check = checks.DeviceMap
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if not is_model_loader(updated):
@@ -351,7 +414,7 @@ class DeviceMapRule(Rule):
         if _has_star_kwargs(updated) and not has_keyword(updated, "device_map"):
             self.note(original, f"{loader}: has **kwargs, left alone; pass device_map=_nbddp.device_map() yourself")
             return updated
-        new, old = _set_keyword(updated, "device_map", cst.parse_expression(DEVICE_MAP_EXPR))
+        new, old = _set_keyword(updated, "device_map", _expression(DEVICE_MAP_EXPR))
         was = f"device_map={old}" if old is not None else "no device_map"
         self.note(original, f"{loader}: {was} → this rank's device")
         return new
@@ -367,49 +430,42 @@ class DeviceRule(Rule):
     already initialised when the notebook's code runs.
     """
 
-    name = "device"
-    pattern = re.compile(r"cuda:\d|CUDA_VISIBLE_DEVICES|\.cuda\(\s*\d|set_device\(\s*\d")
+    check = checks.Device
 
-    def __init__(self, facts):
-        super().__init__(facts)
+    def __init__(self, facts, chunk):
+        super().__init__(facts, chunk)
         self._in_device_map = 0  # DeviceMapRule owns device_map values
 
     def visit_Arg(self, node: cst.Arg) -> None:
-        self._in_device_map += m.matches(node.keyword, m.Name("device_map"))
+        self._in_device_map += is_name(node.keyword, "device_map")
 
     def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
-        self._in_device_map -= m.matches(original.keyword, m.Name("device_map"))
+        self._in_device_map -= is_name(original.keyword, "device_map")
         return updated
 
     def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.BaseExpression:
         value = _string_value(updated)
-        if self._in_device_map or value is None or not _CUDA_INDEX.match(value):
+        if self._in_device_map or value is None or not CUDA_INDEX.match(value):
             return updated
         self.note(original, f"{value!r} → this rank's device")
-        return cst.parse_expression(DEVICE_EXPR)
+        return _expression(DEVICE_EXPR)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         name = dotted_name(updated.func) or ""
-        is_cuda = m.matches(updated.func, m.Attribute(attr=m.Name("cuda")))
-        if (name == "torch.cuda.set_device" or is_cuda) and len(updated.args) == 1 and m.matches(
-            updated.args[0].value, m.Integer()
+        is_cuda = is_attribute(updated.func, "cuda")
+        if (name == "torch.cuda.set_device" or is_cuda) and len(updated.args) == 1 and isinstance(
+            updated.args[0].value, cst.Integer
         ):
             self.note(original, f"{code_of(original)} → this rank's device")
-            return updated.with_changes(args=[updated.args[0].with_changes(value=cst.parse_expression(DEVICE_EXPR))])
+            return updated.with_changes(args=[updated.args[0].with_changes(value=_expression(DEVICE_EXPR))])
         return updated
 
     def leave_SimpleStatementLine(self, original, updated):
-        target = m.Subscript(
-            value=m.Attribute(value=m.Name("os"), attr=m.Name("environ")),
-            slice=[m.SubscriptElement(m.Index(m.SimpleString()))],
-        )
-        if len(updated.body) == 1 and m.matches(updated.body[0], m.Assign(targets=[m.AssignTarget(target)])):
-            key = _string_value(updated.body[0].targets[0].target.slice[0].slice.value)
-            if key == "CUDA_VISIBLE_DEVICES":
-                self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
-                return cst.parse_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
-                    leading_lines=updated.leading_lines
-                )
+        if len(updated.body) == 1 and _environ_key(updated.body[0]) == "CUDA_VISIBLE_DEVICES":
+            self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
+            return cst.parse_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
+                leading_lines=updated.leading_lines
+            )
         return updated
 
 
@@ -422,13 +478,7 @@ class AutocastRule(Rule):
     them differently. ``from torch.cuda.amp import autocast`` becomes ``from torch.amp import autocast``.
     """
 
-    name = "autocast"
-    pattern = re.compile(r"cuda\.amp")
-
-    @classmethod
-    def could_change(cls, text, facts) -> bool:
-        # a name imported from torch.cuda.amp in another cell counts too
-        return super().could_change(text, facts) or any(f"{name}(" in text for name in facts.cuda_amp_names)
+    check = checks.Autocast
     _AUTOCAST_POSITIONAL = ("enabled", "dtype", "cache_enabled")
 
     def _modern(self, original: cst.Call, updated: cst.Call, kind: str) -> cst.Call:
@@ -442,7 +492,7 @@ class AutocastRule(Rule):
             ]
         cuda = cst.Arg(cst.SimpleString('"cuda"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")) if args else cst.MaybeSentinel.DEFAULT)
         self.note(original, f"torch.cuda.amp.{kind}(…) → torch.amp.{kind}(\"cuda\", …)")
-        func = updated.func if isinstance(updated.func, cst.Name) else cst.parse_expression(f"torch.amp.{kind}")
+        func = updated.func if isinstance(updated.func, cst.Name) else _expression(f"torch.amp.{kind}")
         return updated.with_changes(func=func, args=[cuda] + args)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
@@ -455,7 +505,7 @@ class AutocastRule(Rule):
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
         if updated.module is not None and dotted_name(updated.module) == "torch.cuda.amp":
             self.note(original, "from torch.cuda.amp → from torch.amp")
-            return updated.with_changes(module=cst.parse_expression("torch.amp"))
+            return updated.with_changes(module=_expression("torch.amp"))
         return updated
 
 
@@ -474,8 +524,7 @@ class TrainerConfigRule(Rule):
     call with ``**kwargs`` gets nothing added (the keys may be in them, and a duplicate would fail).
     """
 
-    name = "trainer_config"
-    pattern = re.compile(r"\b(?:" + "|".join(sorted(_TRAINER_CONFIGS)) + r")\s*\(")
+    check = checks.TrainerConfig
     _SAFE = (
         ("ddp_find_unused_parameters", "False", "all LoRA weights train each step"),
         ("log_on_each_node", "False", "logs from rank 0 only"),
@@ -483,19 +532,19 @@ class TrainerConfigRule(Rule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         config = last_name(updated.func)
-        if config not in _TRAINER_CONFIGS:
+        if config not in TRAINER_CONFIGS:
             return updated
         if _has_star_kwargs(updated):
             self.note(original, f"{config}: has **kwargs, left alone; set ddp_find_unused_parameters=False yourself")
             return updated
         settings = list(self._SAFE)
         checkpointing = keyword(updated, "gradient_checkpointing")
-        if checkpointing is not None and m.matches(checkpointing.value, m.Name("True")):
+        if checkpointing is not None and is_name(checkpointing.value, "True"):
             settings.append(("gradient_checkpointing_kwargs", '{"use_reentrant": False}', "DDP needs non-reentrant checkpointing"))
         for key, value, why in settings:
             given = keyword(updated, key)
             if given is None:
-                updated, _ = _set_keyword(updated, key, cst.parse_expression(value))
+                updated, _ = _set_keyword(updated, key, _expression(value))
                 self.note(original, f"{config}: {key}={value} ({why})")
             elif code_of(given.value) != value:
                 self.note(original, f"{config}: kept {key}={code_of(given.value)} as written (DDP-safe: {value})")
@@ -513,15 +562,10 @@ class DistributedSamplerRule(Rule):
     ``sampler``/``batch_sampler`` is left alone.
     """
 
-    name = "sampler"
-    pattern = re.compile(r"\bDataLoader\s*\(")
+    check = checks.DistributedSampler
 
-    @classmethod
-    def wanted(cls, code, module, facts) -> bool:
-        return facts.plain_loop and super().wanted(code, module, facts)
-
-    def __init__(self, facts):
-        super().__init__(facts)
+    def __init__(self, facts, chunk):
+        super().__init__(facts, chunk)
         self._assigned: dict[cst.Call, list[str]] = {}  # a call assigned to names → those names
 
     def visit_Assign(self, node: cst.Assign) -> None:
@@ -531,7 +575,10 @@ class DistributedSamplerRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if last_name(updated.func) != "DataLoader" or not updated.args:
             return updated
-        if not loader_shards(updated, self._assigned.get(original, [])):
+        shuffle = keyword(updated, "shuffle")
+        own = has_keyword(updated, "sampler") or has_keyword(updated, "batch_sampler")
+        shuffles = None if shuffle is None else not is_name(shuffle.value, "False", "None")
+        if not loader_shards(own, shuffles, self._assigned.get(original, [])):
             return updated
         positional = [a for a in updated.args if a.keyword is None and not a.star]
         dataset_arg = keyword(updated, "dataset") or (positional[0] if positional else None)
@@ -595,16 +642,10 @@ class SetEpochRule(Rule):
     for a loader without such a sampler.
     """
 
-    name = "set_epoch"
-    pattern = re.compile(r"\bfor\b")
+    check = checks.SetEpoch
 
-    @classmethod
-    def wanted(cls, code, module, facts) -> bool:
-        loaders = "loader" in code.lower() or any(name in code for name in facts.sharded_loaders)
-        return facts.plain_loop and loaders and super().wanted(code, module, facts)
-
-    def __init__(self, facts):
-        super().__init__(facts)
+    def __init__(self, facts, chunk):
+        super().__init__(facts, chunk)
         self._done = [False]  # per open loop: whether a loop inside it already got set_epoch
 
     def visit_For(self, node: cst.For) -> None:
@@ -643,12 +684,7 @@ class UnwrapRule(Rule):
     module inside.
     """
 
-    name = "unwrap"
-    pattern = re.compile(r"state_dict|torch\.save")
-
-    @classmethod
-    def wanted(cls, code, module, facts) -> bool:
-        return facts.plain_loop and bool(facts.ddp_models) and super().wanted(code, module, facts)
+    check = checks.Unwrap
 
     def _unwrapped(self, name: cst.Name) -> cst.Call:
         return cst.parse_expression(f"_nbddp.unwrap({name.value})")
@@ -656,10 +692,10 @@ class UnwrapRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         models = self.facts.ddp_models
         func = updated.func
-        if m.matches(func, m.Attribute(value=m.Name(), attr=m.Name("state_dict") | m.Name("load_state_dict"))) and func.value.value in models:
+        if is_attribute(func, "state_dict", "load_state_dict") and is_name(func.value) and func.value.value in models:
             self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
             return updated.with_changes(func=func.with_changes(value=self._unwrapped(func.value)))
-        if dotted_name(func) == "torch.save" and updated.args and m.matches(updated.args[0].value, m.Name()) and updated.args[0].value.value in models:
+        if dotted_name(func) == "torch.save" and updated.args and is_name(updated.args[0].value) and updated.args[0].value.value in models:
             self.note(original, f"torch.save({updated.args[0].value.value}): the module inside DDP")
             first = updated.args[0]
             return updated.with_changes(args=[first.with_changes(value=self._unwrapped(first.value))] + list(updated.args[1:]))
@@ -675,21 +711,15 @@ class LoopOutputRule(Rule):
     statement gets ``if _nbddp.is_main_process():`` on its own line.
     """
 
-    name = "loop_output"
-    pattern = re.compile(r"\bprint\s*\(|torch\.save")
+    check = checks.LoopOutput
 
-    @classmethod
-    def wanted(cls, code, module, facts) -> bool:
-        trains = ".backward(" in code or any(f"{name}(" in code for name in facts.training_functions)
-        return facts.plain_loop and trains and super().wanted(code, module, facts)
-
-    def __init__(self, facts):
-        super().__init__(facts)
+    def __init__(self, facts, chunk):
+        super().__init__(facts, chunk)
         self._training: set[cst.CSTNode] = set()
         self._depth = 0
 
     def visit_Module(self, node: cst.Module) -> None:
-        self._training = {s for s in node.body if is_training_statement(s, self.facts)}
+        self._training = {s for s in node.body if self.statement(s) in self.facts.loops}
 
     def _trains(self, node: cst.CSTNode) -> bool:
         return node in self._training or (
@@ -708,18 +738,16 @@ class LoopOutputRule(Rule):
         return result
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if self._depth and m.matches(updated.func, m.Name("print")):
+        if self._depth and is_name(updated.func, "print"):
             self.note(original, "print → _nbddp.print0 (rank 0 prints)")
-            return updated.with_changes(func=cst.parse_expression("_nbddp.print0"))
+            return updated.with_changes(func=_expression("_nbddp.print0"))
         return updated
 
     def leave_SimpleStatementLine(self, original, updated):
-        if self._depth and len(updated.body) == 1 and m.matches(
-            updated.body[0], m.Expr(value=m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("save"))))
-        ):
+        if self._depth and len(updated.body) == 1 and _is_torch_save(updated.body[0]):
             self.note(original, "torch.save in the training loop: rank 0 saves")
             return cst.If(
-                test=cst.parse_expression(MAIN_PROCESS_EXPR),
+                test=_expression(MAIN_PROCESS_EXPR),
                 body=cst.SimpleStatementSuite(body=list(updated.body), trailing_whitespace=updated.trailing_whitespace),
                 leading_lines=updated.leading_lines,
             )
@@ -741,6 +769,8 @@ EXPRESSION_RULES: tuple[type[Rule], ...] = (
 )
 #: Every rule, in the order it is applied.
 RULES: tuple[type[Rule], ...] = STATEMENT_RULES + EXPRESSION_RULES
+#: The rule each check is for.
+RULE_OF: dict[type[checks.Check], type[Rule]] = {rule.check: rule for rule in RULES}
 
 
 class _Together(cst.CSTTransformer):
@@ -751,73 +781,178 @@ class _Together(cst.CSTTransformer):
     time goes to, so the expression rules share one.
     """
 
-    def __init__(self, rules: list[Rule], skip: set[cst.CSTNode] = frozenset()):
+    def __init__(self, rules: list[Rule], skip: set[cst.CSTNode] = frozenset(),
+                 only: dict[cst.CSTNode, list[Rule]] | None = None):
         super().__init__()
-        self.rules, self.skip = rules, skip
+        self.rules, self.skip, self.only = rules, skip, only or {}
+        self._stack: list[list[Rule]] = []  # the rules that saw each node being walked
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        # every rule sees the node (its bookkeeping stays balanced); a skipped statement's inside is not walked
-        return all([rule.on_visit(node) is not False for rule in self.rules]) and node not in self.skip
+        # a node in ``only`` is walked by those rules, any other by its parent's; every rule that sees a node
+        # sees it leave (its bookkeeping stays balanced); a skipped statement's inside is not walked
+        if type(node) in _TRIVIA:
+            self._stack.append([])
+            return False
+        rules = self.only.get(node, self._stack[-1] if self._stack else self.rules)
+        self._stack.append(rules)
+        walk = all([rule.on_visit(node) is not False for rule in rules]) and node not in self.skip
+        if walk and type(node) is cst.Arg and type(node.value) in _LEAVES:
+            # ``lr=2e-4``: walked only if a rule reads such a value itself (DeviceRule reads strings)
+            return any(rule.reads(node.value) for rule in rules)
+        return walk
 
     def on_leave(self, original, updated):
-        for rule in self.rules:
+        for rule in self._stack.pop():
             if type(updated) is not type(original):
                 break
             updated = rule.on_leave(original, updated)
         return updated
 
 
-def apply_rules(
-    module: cst.Module, facts: JobFacts, code: str | None = None
-) -> tuple[cst.Module, list[tuple[str, int, str]]]:
-    """Run every rule over one cell's module; return it and ``(rule, line, message)`` for each change.
+class UnreadableCode(Exception):
+    """libcst cannot parse statements that Python's parser read: at a line of the cleaned cell."""
 
-    ``code`` is the module's source when the caller has it (it saves generating it). The statement rules
-    run one by one, then the expression rules together. Each step sees the module as the steps before it
-    left it; its lines are mapped back to the module as it came in, so every change is reported at a line of
-    the cleaned cell. A rule with nothing to do in the cell (``Rule.wanted``, asked of the cell's own text)
-    is not run, and source is generated only where a later step needs it.
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
+class _Chunk:
+    """Consecutive top-level statements of a cell, parsed with libcst together, as the rules leave them.
+
+    ``statement_of`` maps the chunk's top-level nodes to the notebook's statements: the nodes as parsed,
+    and those a rule rebuilt or copied and kept at the top level.
     """
-    original = module.code if code is None else code
-    current: str | None = original
+
+    def __init__(self, cell: CellCode, statements: list[Statement], facts: JobFacts):
+        self.cell, self.statements = cell, statements
+        self.first = statements[0].first  # its first line in the cell
+        nxt = statements[-1].index + 1
+        self.end = cell.statements[nxt].first if nxt < len(cell.statements) else len(cell.lines) + 1
+        self.code: str | None = "".join(cell.lines[self.first - 1 : self.end - 1])
+        try:
+            module = cst.parse_module(self.code)
+        except cst.ParserSyntaxError as exc:
+            raise UnreadableCode(exc.message, self.first + exc.raw_line - 1) from None
+        if len(module.body) != len(statements):  # grouping statements by line went wrong: a bug, say so
+            raise AssertionError(f"libcst read {len(module.body)} statements where ast read {len(statements)}")
+        # a block a rule adds takes the cell's indentation, not whatever this piece of it would suggest
+        self.module = module.with_changes(default_indent=cell.default_indent)
+        self.parsed = self.module
+        self.statement_of: dict[cst.CSTNode, Statement] = dict(zip(module.body, statements))
+        self.wraps_inside = {
+            line: names for (position, line), names in facts.ddp_wrap_inside.items()
+            if position == cell.position and self.first <= line < self.end
+        }
+        self._lines: dict[cst.CSTNode, int] | None = None
+
+    def current(self) -> str:
+        if self.code is None:
+            self.code = self.module.code
+        return self.code
+
+    def wrap_inside(self, node: cst.CSTNode) -> list[str] | None:
+        """The models DDP wraps right after a statement inside a block (``JobFacts.ddp_wrap_inside``)."""
+        if self._lines is None:  # positions cost a pass over the chunk: only where the facts put a wrap
+            positions = MetadataWrapper(self.parsed, unsafe_skip_copy=True).resolve(PositionProvider)
+            self._lines = {n: p.start.line + self.first - 1 for n, p in positions.items()
+                           if isinstance(n, cst.BaseStatement)}
+        line = self._lines.get(node)
+        return self.wraps_inside.get(line) if line is not None else None
+
+
+def rewrite(cell: CellCode, plan: checks.Plan, facts: JobFacts) -> tuple[str, list[tuple[str, int, str]]]:
+    """Run the planned rules over a cell; return its new code and ``(rule, line, message)`` for each change.
+
+    Only the plan's chunks are parsed with libcst; the lines between them stay as they are. The statement
+    rules run one by one, then the expression rules together (``_Together``), each step on every chunk of
+    the cell as the steps before it left them. A step that notes nothing leaves the cell as it was. Raises
+    ``UnreadableCode`` where libcst cannot parse a chunk.
+    """
+    chunks = [_Chunk(cell, stmts, facts) for stmts in plan.chunks]
     changes: list[tuple[str, int, str]] = []
-    body = module.body
-    for step in [[cls] for cls in STATEMENT_RULES] + [list(EXPRESSION_RULES)]:
-        rules = [cls(facts) for cls in step if cls.wanted(original, module, facts)]
-        if not rules:
-            continue
-        if step[0] in STATEMENT_RULES:
-            walker = rules[0]
-        else:  # the cell's statements none of the rules could change are not walked
-            texts = _statement_texts(body, original)
-            walker = _Together(rules, {s for s, t in zip(body, texts) if not any(r.could_change(t, facts) for r in rules)})
-        new = module.visit(walker)
-        noted = [(rule.name, node, top, msg) for rule in rules for node, top, msg in rule.changes]
-        if not noted:
-            continue
-        current = module.code if current is None else current
-        lines = _note_lines(module, current, [(node, top) for _, node, top, _ in noted])
-        back = align(original.splitlines(), current.splitlines()) if current != original else None
-        for (name, _, _, msg), line in zip(noted, lines):
-            j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
-            changes.append((name, (j if j is not None else line - 1) + 1, msg))
-        module, current = new, None
-    return module, changes
+    for step in plan.steps:
+        ran = [_run(step, chunk, plan, facts) for chunk in chunks]
+        if any(rule.changes for rules, _ in ran for rule in rules):
+            changes += _changes(cell, chunks, [rules for rules, _ in ran])
+            for chunk, (_, new) in zip(chunks, ran):
+                chunk.module, chunk.code = new, None
+    return (_join(cell, chunks) if changes else cell.code), changes
 
 
-def _note_lines(module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]]) -> list[int]:
-    """The line of each noted node in ``code`` (the module's source).
+def _run(step: tuple[type[checks.Check], ...], chunk: _Chunk, plan: checks.Plan, facts: JobFacts):
+    """One step's rules over one chunk: the rules (with their notes) and the chunk as they leave it."""
+    rules = [RULE_OF[check](facts, chunk) for check in step]
+    if step[0] in checks.STATEMENT_CHECKS:
+        walker = rules[0]
+    elif plan.touching is None:  # the chunk's statements none of the rules could change are not walked
+        walker = _Together(rules, {n for n, s in zip(chunk.parsed.body, chunk.statements) if s not in plan.walked})
+    else:  # each statement is walked by the rules that may change it, if any
+        only = {node: [r for r in rules if r.check in plan.touching[s]]
+                for node, s in chunk.statement_of.items() if s in plan.touching}
+        walker = _Together(rules, {n for n, s in chunk.statement_of.items() if s not in plan.touching}, only)
+    return rules, chunk.module.visit(walker)
+
+
+def _changes(cell: CellCode, chunks: list[_Chunk], ran: list[list[Rule]]) -> list[tuple[str, int, str]]:
+    """A step's notes as ``(rule, line, message)``, rule by rule, as if each rule had walked the whole cell.
+
+    A note's line is its node's line in the code as the step found it, mapped back to the cleaned code by
+    line alignment, so every change is reported at a line of the cleaned cell.
+    """
+    current = _join(cell, chunks)
+    back = align(cell.code.splitlines(), current.splitlines()) if current != cell.code else None
+    located = {}  # (chunk, rule) → the lines of the rule's notes in the current code
+    offset, at = 0, 1  # lines of the current code before the chunk; the cell's line after the last chunk
+    for k, (chunk, rules) in enumerate(zip(chunks, ran)):
+        offset += chunk.first - at
+        # as parsed, the chunk's statements start where the cell's do
+        starts = [s.first - chunk.first + 1 for s in chunk.statements] if chunk.module is chunk.parsed else None
+        for i, rule in enumerate(rules):
+            if rule.changes:
+                noted = [(node, top) for node, top, _ in rule.changes]
+                located[k, i] = [offset + line for line in _note_lines(chunk.module, chunk.current(), noted, starts)]
+        offset += len(chunk.current().splitlines())
+        at = chunk.end
+    out = []
+    for i in range(len(ran[0]) if ran else 0):
+        for k, rules in enumerate(ran):
+            for (_, _, msg), line in zip(rules[i].changes, located.get((k, i), ())):
+                j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
+                out.append((rules[i].name, (j if j is not None else line - 1) + 1, msg))
+    return out
+
+
+def _join(cell: CellCode, chunks: list[_Chunk]) -> str:
+    """The cell's code: the chunks as the rules left them, the lines between them as they were."""
+    out, at = [], 1
+    for chunk in chunks:
+        out += cell.lines[at - 1 : chunk.first - 1]
+        out.append(chunk.current())
+        at = chunk.end
+    out += cell.lines[at - 1 :]
+    return "".join(out)
+
+
+def _note_lines(
+    module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]], starts: list[int] | None = None
+) -> list[int]:
+    """The line of each noted node in ``code`` (the module's source; ``starts``: its statements' first lines).
 
     libcst's ``PositionProvider`` would generate the whole module's source with positions; instead each
     top-level statement's first line comes from Python's own parser, and a node inside a statement is found
-    in the statement's text by its own source (the k-th node with the same source is its k-th occurrence).
-    Positions are the fallback when that fails.
+    in the statement's text by its own source (the k-th node with the same source is its k-th occurrence;
+    a node noted twice is found once). Positions are the fallback when that fails.
     """
-    starts = _statement_starts(module.body, code)
+    starts = starts or _statement_starts(module.body, code)
     texts = _statement_texts(module.body, code, starts)
     seen: dict[tuple[int, str], int] = {}
+    found: dict[cst.CSTNode, int] = {}
     out = []
     for node, top in noted:
+        if node in found:
+            out.append(found[node])
+            continue
         line = None
         if top is not None and node is module.body[top]:
             line = starts[top]
@@ -837,6 +972,7 @@ def _note_lines(module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, in
                 line = starts[top] + texts[top].count("\n", 0, at)
         if line is None:
             line = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line
+        found[node] = line
         out.append(line)
     return out
 
@@ -858,4 +994,3 @@ def _statement_texts(body: list[cst.BaseStatement], code: str, starts: list[int]
     lines = code.splitlines(keepends=True)
     starts = (starts or _statement_starts(body, code)) + [len(lines) + 1]
     return ["".join(lines[a - 1 : b - 1]) for a, b in zip(starts, starts[1:])]
-

@@ -7,15 +7,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import libcst as cst
-
 from .. import __version__
 from ..cells import Cell, read_notebook
 from ..errors import CellError, NotebookError
+from .checks import plan_cell
 from .clean import CleanCell, Install, clean_cell
+from .facts import CellCode, JobFacts, gather_facts
 from .lines import align
-from .facts import gather_facts
-from .rules import apply_rules
 
 
 @dataclass(frozen=True)
@@ -101,27 +99,32 @@ def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Scrip
     return convert_cells(read_notebook(path), origin=Path(path).name, skip_bad_cells=skip_bad_cells)
 
 
-def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False) -> Script:
+def convert_cells(
+    cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False, precheck: bool = True
+) -> Script:
     """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
 
     Raises ``NotebookError`` when there is no code at all, ``CellError`` for a cell that does not parse
-    (unless ``skip_bad_cells``).
+    (unless ``skip_bad_cells``). The rules run only on the statements their checks say they may change
+    (``checks.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
+    in instead, which gives the same script more slowly (what the checks are tested against).
     """
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     cleaned: list[CleanCell] = []
-    modules: list[cst.Module] = []
+    codes: list[CellCode] = []
     warnings: list[str] = []
     for cell in cells:
         try:
             clean = clean_cell(cell)
-            modules.append(_parse(clean))
-            cleaned.append(clean)
         except CellError as exc:
             if not skip_bad_cells:
                 raise
             warnings.append(f"skipped {exc}")
-    facts = gather_facts(modules)
+            continue
+        cleaned.append(clean)
+        codes.append(CellCode.read(clean.code, clean.tree, len(codes)))
+    facts = gather_facts(codes)
     if facts.last_training is None:
         warnings.append(
             "no training call found (trainer.train(), unsloth_train(…)): every cell runs on every rank"
@@ -130,15 +133,15 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
     changes: list[Change] = []
     body_lines: list[str] = []
     body_map: list[tuple[int, int] | None] = []
-    for clean, module in zip(cleaned, modules):
+    for clean, code in zip(cleaned, codes):
         cell = clean.cell
         changes += [Change(cell.index, note.line, "ipython", note.message) for note in clean.notes]
-        new_module, rule_changes = apply_rules(module, facts, clean.code)
+        new_code, rule_changes = _rewrite(clean, code, facts, precheck, warnings, skip_bad_cells)
         to_cell = lambda j: clean.line_map[j] if j is not None and j < len(clean.line_map) else None  # noqa: E731
         for rule, line, message in sorted(rule_changes, key=lambda c: c[1]):
             changes.append(Change(cell.index, to_cell(line - 1) or 1, rule, message))
         if rule_changes:
-            code_lines = new_module.code.splitlines()
+            code_lines = new_code.splitlines()
             back = align(clean.code.splitlines(), code_lines)
         else:  # no rule changed the cell: its cleaned code, line for line
             code_lines = clean.code.splitlines()
@@ -167,17 +170,32 @@ def convert_cells(cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells:
     )
 
 
-def _parse(clean: CleanCell) -> cst.Module:
-    """The cleaned cell as a libcst module; Python that libcst cannot read is the cell's error, not ours."""
+def _rewrite(
+    clean: CleanCell, code: CellCode, facts: JobFacts, precheck: bool, warnings: list[str], skip_bad_cells: bool
+) -> tuple[str, list[tuple[str, int, str]]]:
+    """The cell's code after the rewrite rules, and their ``(rule, line, message)`` changes.
+
+    libcst (in ``rules.py``) is imported only for a cell some rule has work in. Python that libcst cannot
+    read is the cell's error, not ours; with ``skip_bad_cells`` the cell is kept as cleaned, with a warning.
+    """
+    plan = plan_cell(code, facts, every_statement=not precheck)
+    if plan is None:
+        return clean.code, []
+    from .rules import UnreadableCode, rewrite
+
     try:
-        return cst.parse_module(clean.code)
-    except cst.ParserSyntaxError as exc:
-        j = exc.raw_line - 1
+        return rewrite(code, plan, facts)
+    except UnreadableCode as exc:
+        j = exc.line - 1
         line = clean.line_map[j] if 0 <= j < len(clean.line_map) and clean.line_map[j] else None
         lines = clean.cell.source.splitlines()
         source = lines[line - 1] if line and line <= len(lines) else ""
-        raise CellError(f"the rewriter cannot read this Python: {exc.message}", cell=clean.cell.index, line=line,
-                        source=source) from None
+        error = CellError(f"the rewriter cannot read this Python: {exc.message}", cell=clean.cell.index, line=line,
+                          source=source)
+        if not skip_bad_cells:
+            raise error from None
+        warnings.append(f"not rewritten: {error}")
+        return clean.code, []
 
 
 def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], warnings: list[str]) -> list[str]:

@@ -1,0 +1,307 @@
+"""Where each rewrite rule has work, decided with Python's ``ast``: libcst parses only those statements.
+
+Every rule of ``rules.py`` has a check here, under the same name. A check answers three questions, from
+cheapest to dearest:
+
+- ``wanted``: may the rule have anything to do in this cell (the cell's text, the notebook's facts)?
+- ``could_change``: may it have anything to do in this statement (the statement's text)? The expression
+  rules walk only the statements whose text one of them could change.
+- ``touches``: does the statement hold something the rule rewrites or notes (its ast)? A check may say yes
+  where the rule then does nothing, never the reverse: a statement no check touches keeps its cleaned
+  source as it is, without a libcst parse.
+
+``plan_cell`` puts the answers together: which rules a cell runs, step by step, and the runs of consecutive
+statements they run on (``Plan.chunks``). ``tests/test_convert_fast.py`` converts the corpus with and without
+the checks and expects the same scripts.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+from .facts import (
+    CUDA_INDEX,
+    TRAINER_CONFIGS,
+    CellCode,
+    JobFacts,
+    Statement,
+    dotted_name,
+    is_model_loader_owner,
+    last_name,
+)
+
+
+class Check:
+    """Base: where one rule has work. ``pattern``: what a cell's or statement's text must contain."""
+
+    name = "rule"
+    pattern: re.Pattern | None = None
+
+    @classmethod
+    def wanted(cls, cell: CellCode, facts: JobFacts) -> bool:
+        return cls.could_change(cell.code, facts)
+
+    @classmethod
+    def could_change(cls, text: str, facts: JobFacts) -> bool:
+        return cls.pattern is None or cls.pattern.search(text) is not None
+
+    @classmethod
+    def touches(cls, stmt: Statement, facts: JobFacts, nodes: list[ast.AST]) -> bool:
+        """Whether the rule may rewrite or note something in ``stmt`` (``nodes``: every node in it)."""
+        return True
+
+
+def _calls(nodes: list[ast.AST]):
+    return (n for n in nodes if isinstance(n, ast.Call))
+
+
+# ----------------------------------------------------------------------------------- statement rules
+
+
+class MainProcessFirst(Check):
+    name = "main_process_first"
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return any(s in facts.main_first for s in cell.statements)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return stmt in facts.main_first
+
+
+class RankZero(Check):
+    name = "rank0"
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return any(s in facts.rank0 or s in facts.all_ranks for s in cell.statements)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return stmt in facts.rank0 or stmt in facts.all_ranks  # the latter get a note: "stays on every rank"
+
+
+class DDPWrap(Check):
+    name = "ddp_wrap"
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return stmt in facts.ddp_wrap_after or stmt in facts.ddp_wraps_inside
+
+
+# ---------------------------------------------------------------------------------- expression rules
+
+
+class DeviceMap(Check):
+    name = "device_map"
+    pattern = re.compile(r"(?:Model|For[A-Z])\w*\s*\.\s*from_pretrained")
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return any(
+            isinstance(c.func, ast.Attribute) and c.func.attr == "from_pretrained"
+            and is_model_loader_owner(last_name(c.func.value))
+            for c in _calls(nodes)
+        )
+
+
+class Device(Check):
+    name = "device"
+    pattern = re.compile(r"cuda:\d|CUDA_VISIBLE_DEVICES|\.cuda\(\s*\d|set_device\(\s*\d")
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        for node in nodes:
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and CUDA_INDEX.match(node.value):
+                return True
+            if isinstance(node, ast.Call) and (
+                isinstance(node.func, ast.Attribute) and node.func.attr == "cuda"
+                or dotted_name(node.func) == "torch.cuda.set_device"
+            ):
+                return True
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Subscript) and dotted_name(t.value) == "os.environ" for t in node.targets
+            ):
+                return True
+        return False
+
+
+class Autocast(Check):
+    name = "autocast"
+    pattern = re.compile(r"cuda\.amp")
+    _KINDS = ("autocast", "GradScaler")
+
+    @classmethod
+    def could_change(cls, text, facts) -> bool:
+        # a name imported from torch.cuda.amp in another cell counts too
+        return super().could_change(text, facts) or any(f"{name}(" in text for name in facts.cuda_amp_names)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module == "torch.cuda.amp":
+                return True
+            if isinstance(node, ast.Call):
+                name = dotted_name(node.func)
+                if name in ("torch.cuda.amp.autocast", "torch.cuda.amp.GradScaler"):
+                    return True
+                if name in cls._KINDS and name in facts.cuda_amp_names:
+                    return True
+        return False
+
+
+class TrainerConfig(Check):
+    name = "trainer_config"
+    pattern = re.compile(r"\b(?:" + "|".join(sorted(TRAINER_CONFIGS)) + r")\s*\(")
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return any(last_name(c.func) in TRAINER_CONFIGS for c in _calls(nodes))
+
+
+class DistributedSampler(Check):
+    name = "sampler"
+    pattern = re.compile(r"\bDataLoader\s*\(")
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return facts.plain_loop and super().wanted(cell, facts)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return any(last_name(c.func) == "DataLoader" for c in _calls(nodes))
+
+
+class SetEpoch(Check):
+    name = "set_epoch"
+    pattern = re.compile(r"\bfor\b")
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        code = cell.code
+        loaders = "loader" in code.lower() or any(name in code for name in facts.sharded_loaders)
+        return facts.plain_loop and loaders and super().wanted(cell, facts)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        # an epoch loop (a ``for`` over a plain name) that reads a loader somewhere in its statement
+        loops = any(isinstance(n, (ast.For, ast.AsyncFor)) and isinstance(n.target, ast.Name) for n in nodes)
+        return loops and any(
+            isinstance(n, ast.Name) and (n.id in facts.sharded_loaders or "loader" in n.id.lower()) for n in nodes
+        )
+
+
+class Unwrap(Check):
+    name = "unwrap"
+    pattern = re.compile(r"state_dict|torch\.save")
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models) and super().wanted(cell, facts)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        models = facts.ddp_models
+        for call in _calls(nodes):
+            func = call.func
+            if isinstance(func, ast.Attribute) and func.attr in ("state_dict", "load_state_dict"):
+                if isinstance(func.value, ast.Name) and func.value.id in models:
+                    return True
+            elif dotted_name(func) == "torch.save":
+                values = [a.value if isinstance(a, ast.Starred) else a for a in call.args] + [k.value for k in call.keywords]
+                if any(isinstance(v, ast.Name) and v.id in models for v in values):
+                    return True
+        return False
+
+
+class LoopOutput(Check):
+    name = "loop_output"
+    pattern = re.compile(r"\bprint\s*\(|torch\.save")
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        code = cell.code
+        trains = ".backward(" in code or any(f"{name}(" in code for name in facts.training_functions)
+        return facts.plain_loop and trains and super().wanted(cell, facts)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        trains = stmt in facts.loops or any(
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in facts.training_functions for n in nodes
+        )
+        return trains and any(
+            isinstance(c.func, ast.Name) and c.func.id == "print" or dotted_name(c.func) == "torch.save"
+            for c in _calls(nodes)
+        )
+
+
+#: Checks of the rules on top-level statements, in the order the rules run.
+STATEMENT_CHECKS: tuple[type[Check], ...] = (MainProcessFirst, RankZero, DDPWrap)
+#: Checks of the rules on expressions and loops, which run together in one walk.
+EXPRESSION_CHECKS: tuple[type[Check], ...] = (
+    DeviceMap, Device, Autocast, TrainerConfig, DistributedSampler, SetEpoch, Unwrap, LoopOutput,
+)
+CHECKS = STATEMENT_CHECKS + EXPRESSION_CHECKS
+
+
+@dataclass
+class Plan:
+    """What rewriting one cell takes.
+
+    ``steps``: the checks of the rules to run, each statement rule alone, then the expression rules
+    together. ``chunks``: runs of consecutive top-level statements that some rule may change or note; only
+    these are parsed with libcst. ``walked``: the statements the expression rules walk (their text matches
+    one of them). ``touching``: for each statement an expression rule may change, those rules (the others
+    leave it alone); None when every rule walks every walked statement.
+    """
+
+    steps: list[tuple[type[Check], ...]]
+    chunks: list[list[Statement]]
+    walked: set[Statement]
+    touching: dict[Statement, tuple[type[Check], ...]] | None = None
+
+
+def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False) -> Plan | None:
+    """The rules a cell runs and the statements they run on; None when no rule has anything to do there.
+
+    ``every_statement``: run the wanted rules over the whole cell, as if every statement were touched (the
+    reference the checks are tested against).
+    """
+    wanted = [c for c in CHECKS if c.wanted(cell, facts)]
+    if not wanted or not cell.statements:
+        return None
+    expression = tuple(c for c in wanted if c in EXPRESSION_CHECKS)
+    walked = {s for s in cell.statements if any(c.could_change(s.text, facts) for c in expression)}
+    steps = [(c,) for c in STATEMENT_CHECKS if c in wanted] + ([expression] if expression else [])
+    if every_statement:
+        return Plan(steps, [list(cell.statements)], walked)
+    touching: dict[Statement, tuple[type[Check], ...]] = {}
+    statement = [c for c in wanted if c in STATEMENT_CHECKS]
+    # where DDPWrapRule rewrites the cell, libcst rebuilds every node it walked, and the expression rules
+    # then walk every statement, not only those their text matches
+    everywhere = DDPWrap in wanted and any(DDPWrap.touches(s, facts, []) for s in cell.statements)
+    chunks: list[list[Statement]] = []
+    previous = None
+    for stmt in cell.statements:
+        touched = any(c.touches(stmt, facts, []) for c in statement)
+        if expression and (everywhere or stmt in walked):
+            nodes = [n for node in stmt.nodes for n in ast.walk(node)]
+            if rules := tuple(c for c in expression if c.touches(stmt, facts, nodes)):
+                touching[stmt] = rules
+                touched = True
+        if touched:
+            if previous is not None and previous == stmt.index - 1:
+                chunks[-1].append(stmt)
+            else:
+                chunks.append([stmt])
+            previous = stmt.index
+    if not chunks:
+        return None
+    return Plan(steps, chunks, walked, touching)

@@ -1,0 +1,155 @@
+"""The converter's fast paths give exactly what the slow, plain ways give.
+
+Conversion parses with libcst only the statements a rule's check (``convert/checks.py``) says the rule may
+change, and the cleaner rewrites the magic lines IPython writes as text. Both are only worth having if they
+change nothing: here every notebook of the corpus, the examples and the templates, and variants of them
+(comments everywhere, other indentations, cells run together), are converted both ways and compared.
+"""
+
+import random
+import re
+from pathlib import Path
+
+import libcst as cst
+import nbformat
+import pytest
+
+from nbddp.cells import Cell, cells_from_sources, read_notebook
+from nbddp.convert import checks, clean, convert_cells
+from nbddp.convert.clean import clean_cell
+from nbddp.convert.facts import CellCode
+from test_script import ODD_CELLS
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "tests" / "corpus").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted(
+    (ROOT / "templates").glob("*.ipynb")
+)
+
+
+PLAIN_LOOP = """model = Net().to("cuda:0")
+opt = torch.optim.Adam(model.parameters())
+train_loader = DataLoader(ds, batch_size=8, shuffle=True)
+for epoch in range(2):
+    for x, y in train_loader:
+        loss = model(x).sum()
+        loss.backward()
+        print(loss.item())
+torch.save(model.state_dict(), "m.pt")
+"""
+
+
+def _sources(path):
+    return [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
+
+
+def _commented(source: str, rng: random.Random) -> str:
+    """Comments and blank lines between lines, at the indentation around them (or none)."""
+    out, lines = [], source.splitlines()
+    for i, line in enumerate(lines):
+        out.append(line)
+        if line.rstrip().endswith("\\") or rng.random() < 0.6:
+            continue
+        here = re.match(r"\s*", line).group(0)
+        nxt = re.match(r"\s*", next((ln for ln in lines[i + 1 :] if ln.strip()), "")).group(0)
+        indent = rng.choice([here, nxt, "", here + "    ", None])
+        out.append("" if indent is None else f"{indent}# note {i}")
+    return "\n".join(out)
+
+
+def _reindented(source: str, unit: str) -> str:
+    return "\n".join(re.sub(r"^((?:    )+)", lambda m: unit * (len(m.group(1)) // 4), ln) for ln in source.splitlines())
+
+
+def variants():
+    """(name, cell sources): each notebook as it is, and rewritten in ways the converter must not mind."""
+    rng = random.Random(7)
+    for path in NOTEBOOKS:
+        code = _sources(path)
+        yield path.stem, code
+        yield f"{path.stem}-comments", [_commented(c, rng) for c in code]
+        yield f"{path.stem}-indent2", [_reindented(c, "  ") for c in code]
+        yield f"{path.stem}-tabs", [_reindented(c, "\t") for c in code]
+        yield f"{path.stem}-one-cell", ["\n".join(c for c in code if not c.lstrip().startswith("%%"))]
+    # odd but valid cells, before and after training (after it, rank 0 guards take them in)
+    train = "trainer = Trainer(model=m)\ntrainer.train()\n"
+    yield "odd-cells", list(ODD_CELLS)
+    yield "odd-cells-around-training", [c for odd in ODD_CELLS for c in (odd, train, odd)]
+    yield "odd-cells-plain-loop", [c for odd in ODD_CELLS for c in (odd, PLAIN_LOOP, odd)]
+
+
+VARIANTS = dict(variants())
+
+
+def _script(sources, precheck):
+    try:
+        s = convert_cells(cells_from_sources(sources), origin="nb.ipynb", precheck=precheck)
+    except Exception as exc:  # noqa: BLE001 - the same error both ways is the same outcome
+        return f"{type(exc).__name__}: {exc}"
+    return s.text, s.source_map, s.changes, s.installs, s.warnings
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_checks_change_nothing(name):
+    """Only where the checks say vs every statement through libcst: the same script, map and change list."""
+    fast, slow = _script(VARIANTS[name], True), _script(VARIANTS[name], False)
+    assert fast == slow
+
+
+def test_the_comparison_catches_a_check_that_misses_its_rule(monkeypatch):
+    """A check saying "nothing here" where its rule would change something shows up as a different script."""
+    sources = _sources(ROOT / "tests" / "corpus" / "hf_trainer_text_classification.ipynb")
+    monkeypatch.setattr(checks.DeviceMap, "touches", classmethod(lambda cls, stmt, facts, nodes: False))
+    assert _script(sources, True) != _script(sources, False)
+
+
+def test_only_statements_a_rule_changes_are_parsed_with_libcst(monkeypatch):
+    parsed = []
+    real = cst.parse_module
+    monkeypatch.setattr(cst, "parse_module", lambda code, *a, **k: parsed.append(code) or real(code, *a, **k))
+    cells = cells_from_sources([
+        "import torch\nfrom transformers import AutoModelForCausalLM, Trainer\nx = 1\n",
+        'model = AutoModelForCausalLM.from_pretrained("m")\ny = 2\n',
+        "trainer = Trainer(model=model)\ntrainer.train()\n",
+        "print('done')\n",
+    ])
+    script = convert_cells(cells)
+    assert parsed == ['model = AutoModelForCausalLM.from_pretrained("m")\n', "print('done')\n"]
+    assert "device_map=_nbddp.device_map()" in script.text and "if _nbddp.is_main_process():" in script.text
+
+
+def _magic_cells():
+    for path in NOTEBOOKS:
+        for cell in read_notebook(path):
+            if re.search(r"^\s*[!%]|= *[!%]|get_ipython", cell.source, re.M):
+                yield cell
+    yield from cells_from_sources([
+        "if False:\n    !pip install a\n    %pip install b\nelse:\n    !ls\n# note\n\n%env A=1\nx = !ls\n!!ls\n",
+        "%time for i in range(2): print(i)\n%timeit -n1 y = 1\nfiles = !ls {path}\n%pip install $pkg\n%cd ~/x\n",
+        "get_ipython().system('ls')  # as written\nget_ipython().system(\"pip install q\")\n"
+        "for f in get_ipython().getoutput('ls'):\n    print(f)\n",
+        "def f():\n    get_ipython().run_line_magic('env', 'A=1')\n    return get_ipython().getoutput('ls')\n",
+    ])
+
+
+@pytest.mark.parametrize("cell", list(_magic_cells()), ids=lambda c: c.source[:30])
+def test_magic_lines_as_text_are_what_libcst_makes_of_them(cell, monkeypatch):
+    def cleaned():
+        try:
+            return clean_cell(cell)
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+
+    fast = cleaned()
+    monkeypatch.setattr(clean, "_as_text", lambda *args: None)
+    assert fast == cleaned()
+
+
+def test_cells_read_with_ast_are_what_libcst_reads():
+    """Statements grouped by line and the indentation a new block takes, as libcst sees them."""
+    for name, sources in VARIANTS.items():
+        for source in sources:
+            code = clean_cell(Cell(1, source)).code
+            module = cst.parse_module(code)
+            cell = CellCode.read(code)
+            assert len(cell.statements) == len(module.body), (name, code)
+            assert cell.default_indent == module.default_indent, (name, code)
