@@ -166,7 +166,7 @@ def test_precision_reason_names_the_gpu():
 def training_args_restored(monkeypatch):
     training_args = pytest.importorskip("transformers.training_args")
     restore_after(monkeypatch, training_args.TrainingArguments, "__post_init__")
-    monkeypatch.setattr(precision, "_said", set())
+    monkeypatch.setattr(shims, "_said", set())
     return training_args
 
 
@@ -381,7 +381,7 @@ def test_precision_wrapper_turns_bf16_into_fp16_on_a_t4(monkeypatch, capsys):
     import types
 
     monkeypatch.setattr(precision, "current_device", lambda use_cpu=False: CPU if use_cpu else T4)
-    monkeypatch.setattr(precision, "_said", set())
+    monkeypatch.setattr(shims, "_said", set())
     seen = []
     post_init = precision._adjusting_precision(lambda self: seen.append((self.bf16, self.fp16)))
     args = types.SimpleNamespace(bf16=True, fp16=False, bf16_full_eval=False, fp16_full_eval=False, use_cpu=False)

@@ -11,21 +11,11 @@ import nbddp.runtime as rt
 
 rt.setup()
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments,
-)
-
-from nbddp import demo  # noqa: E402
+from tiny_lora import tokenizer_model_data  # noqa: E402
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments  # noqa: E402
 
 env = os.environ.get
-path = demo.tiny_model()
-tokenizer = AutoTokenizer.from_pretrained(path)
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-data = demo.arithmetic_dataset(64).map(
-    lambda row: tokenizer(row["text"], padding="max_length", max_length=16, truncation=True), remove_columns=["text"]
-)
+tokenizer, model, data = tokenizer_model_data()
 args = TrainingArguments(
     output_dir="out",
     max_steps=3,

@@ -13,12 +13,8 @@ import nbddp.runtime as rt
 
 rt.setup()
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments,
-)
-
-from nbddp import demo  # noqa: E402
+from tiny_lora import tokenizer_model_data  # noqa: E402
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments  # noqa: E402
 
 NAN_STEPS = (2, 5)
 
@@ -29,13 +25,7 @@ class NaNTrainer(Trainer):
         return loss * float("nan") if self.state.global_step in NAN_STEPS else loss
 
 
-path = demo.tiny_model()
-tokenizer = AutoTokenizer.from_pretrained(path)
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-data = demo.arithmetic_dataset(64).map(
-    lambda row: tokenizer(row["text"], padding="max_length", max_length=16, truncation=True), remove_columns=["text"]
-)
+tokenizer, model, data = tokenizer_model_data()
 args = TrainingArguments(
     output_dir="out", max_steps=8, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=2,
     save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), seed=0,

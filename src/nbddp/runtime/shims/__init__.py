@@ -39,6 +39,19 @@ class ShimReport:
     message: str | None = None
 
 
+#: The lines ``say`` has printed in this process.
+_said: set[str] = set()
+
+
+def say(line: str) -> None:
+    """Print ``nbddp: line`` once per process, on rank 0: what a shim changed, at the moment it changes it."""
+    from ..dist import print0
+
+    if line not in _said:
+        _said.add(line)
+        print0(f"nbddp: {line}", flush=True)
+
+
 def switch(name: str) -> bool | None:
     """The user's switch for a shim: True (forced on), False (forced off) or None (decide by detection)."""
     value = os.environ.get(f"NBDDP_SHIM_{name.upper()}", "").strip().lower()

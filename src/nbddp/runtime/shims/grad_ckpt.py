@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 
 from .. import checkpointing, ddp_patch
+from . import say
 from ..checkpointing import CheckpointFacts
 from ..patching import when_imported, wrap
 
@@ -159,7 +160,7 @@ def adjust(module, kwargs: dict) -> dict:
     if settings.input_grads:
         _enable_input_grads(module)
     for line in settings.messages:
-        _say(line)
+        say(line)
     kwargs["find_unused_parameters"] = settings.find_unused_parameters
     kwargs["static_graph"] = settings.static_graph
     return kwargs
@@ -173,7 +174,7 @@ def _warn_if_ddp_finds_unused() -> None:
     """A reentrant checkpoint the script calls itself cannot be seen when DDP is built; say so when it runs
     under a wrapper that looks for unused parameters, before DDP fails with a message naming neither."""
     if any(d.find_unused_parameters and not d.static_graph for d in list(_built)):
-        _say(
+        say(
             "torch.utils.checkpoint(..., use_reentrant=True) runs inside a DDP model built with "
             "find_unused_parameters=True: its backward will fail with 'marked as ready twice'. Leave out "
             "use_reentrant=True (nbddp then runs the non-reentrant variant) or set find_unused_parameters=False."
@@ -185,15 +186,3 @@ def _enable_input_grads(module) -> None:
     enable = getattr(module, "enable_input_require_grads", None)
     if enable is not None and not getattr(module, "_require_grads_hooks", None):
         enable()
-
-
-_said: set[str] = set()
-
-
-def _say(line: str) -> None:
-    """Print a message once per process, on rank 0."""
-    from ..dist import print0
-
-    if line not in _said:
-        _said.add(line)
-        print0(f"nbddp: {line}", flush=True)

@@ -25,6 +25,7 @@ import functools
 import inspect
 
 from ..patching import installed, when_imported, wrap
+from . import say
 
 NAME = "loss_filter"
 
@@ -81,7 +82,8 @@ def _make_train(train):
                 return filtered_loss(self, loss)
             return loss  # the Trainer refuses a loss on another device itself
 
-        _say_once()
+        say("Trainer's NaN/Inf loss filter runs on the device, so the CPU no longer waits for every step to "
+            "finish (logged losses unchanged)")
         self.training_step = training_step
         self.args.logging_nan_inf_filter = False
         try:
@@ -91,16 +93,3 @@ def _make_train(train):
             del self.training_step
 
     return train_filtering_on_device
-
-
-_said = False
-
-
-def _say_once() -> None:
-    global _said
-    if not _said:
-        from ..dist import print0
-
-        _said = True
-        print0("nbddp: Trainer's NaN/Inf loss filter runs on the device, so the CPU no longer waits for "
-               "every step to finish (logged losses unchanged)", flush=True)

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 from ..patching import installed, wrap, when_imported
+from . import say
 
 NAME = "precision"
 
@@ -105,9 +106,6 @@ def patch(module) -> bool:
     return wrap(module.TrainingArguments, "__post_init__", _adjusting_precision)
 
 
-_said: set[str] = set()
-
-
 def _adjusting_precision(post_init):
     def __post_init__(self, *args, **kwargs):
         device = current_device(use_cpu=bool(getattr(self, "use_cpu", False)))
@@ -118,16 +116,7 @@ def _adjusting_precision(post_init):
             if choice.reason:
                 setattr(self, train, choice.bf16)
                 setattr(self, half, choice.fp16)
-                _say(f"{type(self).__name__}: {choice.reason} ({train}={choice.bf16}, {half}={choice.fp16})")
+                say(f"{type(self).__name__}: {choice.reason} ({train}={choice.bf16}, {half}={choice.fp16})")
         return post_init(self, *args, **kwargs)
 
     return __post_init__
-
-
-def _say(line: str) -> None:
-    """Print a change once per process, on rank 0."""
-    from ..dist import print0
-
-    if line not in _said:
-        _said.add(line)
-        print0(f"nbddp: {line}", flush=True)
