@@ -28,6 +28,7 @@ from .facts import (
     JobFacts,
     Statement,
     dotted_name,
+    is_compound,
     is_model_loader_owner,
     last_name,
 )
@@ -266,6 +267,14 @@ class Plan:
     chunks: list[list[Statement]]
     walked: set[Statement]
     touching: dict[Statement, tuple[type[Check], ...]] | None = None
+    #: simple statements of the chunks that only a statement rule moves into a block: libcst reads a
+    #: one-line stand-in for each rather than the statement (``rules._Chunk``)
+    stand_ins: frozenset[Statement] = frozenset()
+
+
+def _multiline_fstring(stmt: Statement) -> bool:
+    """An f-string over several lines: libcst indents the lines inside its fields (no stand-in for it)."""
+    return any(isinstance(n, ast.JoinedStr) and n.end_lineno != n.lineno for node in stmt.nodes for n in ast.walk(node))
 
 
 def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False) -> Plan | None:
@@ -304,4 +313,8 @@ def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False)
             previous = stmt.index
     if not chunks:
         return None
-    return Plan(steps, chunks, walked, touching)
+    stand_ins = frozenset() if DDPWrap in wanted else frozenset(
+        stmt for chunk in chunks for stmt in chunk
+        if stmt not in touching and not any(is_compound(node) for node in stmt.nodes) and not _multiline_fstring(stmt)
+    )
+    return Plan(steps, chunks, walked, touching, stand_ins)

@@ -360,6 +360,9 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
         return body_src, None, ast.parse(body_src)
     except SyntaxError:
         pass
+    if (by_line := _transform_escape_lines(body)) is not None:
+        transformed, tree = by_line
+        return transformed, align(body, transformed.splitlines()), tree
     try:
         transformed = _transformer().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
@@ -370,6 +373,64 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
     except SyntaxError as exc:
         src_line = _body_line(t_map, exc.lineno or 1, offset)
         raise CellError(f"not valid Python: {exc.msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
+
+
+#: A line IPython's token transformers may rewrite: an escape first (``!cmd``, ``%magic``, ``?obj``),
+#: ``x = !cmd`` / ``x = %magic``, or ``obj?`` last.
+_ESCAPE_LINE = re.compile(r"^\s*[!%?]|=\s*[!%]|\?\s*$")
+#: What only a transform of the whole cell reads right: a cell magic below the first line, the autocall
+#: escapes (``/f x``, ``,f a b``, ``;f a``: at a line's start they may also continue a bracket), prompts of
+#: pasted sessions (``>>>``, ``...``, ``In [1]:``, ``...:``), and a first line that is indented.
+_WHOLE_CELL = re.compile(r"^\s*(?:%%|[/,;]|>>>|\.\.\.|In \[\d+\]:)|\A[ \t]+\S", re.M)
+
+
+def _transform_escape_lines(body: list[str]) -> tuple[str, ast.Module] | None:
+    """The body with IPython's transformers run on its escape lines alone, and its ast; None where unsure.
+
+    IPython's token transformers each rewrite one logical line (``!pip install x`` →
+    ``get_ipython().system('pip install x')``), but ``TransformerManager.transform_cell`` tokenizes the
+    whole cell again for every line it rewrites. Here each line that may hold an escape (with the lines a
+    trailing backslash continues) goes through ``transform_cell`` on its own, at no indentation, and gets its
+    indentation back; the other lines stay, as IPython would leave them (leading blank lines dropped,
+    whitespace-only lines emptied, as its ``leading_empty_lines`` and ``leading_indent`` do). The result
+    counts only if it parses and every line IPython rewrote is a ``get_ipython()`` call there (a line inside a
+    multi-line string is not); otherwise, and for anything in ``_WHOLE_CELL``, the caller transforms the
+    whole cell.
+    """
+    start = next((i for i, line in enumerate(body) if line.strip()), len(body))
+    text = "\n".join(body[start:])
+    if _WHOLE_CELL.search(text):
+        return None
+    out: list[str] = []
+    rewritten: list[int] = []  # 1-based lines of ``out`` that IPython rewrote
+    i = start
+    while i < len(body):
+        line = body[i]
+        if not _ESCAPE_LINE.search(line) or line.lstrip().startswith("#"):
+            out.append(line if line.strip() else "")
+            i += 1
+            continue
+        j = i
+        while body[j].rstrip().endswith("\\") and j + 1 < len(body):
+            j += 1
+        indent = line[: len(line) - len(line.lstrip())]
+        group = [line[len(indent) :]] + body[i + 1 : j + 1]
+        new = _transformer().transform_cell("\n".join(group) + "\n").splitlines()
+        if new != group:
+            if len(new) != 1:
+                return None
+            rewritten.append(len(out) + 1)
+            group = new
+        out += [indent + group[0]] + group[1:]
+        i = j + 1
+    code = "\n".join(out) + "\n"
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    calls = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "get_ipython"}
+    return (code, tree) if calls.issuperset(rewritten) else None
 
 
 def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> int:

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
+import re
+import tokenize
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -70,6 +73,12 @@ _LEAVES = frozenset({cst.Name, cst.Integer, cst.Float, cst.Imaginary, cst.Simple
 def _expression(code: str) -> cst.BaseExpression:
     """One of the fixed expressions the rules write, parsed once (libcst nodes are immutable)."""
     return cst.parse_expression(code)
+
+
+@functools.cache
+def _statement(code: str) -> cst.BaseStatement:
+    """A fixed statement the rules write, parsed once."""
+    return cst.parse_statement(code)
 
 
 def dotted_name(node: cst.BaseExpression) -> str | None:
@@ -463,7 +472,7 @@ class DeviceRule(Rule):
     def leave_SimpleStatementLine(self, original, updated):
         if len(updated.body) == 1 and _environ_key(updated.body[0]) == "CUDA_VISIBLE_DEVICES":
             self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
-            return cst.parse_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
+            return _statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
                 leading_lines=updated.leading_lines
             )
         return updated
@@ -824,14 +833,18 @@ class _Chunk:
     and those a rule rebuilt or copied and kept at the top level.
     """
 
-    def __init__(self, cell: CellCode, statements: list[Statement], facts: JobFacts):
+    def __init__(self, cell: CellCode, statements: list[Statement], facts: JobFacts,
+                 stand_ins: frozenset[Statement] = frozenset()):
         self.cell, self.statements = cell, statements
         self.first = statements[0].first  # its first line in the cell
         nxt = statements[-1].index + 1
         self.end = cell.statements[nxt].first if nxt < len(cell.statements) else len(cell.lines) + 1
         self.code: str | None = "".join(cell.lines[self.first - 1 : self.end - 1])
+        #: a stand-in's text → the lines of the statement it stands for
+        self.stood_in: dict[str, str] = {}
+        read = self._with_stand_ins(stand_ins) if stand_ins else self.code
         try:
-            module = cst.parse_module(self.code)
+            module = cst.parse_module(read)
         except cst.ParserSyntaxError as exc:
             raise UnreadableCode(exc.message, self.first + exc.raw_line - 1) from None
         if len(module.body) != len(statements):  # grouping statements by line went wrong: a bug, say so
@@ -846,9 +859,31 @@ class _Chunk:
         }
         self._lines: dict[cst.CSTNode, int] | None = None
 
+    def _with_stand_ins(self, stand_ins: frozenset[Statement]) -> str:
+        """The chunk's code with each statement of ``stand_ins`` as one line that names it.
+
+        A statement rule only moves such a statement (a simple one) into a block; what it does to the
+        stand-in, ``current`` does to the statement's lines, as libcst would have (``_indented``). libcst's
+        price is for each character it reads: a stand-in is a few.
+        """
+        lines, out, at = self.cell.lines, [], self.first
+        for stmt in self.statements:
+            if stmt not in stand_ins:
+                continue
+            last = max(node.end_lineno for node in stmt.nodes)
+            name = f"_nbddp_stands_in_{stmt.index}_"
+            out += lines[at - 1 : stmt.first - 1]
+            out.append("; ".join([name] * len(stmt.nodes)) + "\n")  # as many statements as libcst would count
+            self.stood_in[name] = "".join(lines[stmt.first - 1 : last])
+            at = last + 1
+        return "".join(out + lines[at - 1 : self.end - 1])
+
     def current(self) -> str:
         if self.code is None:
-            self.code = self.module.code
+            code = self.module.code
+            if self.stood_in:
+                code = _STAND_IN.sub(lambda m: _indented(self.stood_in[m.group(2)], m.group(1)), code)
+            self.code = code
         return self.code
 
     def wrap_inside(self, node: cst.CSTNode) -> list[str] | None:
@@ -861,6 +896,31 @@ class _Chunk:
         return self.wraps_inside.get(line) if line is not None else None
 
 
+#: A stand-in's line as libcst writes it back, at whatever indentation a rule gave it.
+_STAND_IN = re.compile(r"^([ \t]*)(_nbddp_stands_in_\d+_)(?:; \2)*\n", re.M)
+
+
+def _indented(text: str, indent: str) -> str:
+    """A top-level simple statement's lines, indented as libcst indents the statement inside a block.
+
+    libcst indents every line of it, blank lines and comments inside brackets too, except the lines inside
+    a multi-line string and those after a backslash that continues the line. (A multi-line f-string is
+    never stood in for: libcst indents the lines inside its replacement fields.)
+    """
+    if not indent:
+        return text
+    lines = text.splitlines(keepends=True)
+    keep = set()  # 0-based lines that stay as written
+    if '"""' in text or "'''" in text or "\\\n" in text:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+        # 0-based, the lines after a string's first; and the lines whose end is a comment's
+        keep = {row for t in tokens if t.type == tokenize.STRING for row in range(t.start[0], t.end[0])}
+        comments = {t.start[0] - 1 for t in tokens if t.type == tokenize.COMMENT}
+        keep |= {i + 1 for i, line in enumerate(lines[:-1])
+                 if line.endswith("\\\n") and i not in keep and i not in comments}
+    return "".join(line if i in keep else indent + line for i, line in enumerate(lines))
+
+
 def rewrite(cell: CellCode, plan: checks.Plan, facts: JobFacts) -> tuple[str, list[tuple[str, int, str]]]:
     """Run the planned rules over a cell; return its new code and ``(rule, line, message)`` for each change.
 
@@ -869,7 +929,7 @@ def rewrite(cell: CellCode, plan: checks.Plan, facts: JobFacts) -> tuple[str, li
     the cell as the steps before it left them. A step that notes nothing leaves the cell as it was. Raises
     ``UnreadableCode`` where libcst cannot parse a chunk.
     """
-    chunks = [_Chunk(cell, stmts, facts) for stmts in plan.chunks]
+    chunks = [_Chunk(cell, stmts, facts, plan.stand_ins) for stmts in plan.chunks]
     changes: list[tuple[str, int, str]] = []
     for step in plan.steps:
         ran = [_run(step, chunk, plan, facts) for chunk in chunks]
