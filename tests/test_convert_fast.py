@@ -223,3 +223,74 @@ def test_statements_stood_in_come_back_as_libcst_indents_them(indent, monkeypatc
     assert len(stood_in) >= len(STOOD_IN) - 2  # all but the multi-line f-strings
     assert fast == _script(sources, False)
     assert fast[0].count("if _nbddp.is_main_process():") == len(STOOD_IN)
+
+
+def test_a_change_found_by_position_below_stand_ins_is_at_its_line(monkeypatch):
+    """Where a change is located by libcst's positions (a nested call over lines, written with tabs), the
+    statement stand-ins above it count as the lines they stand for."""
+    from nbddp.convert import rules
+
+    positions = []
+    real = rules.MetadataWrapper
+    monkeypatch.setattr(rules, "MetadataWrapper", lambda *a, **k: positions.append(1) or real(*a, **k))
+    sources = [
+        "trainer = Trainer(model=m)\ntrainer.train()\n",
+        'print("saving")\nprint(\n\t"more")\nif True:\n\tm = AutoModelForCausalLM.from_pretrained(\n\t\tname, torch_dtype=x)\n',
+    ]
+    fast = _script(sources, True)
+    assert positions  # the located-by-position way was taken
+    assert fast == _script(sources, False)
+    assert any(c.rule == "device_map" and (c.cell, c.line) == (2, 5) for c in fast[2])
+
+
+#: Calls with many arguments, where the ones a rule reads sit anywhere among those it does not, and loops
+#: where what a rule changes sits deep among statements it leaves alone.
+MANY_ARGUMENTS = [
+    "args = TrainingArguments(\n    output_dir='o',  # where\n    per_device_train_batch_size=2,\n"
+    "    gradient_checkpointing=True,\n    learning_rate=2e-4,\n    lr_scheduler_type='cosine',\n"
+    "    ddp_find_unused_parameters=True,\n    warmup_steps=5, max_steps=60,\n    logging_steps=1,\n"
+    "    optim={'name': 'adamw',\n           'fused': True},\n    report_to='none',\n)\n",
+    "cfg = SFTConfig(output_dir='o', max_steps=3, report_to='none', bf16=False, seed=3407, optim='adamw_8bit')\n",
+    "model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16, trust_remote_code=True,\n"
+    "    attn_implementation='sdpa', low_cpu_mem_usage=True, revision='main', device_map='cuda:0')\n",
+    "trainer = SFTTrainer(model=model, tokenizer=tok, train_dataset=ds, dataset_text_field='text',\n"
+    "    max_seq_length=2048, args=SFTConfig(per_device_train_batch_size=2, gradient_accumulation_steps=4,\n"
+    "    warmup_steps=5, max_steps=60, learning_rate=2e-4, logging_steps=1, **extra), packing=False)\n",
+    "for epoch in range(3):\n    model.train()\n    # comment\n\n    for x, y in loader:\n"
+    "        def f(a):\n            return a\n        x = x.to('cuda')\n        with torch.cuda.amp.autocast(True, torch.float16):\n"
+    "            loss = f(model(x)).sum()\n        if False:\n            pass\n        loss.backward()  # go\n"
+    "    else:\n        print('done')\n",
+    "try:\n    m = AutoModel.from_pretrained(n)\n    print(m)\nexcept Exception:\n    m = None\n    print('no')\n",
+    "print(AutoModelForCausalLM.from_pretrained(n, torch_dtype=x, low_cpu_mem_usage=True,\n"
+    "    revision='main', trust_remote_code=True,\n    attn_implementation='sdpa', cache_dir='c', token=t))\n",
+]
+
+
+def _parsed(monkeypatch, sources, precheck=True):
+    parsed = []
+    real = cst.parse_module
+    monkeypatch.setattr(cst, "parse_module", lambda code, *a, **k: parsed.append(code) or real(code, *a, **k))
+    script = _script(sources, precheck)
+    monkeypatch.setattr(cst, "parse_module", real)
+    return script, "".join(parsed)
+
+
+@pytest.mark.parametrize("after_training", [False, True])
+def test_arguments_and_inner_statements_no_rule_reads_stand_in(after_training, monkeypatch):
+    """libcst reads stand-ins for the arguments and the statements inside blocks that no rule reads; the
+    script is the same (after training a statement rule moves these statements, and runs stay on a line)."""
+    sources = (["trainer = Trainer(model=m)\ntrainer.train()\n"] if after_training else []) + MANY_ARGUMENTS
+    for indent in ("    ", "\t"):
+        cells = [c.replace("    ", indent) for c in sources]
+        fast, parsed = _parsed(monkeypatch, cells)
+        assert "_nbddp_arg_" in parsed and "_nbddp_stands_in_" in parsed
+        assert "per_device_train_batch_size" not in parsed and "lr_scheduler_type" not in parsed
+        assert fast == _script(cells, False)
+
+
+def test_the_comparison_catches_a_rule_reading_a_keyword_its_check_does_not_list(monkeypatch):
+    """A keyword the rule reads but its check leaves out stands in, and the script differs."""
+    sources = MANY_ARGUMENTS[:1]
+    monkeypatch.setattr(checks.TrainerConfig, "keywords", frozenset({"log_on_each_node", "gradient_checkpointing_kwargs",
+                                                                     "gradient_checkpointing"}))
+    assert _script(sources, True) != _script(sources, False)

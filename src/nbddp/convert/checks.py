@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .facts import (
     CUDA_INDEX,
@@ -27,7 +27,9 @@ from .facts import (
     CellCode,
     JobFacts,
     Statement,
+    compound_bodies,
     dotted_name,
+    group_lines,
     is_compound,
     is_model_loader_owner,
     last_name,
@@ -39,6 +41,10 @@ class Check:
 
     name = "rule"
     pattern: re.Pattern | None = None
+    #: the keyword arguments whose presence or value the rule reads in a call it may change; any other
+    #: keyword argument on one line, holding nothing the check touches, is read by libcst as a stand-in
+    #: (``Plan.arguments``). None: the rule may read any argument.
+    keywords: frozenset[str] | None = None
 
     @classmethod
     def wanted(cls, cell: CellCode, facts: JobFacts) -> bool:
@@ -102,6 +108,7 @@ class DDPWrap(Check):
 
 class DeviceMap(Check):
     name = "device_map"
+    keywords = frozenset({"device_map"})
     pattern = re.compile(r"(?:Model|For[A-Z])\w*\s*\.\s*from_pretrained")
 
     @classmethod
@@ -115,6 +122,7 @@ class DeviceMap(Check):
 
 class Device(Check):
     name = "device"
+    keywords = frozenset({"device_map"})  # its strings are DeviceMap's
     pattern = re.compile(r"cuda:\d|CUDA_VISIBLE_DEVICES|\.cuda\(\s*\d|set_device\(\s*\d")
 
     @classmethod
@@ -136,6 +144,7 @@ class Device(Check):
 
 class Autocast(Check):
     name = "autocast"
+    keywords = frozenset()  # it reads positional arguments only
     pattern = re.compile(r"cuda\.amp")
     _KINDS = ("autocast", "GradScaler")
 
@@ -160,6 +169,9 @@ class Autocast(Check):
 
 class TrainerConfig(Check):
     name = "trainer_config"
+    #: the settings the rule adds where absent, and ``gradient_checkpointing``, which decides one of them
+    keywords = frozenset({"ddp_find_unused_parameters", "log_on_each_node", "gradient_checkpointing",
+                          "gradient_checkpointing_kwargs"})
     pattern = re.compile(r"\b(?:" + "|".join(sorted(TRAINER_CONFIGS)) + r")\s*\(")
 
     @classmethod
@@ -270,11 +282,25 @@ class Plan:
     #: simple statements of the chunks that only a statement rule moves into a block: libcst reads a
     #: one-line stand-in for each rather than the statement (``rules._Chunk``)
     stand_ins: frozenset[Statement] = frozenset()
+    #: for statements the expression rules may change, runs of keyword arguments none of them reads: libcst
+    #: reads one stand-in argument for each run (``rules._Chunk``)
+    arguments: dict[Statement, list[list[ast.keyword]]] = field(default_factory=dict)
+    #: for statements the expression rules may change, runs of statements inside their blocks that none of
+    #: them changes: libcst reads one line for each run, at its indentation (``rules._Chunk``)
+    inner: dict[Statement, list[list[ast.stmt]]] = field(default_factory=dict)
 
 
 def _multiline_fstring(stmt: Statement) -> bool:
     """An f-string over several lines: libcst indents the lines inside its fields (no stand-in for it)."""
+    if not _FSTRING.search(stmt.text) or all(node.end_lineno == node.lineno for node in stmt.nodes):
+        return False
     return any(isinstance(n, ast.JoinedStr) and n.end_lineno != n.lineno for node in stmt.nodes for n in ast.walk(node))
+
+
+#: Where an f-string may start (a false "yes" only costs a walk).
+_FSTRING = re.compile(r"[fF][rRbB]?['\"]")
+#: Statements shorter than this are read by libcst whole: a stand-in would save next to nothing.
+_WORTH_STANDING_IN = 100
 
 
 def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False) -> Plan | None:
@@ -292,6 +318,7 @@ def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False)
     if every_statement:
         return Plan(steps, [list(cell.statements)], walked)
     touching: dict[Statement, tuple[type[Check], ...]] = {}
+    walks: dict[Statement, list[ast.AST]] = {}  # every node of each statement an expression rule may change
     statement = [c for c in wanted if c in STATEMENT_CHECKS]
     # where DDPWrapRule rewrites the cell, libcst rebuilds every node it walked, and the expression rules
     # then walk every statement, not only those their text matches
@@ -303,7 +330,7 @@ def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False)
         if expression and (everywhere or stmt in walked):
             nodes = [n for node in stmt.nodes for n in ast.walk(node)]
             if rules := tuple(c for c in expression if c.touches(stmt, facts, nodes)):
-                touching[stmt] = rules
+                touching[stmt], walks[stmt] = rules, nodes
                 touched = True
         if touched:
             if previous is not None and previous == stmt.index - 1:
@@ -313,8 +340,95 @@ def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False)
             previous = stmt.index
     if not chunks:
         return None
-    stand_ins = frozenset() if DDPWrap in wanted else frozenset(
+    if DDPWrap in wanted:  # DDPWrapRule walks every statement whole
+        return Plan(steps, chunks, walked, touching)
+    stand_ins = frozenset(
         stmt for chunk in chunks for stmt in chunk
         if stmt not in touching and not any(is_compound(node) for node in stmt.nodes) and not _multiline_fstring(stmt)
     )
-    return Plan(steps, chunks, walked, touching, stand_ins)
+    arguments, inner = {}, {}
+    for stmt, rules in touching.items():
+        if any(rule.keywords is None for rule in rules) or len(stmt.text) < _WORTH_STANDING_IN:
+            continue  # a rule that may read anything in the statement, or little to save
+        moved = any(c.touches(stmt, facts, []) for c in statement)  # a statement rule moves it into a block
+        if not moved and (groups := _untouched_inside(stmt, facts, rules)):
+            inner[stmt] = groups
+        skip = {id(n) for group in inner.get(stmt, ()) for node in group for n in ast.walk(node)}
+        if runs := _unread_arguments(stmt, facts, rules, walks[stmt], over_lines=not moved, skip=skip):
+            arguments[stmt] = runs
+    return Plan(steps, chunks, walked, touching, stand_ins, arguments, inner)
+
+
+def _untouched_inside(stmt: Statement, facts: JobFacts, rules: tuple[type[Check], ...]) -> list[list[ast.stmt]]:
+    """Runs of consecutive statements inside ``stmt``'s blocks (on lines of their own) that none of
+    ``rules`` touches.
+
+    Such a rule acts on the nodes its check touches and reads nothing around them (its keywords are
+    listed), so these statements come back as written; the outermost ones are taken.
+    """
+    cell, found = stmt.cell, []
+
+    def visit(body: list[ast.stmt]) -> None:
+        run: list[ast.stmt] = []  # consecutive statements no rule touches: one stand-in
+        for group in group_lines(body, cell):
+            first = group[0]
+            start = getattr(first, "decorator_list", None) and first.decorator_list[0] or first
+            if cell.line_bytes(start.lineno)[: start.col_offset].strip():  # shares its line with a header
+                return
+            if not any(rule.touches(stmt, facts, [n for node in group for n in ast.walk(node)]) for rule in rules):
+                run += group
+                continue
+            if run:
+                found.append(run)
+                run = []
+            if is_compound(first):
+                for sub in compound_bodies(first):
+                    visit(sub)
+        if run:
+            found.append(run)
+
+    for node in stmt.nodes:
+        if is_compound(node):
+            for body in compound_bodies(node):
+                visit(body)
+    return found
+
+
+def _unread_arguments(
+    stmt: Statement, facts: JobFacts, rules: tuple[type[Check], ...], nodes: list[ast.AST], over_lines: bool,
+    skip: set[int],
+) -> list[list[ast.keyword]]:
+    """Runs of consecutive keyword arguments in ``stmt``'s calls that none of ``rules`` reads or may change.
+
+    A rule reads the keywords its check lists; an argument holding anything a check touches (a nested
+    trainer configuration, a ``"cuda:0"``) is read too. A call's last two arguments are always read (a new
+    keyword argument is written the way they are), and so are positional ones. A run is worth a stand-in
+    when it has two arguments or a long one. ``over_lines``: a run may span lines (the statement stays
+    where it is; a statement rule moving it into a block would indent the lines inside the run). ``skip``:
+    the ``id`` of nodes already stood in for; ``nodes``: every node of ``stmt``, outer ones first.
+    """
+    read = frozenset().union(*(rule.keywords for rule in rules))
+    runs: list[list[ast.keyword]] = []
+    taken: list[tuple[tuple[int, int], tuple[int, int]]] = []  # the spans of the runs found
+
+    def unread(kw: ast.keyword) -> bool:
+        return (kw.arg is not None and kw.arg not in read and (over_lines or kw.lineno == kw.end_lineno)
+                and not any(rule.touches(stmt, facts, list(ast.walk(kw.value))) for rule in rules))
+
+    for call in nodes:  # outer calls first: a call inside a run already found is left alone
+        if not isinstance(call, ast.Call) or len(call.args) + len(call.keywords) < 3 or id(call) in skip:
+            continue
+        where = (call.lineno, call.col_offset)
+        if any(a <= where < b for a, b in taken):
+            continue
+        ordered = sorted([*call.args, *call.keywords], key=lambda n: (n.lineno, n.col_offset))[:-2]
+        run: list[ast.keyword] = []
+        for arg in ordered + [None]:
+            if isinstance(arg, ast.keyword) and unread(arg) and (over_lines or not run or arg.lineno == run[0].lineno):
+                run.append(arg)
+                continue
+            if len(run) > 1 or run and (run[0].end_lineno > run[0].lineno or run[0].end_col_offset - run[0].col_offset >= 40):
+                runs.append(run)
+                taken.append(((run[0].lineno, run[0].col_offset), (run[-1].end_lineno, run[-1].end_col_offset)))
+            run = [arg] if isinstance(arg, ast.keyword) and unread(arg) else []
+    return runs

@@ -834,15 +834,16 @@ class _Chunk:
     """
 
     def __init__(self, cell: CellCode, statements: list[Statement], facts: JobFacts,
-                 stand_ins: frozenset[Statement] = frozenset()):
+                 plan: checks.Plan | None = None):
         self.cell, self.statements = cell, statements
         self.first = statements[0].first  # its first line in the cell
         nxt = statements[-1].index + 1
         self.end = cell.statements[nxt].first if nxt < len(cell.statements) else len(cell.lines) + 1
         self.code: str | None = "".join(cell.lines[self.first - 1 : self.end - 1])
-        #: a stand-in's text → the lines of the statement it stands for
+        #: a stand-in's name → the text it stands for (lines of statements, or keyword arguments)
         self.stood_in: dict[str, str] = {}
-        read = self._with_stand_ins(stand_ins) if stand_ins else self.code
+        stands = plan is not None and any(s in plan.stand_ins or s in plan.arguments or s in plan.inner for s in statements)
+        read = self._with_stand_ins(plan) if stands else self.code
         try:
             module = cst.parse_module(read)
         except cst.ParserSyntaxError as exc:
@@ -859,31 +860,85 @@ class _Chunk:
         }
         self._lines: dict[cst.CSTNode, int] | None = None
 
-    def _with_stand_ins(self, stand_ins: frozenset[Statement]) -> str:
-        """The chunk's code with each statement of ``stand_ins`` as one line that names it.
+    def _with_stand_ins(self, plan: checks.Plan) -> str:
+        """The chunk's code as libcst reads it: stand-ins for what no rule reads (``checks.Plan``).
 
-        A statement rule only moves such a statement (a simple one) into a block; what it does to the
-        stand-in, ``current`` does to the statement's lines, as libcst would have (``_indented``). libcst's
-        price is for each character it reads: a stand-in is a few.
+        A statement of ``plan.stand_ins`` (a simple one, which a statement rule only moves into a block)
+        becomes one line that names it; what a rule does to that line, ``restore`` does to the statement's
+        lines, as libcst would have (``_indented``). A statement inside a block that no rule changes
+        (``plan.inner``) becomes such a line at its own indentation, and a run of keyword arguments no rule
+        reads (``plan.arguments``) becomes ``_nbddp_arg_N_=0``; both come back as written. libcst's price is
+        for each character it reads: a stand-in is a few.
         """
         lines, out, at = self.cell.lines, [], self.first
         for stmt in self.statements:
-            if stmt not in stand_ins:
+            if stmt not in plan.stand_ins and stmt not in plan.arguments and stmt not in plan.inner:
                 continue
             last = max(node.end_lineno for node in stmt.nodes)
-            name = f"_nbddp_stands_in_{stmt.index}_"
             out += lines[at - 1 : stmt.first - 1]
-            out.append("; ".join([name] * len(stmt.nodes)) + "\n")  # as many statements as libcst would count
-            self.stood_in[name] = "".join(lines[stmt.first - 1 : last])
+            if stmt in plan.stand_ins:
+                out.append(self._stand_in("".join(lines[stmt.first - 1 : last]), len(stmt.nodes)))
+            else:
+                out += self._inside_stood_in(stmt.first, last, plan.arguments.get(stmt, ()), plan.inner.get(stmt, ()))
             at = last + 1
         return "".join(out + lines[at - 1 : self.end - 1])
 
+    def _stand_in(self, text: str, statements: int) -> str:
+        """The line standing in for ``text`` (lines of ``statements`` statements at its indentation)."""
+        indent = text[: len(text) - len(text.lstrip(" \t"))]
+        name = f"_nbddp_stands_in_{len(self.stood_in)}_"
+        self.stood_in[name] = text
+        return indent + "; ".join([name] * statements) + "\n"  # as many statements as libcst counts
+
+    def _inside_stood_in(self, first: int, last: int, runs, groups) -> list[str]:
+        """Lines ``first``…``last`` of the cell with a stand-in for each run of arguments and each run of
+        statements inside a block (ast columns are bytes)."""
+        raw = [self.cell.line_bytes(n) for n in range(first, last + 1)]
+        starts = [0]
+        for line in raw:
+            starts.append(starts[-1] + len(line))
+        at = lambda line, col: starts[line - first] + col  # noqa: E731
+        spans = [(at(r[0].lineno, r[0].col_offset), at(r[-1].end_lineno, r[-1].end_col_offset), None) for r in runs]
+        for group in groups:  # whole lines
+            start = getattr(group[0], "decorator_list", None) and group[0].decorator_list[0] or group[0]
+            spans.append((at(start.lineno, 0), at(max(n.end_lineno for n in group) + 1, 0), 1))
+        text = b"".join(raw)
+        for a, b, statements in sorted(spans, reverse=True):  # from the end, so the earlier offsets hold
+            if statements is None:
+                name = f"_nbddp_arg_{len(self.stood_in)}_"
+                self.stood_in[name] = text[a:b].decode()
+                text = text[:a] + f"{name}=0".encode() + text[b:]
+            else:
+                text = text[:a] + self._stand_in(text[a:b].decode(), statements).encode() + text[b:]
+        return text.decode().splitlines(keepends=True)
+
+    def restore(self, code: str) -> str:
+        """Code of (part of) the chunk with its stand-ins replaced by what they stand for."""
+        if not self.stood_in:
+            return code
+        code = _STAND_IN.sub(lambda m: self._back(self.stood_in[m.group(2)], m.group(1)), code)
+        return _ARGUMENT.sub(lambda m: self.stood_in[m.group(1)], code)
+
+    @staticmethod
+    def _back(text: str, indent: str) -> str:
+        """Stood-in lines, at the indentation their stand-in came back at."""
+        own = text[: len(text) - len(text.lstrip(" \t"))]
+        if indent == own:
+            return text
+        if own:  # only a top-level statement is moved into a block (``checks.plan_cell``)
+            raise AssertionError(f"a statement inside a block was moved: {text!r}")
+        return _indented(text, indent)
+
+    def line_in_current(self, line: int) -> int:
+        """A line of the module's own code as a line of ``current()``: a stand-in above it is as many lines
+        as what it stands for."""
+        if not self.stood_in:
+            return line
+        return len(self.restore("".join(self.module.code.splitlines(keepends=True)[: line - 1])).splitlines()) + 1
+
     def current(self) -> str:
         if self.code is None:
-            code = self.module.code
-            if self.stood_in:
-                code = _STAND_IN.sub(lambda m: _indented(self.stood_in[m.group(2)], m.group(1)), code)
-            self.code = code
+            self.code = self.restore(self.module.code)
         return self.code
 
     def wrap_inside(self, node: cst.CSTNode) -> list[str] | None:
@@ -898,6 +953,8 @@ class _Chunk:
 
 #: A stand-in's line as libcst writes it back, at whatever indentation a rule gave it.
 _STAND_IN = re.compile(r"^([ \t]*)(_nbddp_stands_in_\d+_)(?:; \2)*\n", re.M)
+#: A keyword argument's stand-in.
+_ARGUMENT = re.compile(r"(_nbddp_arg_\d+_)=0")
 
 
 def _indented(text: str, indent: str) -> str:
@@ -929,7 +986,7 @@ def rewrite(cell: CellCode, plan: checks.Plan, facts: JobFacts) -> tuple[str, li
     the cell as the steps before it left them. A step that notes nothing leaves the cell as it was. Raises
     ``UnreadableCode`` where libcst cannot parse a chunk.
     """
-    chunks = [_Chunk(cell, stmts, facts, plan.stand_ins) for stmts in plan.chunks]
+    chunks = [_Chunk(cell, stmts, facts, plan) for stmts in plan.chunks]
     changes: list[tuple[str, int, str]] = []
     for step in plan.steps:
         ran = [_run(step, chunk, plan, facts) for chunk in chunks]
@@ -971,7 +1028,8 @@ def _changes(cell: CellCode, chunks: list[_Chunk], ran: list[list[Rule]]) -> lis
         for i, rule in enumerate(rules):
             if rule.changes:
                 noted = [(node, top) for node, top, _ in rule.changes]
-                located[k, i] = [offset + line for line in _note_lines(chunk.module, chunk.current(), noted, starts)]
+                lines = _note_lines(chunk.module, chunk.current(), noted, starts, chunk.restore, chunk.line_in_current)
+                located[k, i] = [offset + line for line in lines]
         offset += len(chunk.current().splitlines())
         at = chunk.end
     out = []
@@ -979,7 +1037,7 @@ def _changes(cell: CellCode, chunks: list[_Chunk], ran: list[list[Rule]]) -> lis
         for k, rules in enumerate(ran):
             for (_, _, msg), line in zip(rules[i].changes, located.get((k, i), ())):
                 j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
-                out.append((rules[i].name, (j if j is not None else line - 1) + 1, msg))
+                out.append((rules[i].name, (j if j is not None else line - 1) + 1, chunks[k].restore(msg)))
     return out
 
 
@@ -995,14 +1053,16 @@ def _join(cell: CellCode, chunks: list[_Chunk]) -> str:
 
 
 def _note_lines(
-    module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]], starts: list[int] | None = None
+    module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]], starts: list[int] | None = None,
+    restore=lambda text: text, line_in_code=lambda line: line,
 ) -> list[int]:
     """The line of each noted node in ``code`` (the module's source; ``starts``: its statements' first lines).
 
     libcst's ``PositionProvider`` would generate the whole module's source with positions; instead each
     top-level statement's first line comes from Python's own parser, and a node inside a statement is found
     in the statement's text by its own source (the k-th node with the same source is its k-th occurrence;
-    a node noted twice is found once). Positions are the fallback when that fails.
+    a node noted twice is found once). Positions are the fallback when that fails. ``restore`` gives a node's
+    source without stand-ins, ``line_in_code`` a line of the module's own code as a line of ``code``.
     """
     starts = starts or _statement_starts(module.body, code)
     texts = _statement_texts(module.body, code, starts)
@@ -1018,9 +1078,9 @@ def _note_lines(
             line = starts[top]
         elif top is not None:
             if isinstance(node, cst.BaseStatement):  # its comments above are not where it starts
-                node_code = code_of(node.with_changes(leading_lines=[])).strip()
+                node_code = restore(code_of(node.with_changes(leading_lines=[]))).strip()
             else:
-                node_code = code_of(node).strip()
+                node_code = restore(code_of(node)).strip()
             nth = seen.get((top, node_code), 0)
             seen[(top, node_code)] = nth + 1
             at = -1
@@ -1031,7 +1091,7 @@ def _note_lines(
             if at >= 0:
                 line = starts[top] + texts[top].count("\n", 0, at)
         if line is None:
-            line = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line
+            line = line_in_code(MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line)
         found[node] = line
         out.append(line)
     return out
