@@ -8,6 +8,7 @@ import pytest
 from nbddp.cells import cells_from_sources
 from nbddp.convert import convert_cells
 from nbddp.convert.script import SourceMap
+from nbddp.errors import CellError
 
 
 def test_every_mapped_line_comes_from_its_cell():
@@ -186,3 +187,25 @@ def test_the_job_api_imports_neither_libcst_nor_ipython():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_garbage_collector_is_paused_while_converting_and_left_as_found(monkeypatch):
+    import gc
+
+    from nbddp.convert import script as script_module
+
+    seen = []
+    real = script_module.clean_cell
+    monkeypatch.setattr(script_module, "clean_cell", lambda cell: seen.append(gc.isenabled()) or real(cell))
+    assert gc.isenabled()
+    convert_cells(cells_from_sources(["x = 1\n"]))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(CellError):
+        convert_cells(cells_from_sources(["x = (\n"]))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        convert_cells(cells_from_sources(["x = 1\n"]))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

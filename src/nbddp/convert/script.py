@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +98,28 @@ def map_path(script_path: str | Path) -> Path:
 
 def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Script:
     """Read a notebook with nbformat and convert its code cells."""
-    return convert_cells(read_notebook(path), origin=Path(path).name, skip_bad_cells=skip_bad_cells)
+    with _collector_paused():
+        return convert_cells(read_notebook(path), origin=Path(path).name, skip_bad_cells=skip_bad_cells)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector held off while a notebook converts, then left as it was found.
+
+    A conversion makes tens of thousands of short-lived objects (ast and libcst nodes) that reference
+    counting frees; every 700 allocations the collector would still walk the young ones, and now and then
+    every object in the process, which in a kernel holding torch and transformers is half a million. Paused,
+    conversion takes about a tenth less time (``benchmarks/results/convert_speed.md``); any cycles it left are
+    collected at the next collection after it.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def convert_cells(
@@ -109,6 +132,11 @@ def convert_cells(
     (``checks.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
     in instead, which gives the same script more slowly (what the checks are tested against).
     """
+    with _collector_paused():
+        return _convert_cells(cells, origin, skip_bad_cells, precheck)
+
+
+def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool) -> Script:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     cleaned: list[CleanCell] = []
