@@ -390,8 +390,9 @@ def _transform_escape_lines(body: list[str]) -> tuple[str, ast.Module] | None:
     IPython's token transformers each rewrite one logical line (``!pip install x`` →
     ``get_ipython().system('pip install x')``), but ``TransformerManager.transform_cell`` tokenizes the
     whole cell again for every line it rewrites. Here each line that may hold an escape (with the lines a
-    trailing backslash continues) goes through ``transform_cell`` on its own, at no indentation, and gets its
-    indentation back; the other lines stay, as IPython would leave them (leading blank lines dropped,
+    trailing backslash continues) goes through the transformer IPython would apply first
+    (``do_one_token_transform``) on its own, at no indentation, and gets its indentation back (a line still
+    holding an escape after that would not parse: the whole cell goes through then); the other lines stay, as IPython would leave them (leading blank lines dropped,
     whitespace-only lines emptied, as its ``leading_empty_lines`` and ``leading_indent`` do). The result
     counts only if it parses and every line IPython rewrote is a ``get_ipython()`` call there (a line inside a
     multi-line string is not); otherwise, and for anything in ``_WHOLE_CELL``, the caller transforms the
@@ -415,8 +416,9 @@ def _transform_escape_lines(body: list[str]) -> tuple[str, ast.Module] | None:
             j += 1
         indent = line[: len(line) - len(line.lstrip())]
         group = [line[len(indent) :]] + body[i + 1 : j + 1]
-        new = _transformer().transform_cell("\n".join(group) + "\n").splitlines()
-        if new != group:
+        changed, new = _transformer().do_one_token_transform([text + "\n" for text in group])
+        new = [text.rstrip("\n") for text in new]
+        if changed and new != group:
             if len(new) != 1:
                 return None
             rewritten.append(len(out) + 1)
