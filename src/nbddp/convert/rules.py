@@ -186,6 +186,8 @@ class Rule(cst.CSTTransformer):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.name = cls.check.name
+        if any(name.count("_") > 1 and name.startswith(("visit_", "leave_")) and name != "visit_all" for name in vars(cls)):
+            raise TypeError(f"{cls.__name__}: rules have no visit_<Node>_<attribute> methods (not dispatched)")
 
     def __init__(self, facts: JobFacts, chunk: _Chunk):
         super().__init__()
@@ -202,7 +204,19 @@ class Rule(cst.CSTTransformer):
             self._top = {stmt: i for i, stmt in enumerate(node.body)}
         elif node in self._top:
             self._current = self._top[node]
-        return super().on_visit(node)
+        visit = _method(type(self), "visit_" + type(node).__name__)
+        return visit is None or visit(self, node) is not False
+
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode):
+        leave = _method(type(self), "leave_" + type(original).__name__)
+        return updated if leave is None else leave(self, original, updated)
+
+    # libcst offers each attribute of each node to ``visit_<Node>_<attribute>`` methods; rules have none
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+    def on_leave_attribute(self, original: cst.CSTNode, attribute: str) -> None:
+        pass
 
     @classmethod
     def reads(cls, node: cst.CSTNode) -> bool:
@@ -218,6 +232,18 @@ class Rule(cst.CSTTransformer):
 
     def note(self, node: cst.CSTNode, message: str) -> None:
         self.changes.append((node, self._top.get(node, self._current), message))
+
+
+@functools.cache
+def _method(cls: type, name: str):
+    """A rule class's own ``visit_X``/``leave_X`` function (None for libcst's no-op stubs): found once per
+    kind of node rather than looked up by name for each node a walk meets."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("libcst", "builtins")):
+            return None
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
 
 
 @functools.cache
@@ -816,6 +842,12 @@ class _Together(cst.CSTTransformer):
                 break
             updated = rule.on_leave(original, updated)
         return updated
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        pass  # as in ``Rule``: no rule has attribute methods
+
+    def on_leave_attribute(self, original: cst.CSTNode, attribute: str) -> None:
+        pass
 
 
 class UnreadableCode(Exception):
