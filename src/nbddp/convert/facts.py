@@ -18,6 +18,7 @@ parser gathered them.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -217,6 +218,8 @@ class CellCode:
         return text[: len(text) - len(text.lstrip())]
 
     def source(self, node: ast.AST) -> str:
+        if node.lineno == node.end_lineno:  # ast's own way splits the whole cell into lines each time
+            return self.line_bytes(node.lineno)[node.col_offset : node.end_col_offset].decode()
         return ast.get_source_segment(self.code, node) or ""
 
     def line_bytes(self, line: int) -> bytes:
@@ -396,13 +399,13 @@ class _Scan:
             self.generic(node)
 
     def generic(self, node: ast.AST) -> None:
-        for name in node._fields:
+        for name in _child_fields(type(node)):
             value = getattr(node, name)
             if isinstance(value, list):
                 for item in value:
                     if isinstance(item, ast.AST):
                         self.visit(item)
-            elif isinstance(value, ast.AST) and name != "ctx":
+            elif isinstance(value, ast.AST):
                 self.visit(value)
 
     def visit_all(self, nodes) -> None:
@@ -582,6 +585,17 @@ _HANDLERS.update({
     ast.AsyncFor: _Scan.visit_For,
     ast.Nonlocal: _Scan.visit_Global,
 })
+
+
+#: Fields of ast nodes that hold names, numbers or flags, never nodes; and ``ctx``, a node no fact reads.
+_NOT_NODES = frozenset({"ctx", "id", "attr", "arg", "name", "asname", "module", "level", "kind", "type_comment",
+                        "is_async", "conversion", "simple", "rest"})
+
+
+@functools.cache
+def _child_fields(kind: type) -> tuple[str, ...]:
+    """The fields of an ast node type that may hold nodes (``Constant.value`` never does)."""
+    return () if kind is ast.Constant else tuple(f for f in kind._fields if f not in _NOT_NODES)
 
 
 def _scan(stmt: Statement, facts: JobFacts, defs: dict[str, list[ast.Call]]) -> None:
