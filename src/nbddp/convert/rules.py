@@ -1056,11 +1056,14 @@ def _changes(cell: CellCode, chunks: list[_Chunk], ran: list[list[Rule]]) -> lis
     for k, (chunk, rules) in enumerate(zip(chunks, ran)):
         offset += chunk.first - at
         # as parsed, the chunk's statements start where the cell's do
-        starts = [s.first - chunk.first + 1 for s in chunk.statements] if chunk.module is chunk.parsed else None
+        spans = None if chunk.module is not chunk.parsed else (
+            [s.first - chunk.first + 1 for s in chunk.statements],
+            [max(n.end_lineno for n in s.nodes) - chunk.first + 1 for s in chunk.statements],
+        )
         for i, rule in enumerate(rules):
             if rule.changes:
                 noted = [(node, top) for node, top, _ in rule.changes]
-                lines = _note_lines(chunk.module, chunk.current(), noted, starts, chunk.restore, chunk.line_in_current)
+                lines = _note_lines(chunk.module, chunk.current(), noted, spans, chunk.restore, chunk.line_in_current)
                 located[k, i] = [offset + line for line in lines]
         offset += len(chunk.current().splitlines())
         at = chunk.end
@@ -1085,10 +1088,11 @@ def _join(cell: CellCode, chunks: list[_Chunk]) -> str:
 
 
 def _note_lines(
-    module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]], starts: list[int] | None = None,
-    restore=lambda text: text, line_in_code=lambda line: line,
+    module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]],
+    spans: tuple[list[int], list[int]] | None = None, restore=lambda text: text, line_in_code=lambda line: line,
 ) -> list[int]:
-    """The line of each noted node in ``code`` (the module's source; ``starts``: its statements' first lines).
+    """The line of each noted node in ``code`` (the module's source; ``spans``: its statements' first and
+    last lines).
 
     libcst's ``PositionProvider`` would generate the whole module's source with positions; instead each
     top-level statement's first line comes from Python's own parser, and a node inside a statement is found
@@ -1096,8 +1100,8 @@ def _note_lines(
     a node noted twice is found once). Positions are the fallback when that fails. ``restore`` gives a node's
     source without stand-ins, ``line_in_code`` a line of the module's own code as a line of ``code``.
     """
-    starts = starts or _statement_starts(module.body, code)
-    texts = _statement_texts(module.body, code, starts)
+    starts, ends = spans or _statement_spans(module.body, code)
+    texts = _statement_texts(code, starts)
     seen: dict[tuple[int, str], int] = {}
     found: dict[cst.CSTNode, int] = {}
     out = []
@@ -1106,8 +1110,8 @@ def _note_lines(
             out.append(found[node])
             continue
         line = None
-        if top is not None and node is module.body[top]:
-            line = starts[top]
+        if top is not None and (node is module.body[top] or starts[top] == ends[top]):
+            line = starts[top]  # the statement itself, or a node in a statement of one line
         elif top is not None:
             if isinstance(node, cst.BaseStatement):  # its comments above are not where it starts
                 node_code = restore(code_of(node.with_changes(leading_lines=[]))).strip()
@@ -1129,20 +1133,22 @@ def _note_lines(
     return out
 
 
-def _statement_starts(body: list[cst.BaseStatement], code: str) -> list[int]:
-    """The first line of each top-level statement of ``body`` in ``code``, from Python's own parser (fast)."""
+def _statement_spans(body: list[cst.BaseStatement], code: str) -> tuple[list[int], list[int]]:
+    """The first and last line of each top-level statement of ``body`` in ``code``, from Python's own parser
+    (fast)."""
     tree = ast.parse(code)
-    starts, k = [], 0
+    starts, ends, k = [], [], 0
     for stmt in body:
         node = tree.body[k]
         decorators = getattr(node, "decorator_list", None)
         starts.append(decorators[0].lineno if decorators else node.lineno)
         k += len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
-    return starts
+        ends.append(tree.body[k - 1].end_lineno)
+    return starts, ends
 
 
-def _statement_texts(body: list[cst.BaseStatement], code: str, starts: list[int] | None = None) -> list[str]:
-    """The source text of each top-level statement of ``body`` (with the comments after it)."""
+def _statement_texts(code: str, starts: list[int]) -> list[str]:
+    """The source text of each top-level statement starting at ``starts`` (with the comments after it)."""
     lines = code.splitlines(keepends=True)
-    starts = (starts or _statement_starts(body, code)) + [len(lines) + 1]
+    starts = starts + [len(lines) + 1]
     return ["".join(lines[a - 1 : b - 1]) for a, b in zip(starts, starts[1:])]
