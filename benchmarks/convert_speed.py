@@ -4,10 +4,15 @@ The notebook is made of the fixture corpus's cells (Unsloth, Trainer, TRL, plain
 has 50 code cells, so every rule has work somewhere and most cells have nothing for most rules. Besides the
 median of the whole conversion, the run times the stages of a few conversions (read with nbformat, clean,
 facts and checks with ``ast``, the libcst rewrite) and compares, side by side, conversion with the rules'
-checks against running the rules over every statement with libcst (``precheck=False``). It also times
-``import nbddp.job`` in a fresh interpreter. Writes ``benchmarks/results/convert_speed.json``.
+checks against running the rules over every statement with libcst (``precheck=False``), and counts the
+characters libcst reads (stand-ins included) against those of the cells. It also times ``import nbddp.job``
+in a fresh interpreter. Writes ``benchmarks/results/convert_speed.json``.
 
-    python benchmarks/convert_speed.py [--repeats 30]
+    python benchmarks/convert_speed.py [--repeats 60] [--against REV [--rounds 10]] [--out FILE]
+
+``--against REV`` also converts the same notebook with the code at a git revision (or in a folder holding
+its ``nbddp`` package), in fresh interpreters taking turns with ones running the working tree's code, and
+reports the ratio of their medians: on a shared machine whose speed drifts, the ratio is the steadier figure.
 """
 
 from __future__ import annotations
@@ -98,20 +103,95 @@ def stages(path: Path) -> dict[str, float]:
 
 
 def libcst_share(path: Path) -> dict[str, int]:
-    """How many top-level statements the conversion parses with libcst, of how many."""
+    """How much of the notebook libcst reads: top-level statements in its chunks, and characters (stand-ins
+    included) against the characters of the cleaned cells."""
+    import libcst as cst
+
     codes = [CellCode.read(c.code, c.tree, i) for i, c in enumerate(clean_cell(c) for c in read_notebook(path))]
     facts = gather_facts(codes)
     plans = [plan_cell(code, facts) for code in codes]
+    read, real = [], cst.parse_module
+    cst.parse_module = lambda code, *a, **k: read.append(len(code)) or real(code, *a, **k)
+    try:
+        from nbddp.convert.rules import rewrite
+
+        for code, plan in zip(codes, plans):
+            if plan is not None:
+                rewrite(code, plan, facts)
+    finally:
+        cst.parse_module = real
     return {
         "statements": sum(len(code.statements) for code in codes),
-        "parsed_with_libcst": sum(len(chunk) for plan in plans if plan for chunk in plan.chunks),
+        "statements_in_libcst_chunks": sum(len(chunk) for plan in plans if plan for chunk in plan.chunks),
         "cells_parsed_with_libcst": sum(1 for plan in plans if plan),
+        "characters": sum(len(code.code) for code in codes),
+        "characters_read_by_libcst": sum(read),
     }
+
+
+def cpu_model() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+
+
+def _child(src: Path, notebook: Path, repeats: int) -> list[float]:
+    """In a fresh interpreter: convert ``notebook`` with the nbddp under ``src``; print the CPU ms as JSON."""
+    code = (
+        "import gc, json, sys, time\n"
+        f"sys.path.insert(0, {str(src)!r})\n"
+        "from nbddp.convert import convert_notebook\n"
+        f"convert_notebook({str(notebook)!r})\n"
+        "out = []\n"
+        f"for _ in range({repeats}):\n"
+        "    c = time.process_time()\n"
+        f"    convert_notebook({str(notebook)!r})\n"
+        "    out.append((time.process_time() - c) * 1000)\n"
+        "print(json.dumps(out))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def against(rev: str, notebook: Path, rounds: int, repeats: int) -> dict:
+    """The code at ``rev`` and the working tree's, side by side: fresh interpreters taking turns.
+
+    ``rev`` is a git revision, or a folder holding that code's ``nbddp`` package (where there is no git
+    history, as on a lent machine). Each round runs one interpreter of each (in alternating order),
+    ``repeats`` conversions each, so a drift in the shared machine's speed reaches both alike. The ratio of
+    the medians is the figure.
+    """
+    times: dict[str, list[float]] = {"before": [], "now": []}
+
+    def turns(old_src: Path) -> None:
+        for r in range(rounds):
+            order = [("before", old_src), ("now", ROOT / "src")]
+            for name, src in order if r % 2 == 0 else order[::-1]:
+                times[name] += _child(src, notebook, repeats)
+
+    if (Path(rev) / "nbddp").is_dir():
+        turns(Path(rev))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            old = Path(tmp) / "old"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), rev], check=True,
+                           capture_output=True)
+            try:
+                turns(old / "src")
+            finally:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=True,
+                               capture_output=True)
+    before, now = statistics.median(times["before"]), statistics.median(times["now"])
+    return {"rev": rev, "rounds": rounds, "repeats_per_round": repeats, "before_median_ms": round(before, 2),
+            "now_median_ms": round(now, 2), "before_min_ms": round(min(times["before"]), 2),
+            "now_min_ms": round(min(times["now"]), 2), "now_over_before": round(now / before, 3)}
 
 
 def import_time_s() -> float:
     """Seconds ``import nbddp.job`` takes in a fresh interpreter (``-X importtime``, cumulative)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import nbddp.job"], capture_output=True,
                          text=True, env=env, check=True).stderr
     last = [ln for ln in out.splitlines() if re.search(r"\|\s*nbddp\.job$", ln)][-1]
@@ -120,7 +200,10 @@ def import_time_s() -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=60)
+    ap.add_argument("--against", metavar="REV", help="also time the code at this git revision (or in this folder "
+                    "holding its nbddp package), side by side")
+    ap.add_argument("--rounds", type=int, default=10, help="with --against: interpreters of each, taking turns")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "convert_speed.json")
     args = ap.parse_args(argv)
 
@@ -132,6 +215,7 @@ def main(argv=None) -> int:
         without_check, _ = timed(every_statement, args.repeats)
         per_stage = [stages(path) for _ in range(9)]
         share = libcst_share(path)
+        side_by_side = against(args.against, path, args.rounds, args.repeats) if args.against else None
     imports = sorted(import_time_s() for _ in range(5))
     median = statistics.median(with_check)
     load = os.getloadavg()[0]
@@ -139,7 +223,7 @@ def main(argv=None) -> int:
         "benchmark": "convert_speed",
         "nbddp": __version__,
         "python": platform.python_version(),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "machine": f"{platform.machine()}, {cpu_model()}",
         "code_cells": code_cells,
         "repeats": args.repeats,
         "clock": "CPU time of this process (time.process_time)",
@@ -157,6 +241,8 @@ def main(argv=None) -> int:
         "libcst": share,
         "import_nbddp_job_s_median": imports[len(imports) // 2],
     }
+    if side_by_side:
+        result["against"] = side_by_side
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
