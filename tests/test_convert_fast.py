@@ -141,8 +141,15 @@ def _magic_cells():
     ])
 
 
+#: The cleaner's fast ways, each with what switches it off: the magic lines IPython writes rewritten as
+#: text (else libcst), and IPython's transformers on each escape line alone (else on the whole cell).
+CLEANER_FAST_WAYS = {"as_text": ("_as_text", lambda *args: None),
+                     "escape_lines": ("_transform_escape_lines", lambda body: None)}
+
+
+@pytest.mark.parametrize("way", sorted(CLEANER_FAST_WAYS))
 @pytest.mark.parametrize("cell", list(_magic_cells()), ids=lambda c: c.source[:30])
-def test_magic_lines_as_text_are_what_libcst_makes_of_them(cell, monkeypatch):
+def test_the_cleaners_fast_ways_clean_as_the_plain_ones(cell, way, monkeypatch):
     def cleaned():
         try:
             return clean_cell(cell)
@@ -150,7 +157,7 @@ def test_magic_lines_as_text_are_what_libcst_makes_of_them(cell, monkeypatch):
             return f"{type(exc).__name__}: {exc}"
 
     fast = cleaned()
-    monkeypatch.setattr(clean, "_as_text", lambda *args: None)
+    monkeypatch.setattr(clean, *CLEANER_FAST_WAYS[way])
     assert fast == cleaned()
 
 
@@ -163,20 +170,6 @@ def test_cells_read_with_ast_are_what_libcst_reads():
             cell = CellCode.read(code)
             assert len(cell.statements) == len(module.body), (name, code)
             assert cell.default_indent == module.default_indent, (name, code)
-
-
-@pytest.mark.parametrize("cell", list(_magic_cells()), ids=lambda c: c.source[:30])
-def test_escape_lines_alone_are_what_the_whole_cell_transform_gives(cell, monkeypatch):
-    """IPython's transformers on each escape line alone clean a cell as they do on the whole cell."""
-    def cleaned():
-        try:
-            return clean_cell(cell)
-        except Exception as exc:  # noqa: BLE001
-            return f"{type(exc).__name__}: {exc}"
-
-    fast = cleaned()
-    monkeypatch.setattr(clean, "_transform_escape_lines", lambda body: None)
-    assert fast == cleaned()
 
 
 def test_most_magic_cells_take_the_line_by_line_way():
