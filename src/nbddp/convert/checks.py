@@ -41,9 +41,9 @@ class Check:
 
     name = "rule"
     pattern: re.Pattern | None = None
-    #: the keyword arguments whose presence or value the rule reads in a call it may change; any other
-    #: keyword argument on one line, holding nothing the check touches, is read by libcst as a stand-in
-    #: (``Plan.arguments``). None: the rule may read any argument.
+    #: the keyword arguments whose presence or value the rule reads in a statement it may change; the
+    #: others, where they hold nothing the check touches, are read by libcst as stand-ins
+    #: (``Plan.arguments``). None: the rule may read any argument, and any statement inside a block.
     keywords: frozenset[str] | None = None
 
     @classmethod

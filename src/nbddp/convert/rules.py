@@ -186,7 +186,7 @@ class Rule(cst.CSTTransformer):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.name = cls.check.name
-        if any(name.count("_") > 1 and name.startswith(("visit_", "leave_")) and name != "visit_all" for name in vars(cls)):
+        if any(name.count("_") > 1 and name.startswith(("visit_", "leave_")) for name in vars(cls)):
             raise TypeError(f"{cls.__name__}: rules have no visit_<Node>_<attribute> methods (not dispatched)")
 
     def __init__(self, facts: JobFacts, chunk: _Chunk):
@@ -948,8 +948,10 @@ class _Chunk:
         """Code of (part of) the chunk with its stand-ins replaced by what they stand for."""
         if not self.stood_in:
             return code
-        code = _STAND_IN.sub(lambda m: self._back(self.stood_in[m.group(2)], m.group(1)), code)
-        return _ARGUMENT.sub(lambda m: self.stood_in[m.group(1)], code)
+        # (a name this chunk did not make is left as it is)
+        code = _STAND_IN.sub(lambda m: self._back(self.stood_in[m.group(2)], m.group(1)) if m.group(2) in self.stood_in
+                             else m.group(0), code)
+        return _ARGUMENT.sub(lambda m: self.stood_in.get(m.group(1), m.group(0)), code)
 
     @staticmethod
     def _back(text: str, indent: str) -> str:
