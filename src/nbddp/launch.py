@@ -8,8 +8,8 @@ records say how a job ended, all structured, none grepped from text:
   ``nbddp.runtime``'s excepthook);
 - ``failures.json``: torch elastic's ``ChildFailedError`` — every failed rank's exit code or signal, the
   only trace of a rank killed by a signal;
-- ``stacks.txt`` per rank: every thread's stack, dumped by ``faulthandler`` when the rank was stopped or
-  crashed — what a stuck rank was doing.
+- ``stacks.txt`` per rank: every thread's stack, dumped by ``faulthandler`` when the launcher asks before
+  stopping the job (SIGUSR1), when the rank is stopped, or when it crashes — what a stuck rank was doing.
 
 The launcher follows rank 0's files as they grow and hands new text to a sink, reads the metrics rank 0
 writes, and when the job ends maps the root failure and the stacks back to notebook cells through the
@@ -44,6 +44,8 @@ from .runtime import selflaunch
 POLL_S = 0.05
 #: Seconds the processes get to exit after SIGTERM before SIGKILL.
 GRACE_S = 3.0
+#: Seconds the ranks get to write their stacks before a timeout or an interrupt stops them.
+STACKS_WAIT_S = 2.0
 
 Sink = Callable[[str, str], None]  # (stream name "stdout"/"stderr", text)
 
@@ -322,6 +324,8 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
             interrupted = True
         finally:
             with _interrupts_held() as held:
+                if (timed_out or interrupted) and proc.poll() is None:
+                    ask_for_stacks(proc, plan.log_dir)
                 terminate_tree(proc)
             interrupted = interrupted or bool(held)
         for f in followers:
@@ -375,6 +379,38 @@ def _interrupts_held():
         yield held
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def ask_for_stacks(proc: subprocess.Popen, log_dir: Path, wait_s: float = STACKS_WAIT_S) -> None:
+    """Have every rank of the job write its stacks, and wait for them, before any rank is stopped.
+
+    Stopped all at once, a rank waiting in a collective can see a peer go first and leave the collective
+    with an error: its stack would then say where it died, not where it hung. Each rank's ``stacks.txt``
+    names its pid; SIGUSR1 makes ``faulthandler`` dump every thread there without stopping the rank
+    (``runtime.dist``). Only pids of processes under ``proc`` are signalled.
+    """
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
+        family = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return
+    asked = []
+    for path in _newest_attempt(log_dir, "stacks.txt"):
+        try:
+            header = path.read_text(errors="replace").partition("\n")[0]
+        except OSError:
+            continue
+        m = re.search(r"\(pid (\d+)\)", header)
+        if m and int(m.group(1)) in family:
+            with contextlib.suppress(OSError):
+                os.kill(int(m.group(1)), signal.SIGUSR1)
+                asked.append(path)
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        asked = [p for p in asked if not p.read_text(errors="replace").partition("\n")[2].strip()]
+        time.sleep(POLL_S)
+    time.sleep(POLL_S)  # a dump seen begun is written whole within the signal handler: let it end
 
 
 def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
@@ -577,8 +613,9 @@ def _signal_failure(rank: int, c: dict, log_dir: Path, script: Path, smap: Sourc
 def read_stacks(log_dir: Path, script: Path, smap: SourceMap | None) -> tuple[RankStack, ...]:
     """Each rank's ``faulthandler`` dump of the newest attempt, its innermost notebook frame located.
 
-    Only the first dump of a file counts (the one written when the rank was stopped or crashed). Of its
-    threads, the one running the script's module-level code is the rank's main thread.
+    Only the first dump of a file counts (the one the launcher asked for before stopping the job, or the one
+    written when the rank was stopped or crashed). Of its threads, the one running the script's
+    module-level code is the rank's main thread.
     """
     stacks = []
     for path in _newest_attempt(log_dir, "stacks.txt"):

@@ -329,8 +329,9 @@ _stacks_file = None
 
 
 def _record_stacks_on_termination() -> None:
-    """Dump every thread's Python stack to ``stacks.txt`` beside the rank's error file when the rank is
-    stopped (SIGTERM, sent by torchrun or the launcher) or crashes (segfault, abort).
+    """Dump every thread's Python stack to ``stacks.txt`` beside the rank's error file when the launcher asks
+    before stopping the job (SIGUSR1), when the rank is stopped (SIGTERM, sent by torchrun or the launcher)
+    or when it crashes (segfault, abort).
 
     A rank stuck in a collective or killed on a timeout raises nothing, so this is the only record of what
     it was doing; ``faulthandler`` writes it from the signal handler even while the rank waits inside C
@@ -352,6 +353,8 @@ def _record_stacks_on_termination() -> None:
             _stacks_file.write(f"nbddp: stacks of rank {_env_int('RANK', 0)} (pid {os.getpid()})\n")
             _stacks_file.flush()
             faulthandler.register(signal.SIGTERM, file=_stacks_file, all_threads=True, chain=True)
+            if hasattr(signal, "SIGUSR1"):  # the launcher's "say where you are" (``launch.ask_for_stacks``)
+                faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True, chain=False)
         faulthandler.enable(file=_stacks_file, all_threads=True)
     except (OSError, ValueError, AttributeError):  # no such folder; not the main thread; no SIGTERM here
         pass
