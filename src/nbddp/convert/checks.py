@@ -324,9 +324,12 @@ def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False)
     # then walk every statement, not only those their text matches
     everywhere = DDPWrap in wanted and any(DDPWrap.touches(s, facts, []) for s in cell.statements)
     chunks: list[list[Statement]] = []
+    moved: set[Statement] = set()  # the statements a statement rule moves into a block
     previous = None
     for stmt in cell.statements:
         touched = any(c.touches(stmt, facts, []) for c in statement)
+        if touched:
+            moved.add(stmt)
         if expression and (everywhere or stmt in walked):
             nodes = [n for node in stmt.nodes for n in ast.walk(node)]
             if rules := tuple(c for c in expression if c.touches(stmt, facts, nodes)):
@@ -350,11 +353,10 @@ def plan_cell(cell: CellCode, facts: JobFacts, *, every_statement: bool = False)
     for stmt, rules in touching.items():
         if any(rule.keywords is None for rule in rules) or len(stmt.text) < _WORTH_STANDING_IN:
             continue  # a rule that may read anything in the statement, or little to save
-        moved = any(c.touches(stmt, facts, []) for c in statement)  # a statement rule moves it into a block
-        if not moved and (groups := _untouched_inside(stmt, facts, rules)):
+        if stmt not in moved and (groups := _untouched_inside(stmt, facts, rules)):
             inner[stmt] = groups
         skip = {id(n) for group in inner.get(stmt, ()) for node in group for n in ast.walk(node)}
-        if runs := _unread_arguments(stmt, facts, rules, walks[stmt], over_lines=not moved, skip=skip):
+        if runs := _unread_arguments(stmt, facts, rules, walks[stmt], over_lines=stmt not in moved, skip=skip):
             arguments[stmt] = runs
     return Plan(steps, chunks, walked, touching, stand_ins, arguments, inner)
 

@@ -221,7 +221,8 @@ class Rule(cst.CSTTransformer):
     @classmethod
     def reads(cls, node: cst.CSTNode) -> bool:
         """Whether the rule has a ``visit_``/``leave_`` method for nodes of this kind."""
-        return type(node).__name__ in _handled(cls)
+        kind = type(node).__name__
+        return _method(cls, "visit_" + kind) is not None or _method(cls, "leave_" + kind) is not None
 
     def statement(self, node: cst.CSTNode) -> Statement | None:
         """The notebook's top-level statement a top-level node of the chunk stands for (None for a new node)."""
@@ -244,13 +245,6 @@ def _method(cls: type, name: str):
         if name in vars(klass):
             return vars(klass)[name]
     return None
-
-
-@functools.cache
-def _handled(cls: type) -> frozenset[str]:
-    """The node kinds a rule class has its own ``visit_``/``leave_`` methods for (libcst's stubs aside)."""
-    own = (vars(k) for k in cls.__mro__ if not k.__module__.startswith(("libcst", "builtins")))
-    return frozenset(name.split("_", 1)[1] for names in own for name in names if name.startswith(("visit_", "leave_")))
 
 
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
@@ -874,8 +868,7 @@ class _Chunk:
         self.code: str | None = "".join(cell.lines[self.first - 1 : self.end - 1])
         #: a stand-in's name → the text it stands for (lines of statements, or keyword arguments)
         self.stood_in: dict[str, str] = {}
-        stands = plan is not None and any(s in plan.stand_ins or s in plan.arguments or s in plan.inner for s in statements)
-        read = self._with_stand_ins(plan) if stands else self.code
+        read = self._with_stand_ins(plan) if plan is not None else self.code
         try:
             module = cst.parse_module(read)
         except cst.ParserSyntaxError as exc:
@@ -1065,7 +1058,7 @@ def _changes(cell: CellCode, chunks: list[_Chunk], ran: list[list[Rule]]) -> lis
         for i, rule in enumerate(rules):
             if rule.changes:
                 noted = [(node, top) for node, top, _ in rule.changes]
-                lines = _note_lines(chunk.module, chunk.current(), noted, spans, chunk.restore, chunk.line_in_current)
+                lines = _note_lines(chunk, noted, spans)
                 located[k, i] = [offset + line for line in lines]
         offset += len(chunk.current().splitlines())
         at = chunk.end
@@ -1090,18 +1083,18 @@ def _join(cell: CellCode, chunks: list[_Chunk]) -> str:
 
 
 def _note_lines(
-    module: cst.Module, code: str, noted: list[tuple[cst.CSTNode, int | None]],
-    spans: tuple[list[int], list[int]] | None = None, restore=lambda text: text, line_in_code=lambda line: line,
+    chunk: _Chunk, noted: list[tuple[cst.CSTNode, int | None]], spans: tuple[list[int], list[int]] | None = None
 ) -> list[int]:
-    """The line of each noted node in ``code`` (the module's source; ``spans``: its statements' first and
-    last lines).
+    """The line of each noted node in the chunk's code as it stands (``spans``: its statements' first and
+    last lines, when known).
 
     libcst's ``PositionProvider`` would generate the whole module's source with positions; instead each
     top-level statement's first line comes from Python's own parser, and a node inside a statement is found
-    in the statement's text by its own source (the k-th node with the same source is its k-th occurrence;
-    a node noted twice is found once). Positions are the fallback when that fails. ``restore`` gives a node's
-    source without stand-ins, ``line_in_code`` a line of the module's own code as a line of ``code``.
+    in the statement's text by its own source, stand-ins restored (the k-th node with the same source is its
+    k-th occurrence; a node noted twice is found once). Positions are the fallback when that fails, a
+    stand-in above counting as the lines it stands for.
     """
+    module, code = chunk.module, chunk.current()
     starts, ends = spans or _statement_spans(module.body, code)
     texts = _statement_texts(code, starts)
     seen: dict[tuple[int, str], int] = {}
@@ -1116,9 +1109,9 @@ def _note_lines(
             line = starts[top]  # the statement itself, or a node in a statement of one line
         elif top is not None:
             if isinstance(node, cst.BaseStatement):  # its comments above are not where it starts
-                node_code = restore(code_of(node.with_changes(leading_lines=[]))).strip()
+                node_code = chunk.restore(code_of(node.with_changes(leading_lines=[]))).strip()
             else:
-                node_code = restore(code_of(node)).strip()
+                node_code = chunk.restore(code_of(node)).strip()
             nth = seen.get((top, node_code), 0)
             seen[(top, node_code)] = nth + 1
             at = -1
@@ -1129,7 +1122,8 @@ def _note_lines(
             if at >= 0:
                 line = starts[top] + texts[top].count("\n", 0, at)
         if line is None:
-            line = line_in_code(MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line)
+            positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+            line = chunk.line_in_current(positions[node].start.line)
         found[node] = line
         out.append(line)
     return out
