@@ -133,13 +133,19 @@ def seed_everything(seed: int | str | None = None) -> int | None:
 
 
 def cleanup() -> None:
-    """Wait for every rank, then leave the process group. Safe to call twice or without ``setup()``."""
+    """Wait for every rank, then leave the process group. Safe to call twice or without ``setup()``.
+
+    The wait and the moment after it are what keep a finished rank from aborting at exit (``sync``).
+    """
     import torch.distributed as dist
+
+    from . import sync
 
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
-            dist.barrier()
+            sync.wait_for_every_rank(rank_info().device)
         dist.destroy_process_group()
+        sync.settle_workers()
 
 
 def is_main_process() -> bool:
@@ -157,15 +163,17 @@ def main_process_first(local: bool = True):
     """Let rank 0 (of the node, by default) run the block first, the others after it: for caches and downloads."""
     import torch.distributed as dist
 
+    from .sync import wait_for_every_rank
+
     first = is_local_main_process() if local else is_main_process()
     grouped = dist.is_available() and dist.is_initialized()
     if grouped and not first:
-        dist.barrier()
+        wait_for_every_rank(rank_info().device)
     try:
         yield
     finally:
         if grouped and first:
-            dist.barrier()
+            wait_for_every_rank(rank_info().device)
 
 
 def device_map() -> dict:

@@ -38,7 +38,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from .dist import DEFAULT_TIMEOUT_S, rank_info
+    from .dist import DEFAULT_TIMEOUT_S, cleanup, rank_info
     from .io import atomic_write_text
 
     out_dir = Path(os.environ.get("NBDDP_RUN_DIR", "."))
@@ -69,8 +69,7 @@ def main() -> None:
         result = {"correct": correct, "value": float(check[0].item()), "expected": expected, "world_size": world,
                   "backend": info.backend, "bytes": size, "seconds": seconds, "bus_bytes_per_s": bus}
         atomic_write_text(out_dir / "allreduce.json", json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    cleanup()
 
 
 def _sync(info) -> None:
