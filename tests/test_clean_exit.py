@@ -10,8 +10,9 @@ from test_grad_ckpt import run_job
 
 pytestmark = pytest.mark.e2e
 
-#: Launches of the racing job; before the fix about one in three aborted (SIGABRT, "terminate called").
-LAUNCHES = 6
+#: Launches of the racing job: with the runtime before the fix about one in five aborted (SIGABRT, "terminate
+#: called without an active exception"), and this test failed in its 5th launch.
+LAUNCHES = 8
 
 
 def test_a_finished_job_never_aborts_at_exit(tmp_path):
