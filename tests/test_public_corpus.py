@@ -14,6 +14,7 @@ makes one pass shows up and its entry must go.
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import re
@@ -22,13 +23,12 @@ import tarfile
 import warnings
 from pathlib import Path
 
-import libcst as cst
 import pytest
 
 from nbddp.convert import convert_notebook
 from nbddp.errors import CellError, NotebookError
 
-from test_corpus import ACTION, MODEL_LOADER, TRAINING, calls, dotted, top_level
+from test_corpus import ACTION, MODEL_LOADER, TRAINING
 
 PUBLIC = Path(__file__).resolve().parent / "corpus" / "public"
 MANIFEST = json.loads((PUBLIC / "MANIFEST.json").read_text())
@@ -173,23 +173,81 @@ def with_xfail(names, known):
 
 
 # ------------------------------------------------------------------------------------------ the invariants
+# The patterns are test_corpus.py's; the script is read with ``ast`` here (libcst would take six times as long
+# as the conversion itself, over five hundred notebooks).
 
 
-def check_script(script, trains: bool) -> None:
-    with warnings.catch_warnings():  # published cells hold invalid escapes ("\\,"): not the script's fault
-        warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
-        compile(script.text, "script.py", "exec")
-    module = cst.parse_module(script.text)
-    check_model_loaders(module)
-    check_set_epoch(module)
-    code = "\n".join(ln for ln in script.text.splitlines() if not ln.lstrip().startswith("#"))
-    assert not re.search(r"""["']cuda:0["']""", code)
-    assert "get_ipython(" not in code, "the script runs without IPython"
-    assert "notebook_launcher(" not in code, "a launcher inside the ranks starts nested jobs"
-    check_models_wrapped(code)
+class Script:
+    """A converted script as the checks read it: its text, its ast, its top-level statements' code."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.lines = text.splitlines()
+        with warnings.catch_warnings():  # published cells hold invalid escapes ("\\,"): not the script's fault
+            warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+            compile(text, "script.py", "exec")
+            self.tree = ast.parse(text)
+        self.code = "\n".join(ln for ln in self.lines if not ln.lstrip().startswith("#"))
+
+    def segment(self, node: ast.AST) -> str:
+        return ast.get_source_segment(self.text, node) or ""
+
+    def top_level(self) -> list[tuple[ast.stmt, str]]:
+        """The top-level statements with their code, outside nbddp's setup and cleanup."""
+        out = []
+        for stmt in self.tree.body:
+            code = "\n".join(self.lines[stmt.lineno - 1 : stmt.end_lineno]).strip()
+            if "_nbddp.setup()" not in code and "_nbddp.cleanup()" not in code:
+                out.append((stmt, code))
+        return out
+
+    def calls(self) -> list[ast.Call]:
+        """Every call, except those inside ``if False:`` (the installs nbddp pulled out)."""
+        found = []
+
+        class Visitor(ast.NodeVisitor):
+            def visit_If(self, node):
+                if not (isinstance(node.test, ast.Constant) and node.test.value is False):
+                    self.generic_visit(node)
+
+            def visit_Call(self, node):
+                found.append(node)
+                self.generic_visit(node)
+
+        Visitor().visit(self.tree)
+        return found
+
+
+def dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr}" if base else node.attr
+    return ""
+
+
+def check_script(text: str, trains: bool) -> None:
+    script = Script(text)
+    check_model_loaders(script)
+    check_set_epoch(script)
+    assert not re.search(r"""["']cuda:0["']""", script.code)
+    assert "get_ipython(" not in script.code, "the script runs without IPython"
+    assert "notebook_launcher(" not in script.code, "a launcher inside the ranks starts nested jobs"
+    check_models_wrapped(script.code)
     if trains:  # an inference notebook has no training to find, nor a tail after it
-        assert not [w for w in script.warnings if "no training call found" in w], script.warnings
-        check_rank_zero_tail(script.text)
+        check_rank_zero_tail(script)
+
+
+def check_model_loaders(script: Script) -> None:
+    """Every model loader loads on this rank's device; tokenizers and configs are left alone."""
+    for call in script.calls():
+        name = dotted(call.func)
+        if name.endswith(".from_pretrained") and MODEL_LOADER.search(name.rsplit(".", 1)[0]):
+            maps = [script.segment(k.value) for k in call.keywords if k.arg == "device_map"]
+            assert maps == ["_nbddp.device_map()"], script.segment(call)
+        elif re.search(r"(Tokenizer|Processor|Config)\w*\.from_pretrained$", name):
+            assert "_nbddp" not in script.segment(call), script.segment(call)
 
 
 #: An optimizer over one model's parameters, in a plain loop: ``torch.optim.AdamW(model.parameters(), …)``.
@@ -204,40 +262,26 @@ def check_models_wrapped(code: str) -> None:
         assert wrapped, f"{name} trains without DDP"
 
 
-class _Assigns(cst.CSTVisitor):
-    def __init__(self, found):
-        self.found = found
-
-    def visit_Assign(self, node):
-        if isinstance(node.value, cst.Call) and dotted(node.value.func).split(".")[-1] == "DataLoader":
-            sharded = "_nbddp.distributed_sampler(" in cst.Module([]).code_for_node(node.value)
-            for target in node.targets:
-                if isinstance(target.target, cst.Name):
-                    name = target.target.value
-                    self.found[name] = self.found.get(name, False) or sharded
-
-
-def check_set_epoch(module: cst.Module) -> None:
+def check_set_epoch(script: Script) -> None:
     """``set_epoch`` is added only for loaders that have a DistributedSampler (``--explain`` says so)."""
-    loaders = {}
-    module.visit(_Assigns(loaders))
-    for call in calls(module):
-        if dotted(call.func) == "_nbddp.set_epoch" and isinstance(call.args[0].value, cst.Name):
-            name = call.args[0].value.value
-            assert loaders.get(name, True), f"set_epoch({name}) for a loader without a DistributedSampler"
+    sharded: dict[str, bool] = {}
+    for node in ast.walk(script.tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                and dotted(node.value.func).split(".")[-1] == "DataLoader":
+            has = "_nbddp.distributed_sampler(" in script.segment(node.value)
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    sharded[target.id] = sharded.get(target.id, False) or has
+    for call in script.calls():
+        if dotted(call.func) == "_nbddp.set_epoch" and call.args and isinstance(call.args[0], ast.Name):
+            name = call.args[0].id
+            assert sharded.get(name, True), f"set_epoch({name}) for a loader without a DistributedSampler"
 
 
-def check_model_loaders(module: cst.Module) -> None:
-    for call in calls(module):
-        if dotted(call.func).endswith(".from_pretrained") and MODEL_LOADER.search(dotted(call.func.value)):
-            maps = [module.code_for_node(a.value) for a in call.args if a.keyword and a.keyword.value == "device_map"]
-            assert maps == ["_nbddp.device_map()"], module.code_for_node(call)
-
-
-def check_rank_zero_tail(text: str) -> None:
+def check_rank_zero_tail(script: Script) -> None:
     """After the last training statement, saving/printing/generating runs on rank 0 only."""
-    stmts = top_level(text)
-    defs = {s.name.value: code for s, code in stmts if isinstance(s, cst.FunctionDef)}
+    stmts = script.top_level()
+    defs = {s.name: code for s, code in stmts if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
     trainers = {name for name, code in defs.items() if TRAINING.search(code)}
     while True:  # a function that calls a training function trains too
         calling = re.compile(r"\b(%s)\(" % "|".join(map(re.escape, trainers))) if trainers else None
@@ -245,16 +289,17 @@ def check_rank_zero_tail(text: str) -> None:
         if not more:
             break
         trainers |= more
+    definition = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
     def trains(stmt, code):
-        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+        if isinstance(stmt, definition):
             return False
         return bool(TRAINING.search(code) or MORE_TRAINING.search(code) or (calling and calling.search(code)))
 
     last = max((i for i, (s, code) in enumerate(stmts) if trains(s, code)), default=None)
     assert last is not None, "a training statement"
     for stmt, code in stmts[last + 1 :]:
-        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) or COLLECTIVE.search(code):
+        if isinstance(stmt, definition) or COLLECTIVE.search(code):
             continue  # defining is not doing; collectives stay on every rank on purpose
         if ACTION.search(code):
             assert code.startswith("if _nbddp.is_main_process():"), code
@@ -275,7 +320,10 @@ def check(path: Path, key: str) -> None:
     if isinstance(result, Exception):
         assert isinstance(result, CellError) and NEEDS_PYTHON.search(str(result)), f"refused: {result}"
         return
-    check_script(result, trains=bool(TRAINING.search(source) or MORE_TRAINING.search(source)))
+    trains = bool(TRAINING.search(source) or MORE_TRAINING.search(source))
+    if trains:
+        assert not [w for w in result.warnings if "no training call found" in w], result.warnings
+    check_script(result.text, trains)
 
 
 # ------------------------------------------------------------------------------------------------ tests
