@@ -27,14 +27,17 @@ from .lines import align
 DROPPED_LINE_MAGICS = frozenset(
     "matplotlib load_ext reload_ext unload_ext autoreload aimport config pylab who whos who_ls pinfo pinfo2 "
     "psearch pdoc pdef psource pfile history recall rerun logstart logstop xmode colors precision "
-    "reset reset_selective store alias unalias rehashx doctest_mode notebook qtconsole".split()
+    "reset reset_selective store alias unalias rehashx doctest_mode notebook qtconsole tensorboard autosave "
+    "lsmagic magic quickref page pprint pdb wandb clear connect_info".split()
 )
 #: Line magics that wrap a statement: ``%time x = f()`` runs ``x = f()``.
 STATEMENT_LINE_MAGICS = frozenset({"time", "timeit", "prun", "capture"})
 #: Cell magics that wrap a body of Python: the body is kept, the wrapper dropped.
 WRAPPER_CELL_MAGICS = frozenset({"capture", "time", "timeit", "prun"})
 #: Cell magics whose body is shell.
-SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system"})
+SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system", "shell"})
+#: Colab's form annotations (``#@title …``, ``#@markdown …``): a cell magic after them is the cell's magic.
+_FORM_LINE = re.compile(r"^\s*#\s*@(?:title|markdown|param)\b")
 #: Cell magics that only display something in the notebook.
 DISPLAY_CELL_MAGICS = frozenset({"html", "HTML", "markdown", "javascript", "js", "latex", "svg"})
 
@@ -96,7 +99,7 @@ class CleanCell:
 def clean_cell(cell: Cell) -> CleanCell:
     """Turn one notebook cell into plain Python; raise ``CellError`` for a cell that does not parse."""
     lines = cell.source.splitlines()
-    first = next((i for i, ln in enumerate(lines) if ln.strip()), None)
+    first = next((i for i, ln in enumerate(lines) if ln.strip() and not _FORM_LINE.match(ln)), None)
     notes: list[Note] = []
     if first is not None and lines[first].lstrip().startswith("%%"):
         head = lines[first].strip()[2:]
@@ -105,7 +108,7 @@ def clean_cell(cell: Cell) -> CleanCell:
         if name in WRAPPER_CELL_MAGICS:
             notes.append(Note(first + 1, f"%%{name} dropped; the cell's code is kept"))
         elif name in SHELL_CELL_MAGICS:
-            return _shell_cell(cell, body, offset, name)
+            return _shell_cell(cell, body, offset, name, head)
         elif name == "writefile":
             return _writefile_cell(cell, head, body, offset)
         else:
@@ -253,7 +256,7 @@ class Magics:
 
     @staticmethod
     def _pulls_out(command: str, dead: bool) -> bool:
-        return is_install(command) and not interpolates(command) and not dead
+        return is_install(command) and not interpolates(command) and not dead and not installs_local_files(command)
 
     def statement(self, method: str, first: str | None, second: str | None, text: str, dead: bool):
         """``get_ipython().method(first, second)``, a statement of its own whose code is ``text``.
@@ -292,9 +295,10 @@ class Magics:
             if not key or not value.strip():
                 self.notes.append((line, "%env without a value dropped"))
                 return "dropped", f"%env {arg} dropped"
-            return "statement", f"os.environ[{key!r}] = {value.strip()!r}"
+            value = f"_nbddp.expand({value.strip()!r})" if interpolates(value) else repr(value.strip())
+            return "statement", f"os.environ[{key!r}] = {value}"
         if name == "cd":
-            return "statement", f"os.chdir(os.path.expanduser({arg.strip()!r}))"
+            return "statement", f"_nbddp.cd({arg.strip()!r})"
         if name in DROPPED_LINE_MAGICS or name is None:
             self.notes.append((line, f"%{name} dropped (notebook-only)"))
             return "dropped", f"%{name} {arg}".rstrip() + " dropped (notebook-only)"
@@ -366,13 +370,65 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
     try:
         transformed = _transformer().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
+        newer = _newer_python(body)
+        if newer:
+            raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
     t_map = align(body, transformed.splitlines())
     try:
         return transformed, t_map, ast.parse(transformed)
     except SyntaxError as exc:
+        newer = _newer_python(body)
+        if newer:
+            raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         src_line = _body_line(t_map, exc.lineno or 1, offset)
         raise CellError(f"not valid Python: {exc.msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
+
+
+#: Syntax that a newer Python reads: PEP 695's ``type X = …`` and ``def f[T](…)``/``class C[T]:`` (3.12).
+_NEWER_SYNTAX = (
+    (re.compile(r"^\s*type\s+[A-Za-z_]\w*\s*(?:\[[^\]]*\])?\s*="), (3, 12), "a type alias statement"),
+    (re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+[A-Za-z_]\w*\s*\["), (3, 12), "type parameters"),
+)
+
+
+def _newer_python(body: list[str]) -> tuple[int, str] | None:
+    """``(line, message)`` for the first body line holding syntax only a newer Python reads, if this one
+    is older: an f-string with its own quote inside a replacement field (PEP 701, 3.12), PEP 695 syntax."""
+    import sys
+
+    for number, text in enumerate(body, start=1):
+        found = [(v, what) for pattern, v, what in _NEWER_SYNTAX if pattern.match(text)]
+        if _nested_same_quote(text):
+            found.append(((3, 12), "an f-string with its own quotes inside"))
+        for version, what in found:
+            if sys.version_info < version:
+                needed, here = ".".join(map(str, version)), ".".join(map(str, sys.version_info[:2]))
+                return number, f"needs Python {needed} or newer ({what}); this is Python {here}"
+    return None
+
+
+_FSTRING_START = re.compile(r"(?<![\w'\"])[rRbB]?[fF][rR]?('\'\'|\"\"\"|'|\")|(?<![\w'\"])[fF][rRbB]('\'\'|\"\"\"|'|\")")
+
+
+def _nested_same_quote(text: str) -> bool:
+    """Whether an f-string on this line holds its own quote inside a replacement field (``f"{d["k"]}"``)."""
+    for m in _FSTRING_START.finditer(text):
+        quote = m.group(1) or m.group(2)
+        depth, i = 0, m.end()
+        while i < len(text):
+            if text.startswith("{{", i) and depth == 0:
+                i += 2
+                continue
+            ch = text[i]
+            if text.startswith(quote, i):
+                if depth > 0:
+                    return True
+                break
+            depth += ch == "{"
+            depth -= ch == "}" and depth > 0
+            i += 1
+    return False
 
 
 #: A line IPython's token transformers may rewrite: an escape first (``!cmd``, ``%magic``, ``?obj``),
@@ -461,19 +517,22 @@ def _line_at(lines: list[str], line: int) -> str:
     return lines[line - 1] if 0 < line <= len(lines) else ""
 
 
-def _shell_cell(cell: Cell, body: list[str], offset: int, name: str) -> CleanCell:
-    """A ``%%bash`` cell: install lines go to the plan, the rest runs through ``_nbddp.shell``."""
-    installs, code, line_map, notes = [], [], [], []
-    for i, text in enumerate(body, start=offset + 1):
-        if not text.strip() or text.lstrip().startswith("#"):
-            continue
-        if is_install(text):
-            installs.append(Install(cell.index, i, text.strip()))
-        else:
-            code.append(f"_nbddp.shell({text.strip()!r})")
-            line_map.append(i)
-    notes.append(Note(offset, f"%%{name} cell: installs run before launch, other lines once per node"))
-    return CleanCell(cell, "\n".join(code) + ("\n" if code else ""), tuple(line_map), tuple(installs), tuple(notes))
+def _shell_cell(cell: Cell, body: list[str], offset: int, name: str, head: str) -> CleanCell:
+    """A ``%%bash``/``%%sh``/``%%script PROGRAM`` cell: one script, run once per node by ``_nbddp.shell_cell``
+    (shell variables, ``cd`` and ``\\`` continuations hold across its lines, as in the kernel). A cell of
+    nothing but installs joins the install plan instead."""
+    lines = [(i, text.strip()) for i, text in enumerate(body, start=offset + 1)
+             if text.strip() and not text.lstrip().startswith("#")]
+    if lines and all(is_install(text) and not interpolates(text) and not installs_local_files(text)
+                     and not text.endswith("\\") for _, text in lines):
+        installs = tuple(Install(cell.index, i, text) for i, text in lines)
+        return CleanCell(cell, "", (), installs, (Note(offset, f"%%{name} cell of installs: they run before launch"),))
+    program = head[len("script"):].strip() if name == "script" else ("bash" if name in ("shell", "system") else name)
+    if not program:
+        raise CellError("%%script needs a program to run the cell with (%%script bash)", cell=cell.index, line=offset)
+    code = f"_nbddp.shell_cell({program!r}, {chr(10).join(body) + chr(10)!r})\n"
+    note = Note(offset, f"%%{name} cell runs as one script, once per node")
+    return CleanCell(cell, code, (offset,), (), (note,))
 
 
 def _writefile_cell(cell: Cell, head: str, body: list[str], offset: int) -> CleanCell:
@@ -486,6 +545,17 @@ def _writefile_cell(cell: Cell, head: str, body: list[str], offset: int) -> Clea
     text = "\n".join(body) + "\n"
     code = f"_nbddp.write_file({paths[0]!r}, {text!r}, append={append})\n"
     return CleanCell(cell, code, (offset,), (), (Note(offset, f"%%writefile {paths[0]} written once per node"),))
+
+
+#: An install that reads files: ``-e``/``-r``/``-c``, or a path (``.``, ``./repo[extra]``, ``/x.whl``, ``~/pkg``,
+#: ``file:``). Such files are often made by an earlier cell (a clone, ``%%writefile``, ``%cd``): the install
+#: keeps its place in the notebook's order rather than running before launch.
+_LOCAL_INSTALL = re.compile(r"(?:^|\s)(?:-e|--editable|-r|--requirement)\b|(?:^|\s)['\"]?(?:\.{1,2}(?:/|\[|['\"]?(?:\s|$))|/|~|file:)")
+
+
+def installs_local_files(command: str) -> bool:
+    """Whether an install reads local files (an editable or path install, a requirements file)."""
+    return bool(_LOCAL_INSTALL.search(command.split(" install", 1)[-1]))
 
 
 def interpolates(command: str) -> bool:

@@ -1,0 +1,127 @@
+"""A notebook's shell lines in a rank: ``!cmd``, ``x = !cmd``, ``%cd``, ``%%bash`` and ``%%writefile``.
+
+Each runs on the first process of each machine while the others wait (a clone or a download happens once
+per machine), and means what it meant in the kernel: ``{expr}`` and ``$name`` are expanded against the
+caller's names as IPython's ``var_expand`` does (``expand`` mirrors its ``DollarFormatter``, since ranks
+never import IPython); a ``!cmd`` that fails sets ``_exit_code`` and the script goes on; a ``%%bash`` cell
+runs as one script and a failure raises ``CalledProcessError``, as IPython's ``%%script`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import string
+import subprocess
+import sys
+
+from .dist import is_local_main_process, main_process_first
+
+#: IPython's ``DollarFormatter``: ``$name`` or ``$name.attr`` outside single quotes; ``$$name`` is ``$name``.
+_DOLLAR = re.compile(r"(.*?)\$(\$?[\w\.]+)(?=([^']*'[^']*')*[^']*$)")
+
+
+class _DollarFormatter(string.Formatter):
+    """``{expr}`` evaluated in a namespace (slices allowed, no format specs), ``$name`` likewise: the
+    rules of IPython's ``FullEvalFormatter``/``DollarFormatter`` (``IPython.utils.text``)."""
+
+    def parse(self, format_string):
+        for literal, field, spec, conversion in super().parse(format_string):
+            done, text = 0, ""
+            for m in _DOLLAR.finditer(literal):
+                before, name = m.group(1, 2)
+                if name.startswith("$"):
+                    text += before + name
+                else:
+                    yield text + before, name, "", None
+                    text = ""
+                done = m.end()
+            yield text + literal[done:], field, spec, conversion
+
+    def vformat(self, format_string, args, kwargs):
+        out = []
+        for literal, field, spec, conversion in self.parse(format_string):
+            out.append(literal)
+            if field is not None:
+                expr = f"{field}:{spec}" if spec else field
+                out.append(self.format_field(self.convert_field(eval(expr, dict(kwargs)), conversion), ""))
+        return "".join(out)
+
+
+_FORMATTER = _DollarFormatter()
+
+
+def expand(command: str, depth: int = 1) -> str:
+    """``command`` with ``{expr}``/``$name`` replaced from the names of the frame ``depth`` above this one
+    (its globals, then its locals); left as written when anything in it fails, as IPython leaves it."""
+    frame = sys._getframe(depth)
+    namespace = dict(frame.f_globals)
+    namespace.update(frame.f_locals)
+    try:
+        return _FORMATTER.vformat(command, [], namespace)
+    except Exception:
+        return command
+
+
+def shell(command: str) -> int:
+    """A notebook ``!command``: expanded, run once per machine while the other processes wait.
+
+    Its exit code goes to the caller's ``_exit_code``, as in the kernel; a failure does not stop the script.
+    """
+    command = expand(command, 2)
+    code = 0
+    with main_process_first():
+        if is_local_main_process():
+            sys.stdout.flush()
+            code = subprocess.run(command, shell=True, executable=os.environ.get("SHELL")).returncode
+    sys._getframe(1).f_globals["_exit_code"] = code
+    return code
+
+
+def getoutput(command: str) -> list[str]:
+    """A notebook ``x = !command``: expanded, run in every process, its output lines (stderr included)."""
+    command = expand(command, 2)
+    proc = subprocess.run(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sys._getframe(1).f_globals["_exit_code"] = proc.returncode
+    return proc.stdout.splitlines()
+
+
+def cd(argument: str) -> None:
+    """A notebook ``%cd``: expanded, changes every process's directory and prints it (not with ``-q``)."""
+    words = expand(argument, 2).strip()
+    quiet = words == "-q" or words.startswith("-q ")
+    path = words[3:].strip() if quiet else words
+    if len(path) > 1 and path[0] == path[-1] and path[0] in "'\"":
+        path = path[1:-1]
+    try:
+        os.chdir(os.path.expanduser(path or "~"))
+    except OSError as exc:
+        print(exc)
+        return
+    if not quiet:
+        print(os.getcwd())
+
+
+def shell_cell(arguments: str, body: str) -> int:
+    """A ``%%bash``/``%%sh``/``%%script PROGRAM`` cell: ``body`` run as one script by ``PROGRAM``, once
+    per machine; a non-zero exit raises ``CalledProcessError`` unless ``--no-raise-error``, as in IPython."""
+    argv = shlex.split(expand(arguments, 2))
+    raise_error = "--no-raise-error" not in argv
+    argv = [a for a in argv if a != "--no-raise-error"]
+    code = 0
+    with main_process_first():
+        if is_local_main_process():
+            sys.stdout.flush()
+            code = subprocess.run(argv, input=body.encode()).returncode
+    if code and raise_error:
+        raise subprocess.CalledProcessError(code, body)
+    return code
+
+
+def write_file(path: str, text: str, append: bool = False) -> None:
+    """A ``%%writefile`` cell: written once per machine, read by all after."""
+    with main_process_first():
+        if is_local_main_process():
+            with open(path, "a" if append else "w", encoding="utf-8") as fh:
+                fh.write(text)
