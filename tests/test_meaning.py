@@ -173,6 +173,22 @@ def test_an_install_of_local_files_keeps_its_place():
     assert not c.installs and c.code.splitlines()[1] == "_nbddp.shell('pip install -r requirements.txt')"
 
 
+def test_an_install_that_would_replace_torch_is_named_and_skipped(monkeypatch):
+    from importlib.metadata import version
+
+    from nbddp.launch import run_installs, stack_replacement
+
+    monkeypatch.delenv("NBDDP_REPLACE_TORCH", raising=False)
+    said = []
+    run_installs([["pip", "install", "torch==2.0.0"]], sink=lambda stream, text: said.append(text))
+    assert said == [f"nbddp: not installing `pip install torch==2.0.0`: torch==2.0.0 would replace the running "
+                    f"torch {version('torch')} (NBDDP_REPLACE_TORCH=1 installs it)\n"]
+    other_index = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cu118".split()
+    assert "--index-url" in stack_replacement(other_index)
+    assert stack_replacement("pip install -q torch trl peft".split()) is None
+    assert stack_replacement(["pip", "install", f"torch=={version('torch')}"]) is None
+
+
 # 5. The notebook's folder
 
 
@@ -184,6 +200,41 @@ def test_script_imports_modules_from_its_working_directory(tmp_path):
     proc = subprocess.run([sys.executable, str(run / "script.py")], cwd=tmp_path, capture_output=True, text=True,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
     assert proc.returncode == 0 and "hi from helper" in proc.stdout, proc.stderr
+
+
+# 6. What waits for a person
+
+
+def _run_as_rank(tmp_path, sources, **env):
+    """The converted cells run as one rank that torchrun would have started (its environment), one process."""
+    import os
+
+    convert_cells([Cell(i, src) for i, src in enumerate(sources, 1)]).write(tmp_path / "script.py")
+    rank_env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    rank_env.update(PYTHONPATH=str(ROOT / "src"), LOCAL_RANK="0", RANK="0", WORLD_SIZE="1",
+                    HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", **env)
+    return subprocess.run([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path, capture_output=True,
+                          text=True, env=rank_env, stdin=subprocess.DEVNULL, timeout=300)
+
+
+def test_input_in_a_rank_says_what_to_do(tmp_path):
+    proc = _run_as_rank(tmp_path, ["x = 1", "name = input('Your name: ')\nprint(name)"])
+    assert proc.returncode != 0 and "input() waits for a person" in proc.stderr, proc.stderr
+    note = clean("name = input('Your name: ')\n").notes[0]
+    assert note.line == 1 and "input() waits for a person" in note.message
+
+
+def test_hub_login_without_a_token_says_what_to_do(tmp_path):
+    cells = ["from huggingface_hub import notebook_login\nnotebook_login()\nprint('logged in')"]
+    proc = _run_as_rank(tmp_path, cells)
+    assert proc.returncode != 0 and "log in before launch" in proc.stderr and "HF_TOKEN" in proc.stderr
+    assert "logged in" not in proc.stdout
+    proc = _run_as_rank(tmp_path, cells, HF_TOKEN="hf_" + "x" * 34)
+    assert proc.returncode == 0 and "logged in" in proc.stdout, proc.stderr
+    login = ["import huggingface_hub\nhuggingface_hub.login()\nprint('logged in')"]
+    proc = _run_as_rank(tmp_path, login)
+    assert proc.returncode != 0 and "log in before launch" in proc.stderr
+    assert "without a token" in clean(login[0]).notes[0].message
 
 
 # 8. Notebook-only magics; --skip-bad-cells

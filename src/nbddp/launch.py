@@ -281,14 +281,71 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def run_installs(commands: Iterable[list[str]], sink: Sink | None = None) -> None:
-    """Run each install once, in this process's Python environment (``pip`` → ``python -m pip``)."""
+def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replace_stack: bool | None = None) -> None:
+    """Run each install once, in this process's Python environment (``pip`` → ``python -m pip``).
+
+    An install that would replace the running torch or CUDA stack (``stack_replacement``) is named and
+    skipped: the ranks would start on a half-replaced torch. ``replace_stack`` (default: ``NBDDP_REPLACE_TORCH=1``)
+    runs it anyway.
+    """
+    if replace_stack is None:
+        replace_stack = os.environ.get("NBDDP_REPLACE_TORCH", "") not in ("", "0")
+    say = sink or _stdout_sink
     for argv in commands:
+        reason = None if replace_stack else stack_replacement(argv)
+        if reason:
+            say("stdout", f"nbddp: not installing `{' '.join(argv)}`: {reason} (NBDDP_REPLACE_TORCH=1 installs it)\n")
+            continue
         argv = selflaunch.install_argv(argv)
-        (sink or _stdout_sink)("stdout", f"nbddp: installing: {' '.join(argv)}\n")
+        say("stdout", f"nbddp: installing: {' '.join(argv)}\n")
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode:
             raise LaunchError(f"install failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stdout[-2000:]}")
+
+
+#: The packages of the running torch and CUDA stack, and pip's options that take a value.
+_STACK = ("torch", "torchvision", "torchaudio", "triton", "pytorch", "pytorch-cuda", "cudatoolkit")
+_VALUED = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint", "-r",
+           "--requirement", "-t", "--target", "--prefix", "--root", "--platform", "--python-version", "-e",
+           "--editable", "--src", "--upgrade-strategy", "--trusted-host", "--cache-dir", "--log", "--timeout",
+           "--retries", "--progress-bar", "--only-binary", "--no-binary", "-C", "--config-settings", "--python"}
+
+
+def stack_replacement(argv: list[str]) -> str | None:
+    """Why an install would replace the running torch/CUDA stack, or None.
+
+    It would when it names a stack package (``torch``, ``torchvision``, ``nvidia-*``, …) with a version the
+    installed one does not meet, or asks for one from another package index or with ``--upgrade``/
+    ``--force-reinstall`` while one is installed.
+    """
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    args = argv[argv.index("install") + 1 :] if "install" in argv else []
+    index = next((a for a in args if a.split("=")[0] in ("-i", "--index-url", "--extra-index-url")), None)
+    forced = next((a for a in args if a in ("-U", "--upgrade", "--force-reinstall")), None)
+    skip = False
+    for arg in args:
+        if skip or arg.startswith("-"):
+            skip = not skip and arg in _VALUED
+            continue
+        try:
+            req = Requirement(arg)
+        except InvalidRequirement:
+            continue
+        name = req.name.lower().replace("_", "-")
+        if name not in _STACK and not name.startswith("nvidia-"):
+            continue
+        try:
+            installed = metadata.version("torch" if name == "pytorch" else name)
+        except metadata.PackageNotFoundError:
+            continue
+        if req.specifier and not req.specifier.contains(installed, prereleases=True):
+            return f"{arg} would replace the running {name} {installed}"
+        if index or forced:
+            return f"{arg} with {index or forced} would replace the running {name} {installed}"
+    return None
 
 
 def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None) -> RunResult:

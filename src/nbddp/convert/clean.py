@@ -123,6 +123,8 @@ def clean_cell(cell: Cell) -> CleanCell:
     if t_map is None:
         t_map = list(range(len(body)))
     line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
+    if "login(" in transformed or "input(" in transformed:
+        notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in _interactive_calls(tree)]
     if "get_ipython" not in transformed:  # plain Python: nothing for the libcst pass to do
         return CleanCell(cell, transformed, line_map, (), tuple(notes), tree)
 
@@ -217,6 +219,26 @@ def _as_text(group: list[ast.stmt], line: str, indent: str, magics: Magics, dead
     if kind == "dropped":
         return f"{PLACEHOLDER}  # nbddp: {value}\n"
     return value + "\n"  # "statement"
+
+
+#: Calls that wait for a person in a notebook (``runtime/interactive.py`` stops them in a rank).
+_LOGINS = frozenset({"notebook_login", "login", "interpreter_login"})
+
+
+def _interactive_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, note)`` for each ``input()`` and each Hugging Face login without a token in the cell."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        if name == "input" and isinstance(node.func, ast.Name):
+            found.append((node.lineno, "input() waits for a person: in a rank it stops the job here; set the value "
+                                       "in the cell or read it from os.environ"))
+        elif name in _LOGINS and not node.args and not any(k.arg == "token" for k in node.keywords):
+            found.append((node.lineno, f"{name}() without a token: every rank uses HF_TOKEN or the login saved "
+                                       "before launch, and stops here without one"))
+    return sorted(found)
 
 
 class MagicError(Exception):

@@ -249,9 +249,11 @@ def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], 
         "if '' not in sys.path:  # modules next to the notebook import, as in its kernel",
         "    sys.path.insert(0, '')",
         "import nbddp.runtime as _nbddp",
+        "import nbddp.runtime.interactive",
         "from nbddp.runtime import display  # display() prints on rank 0 outside a notebook",
         "",
         "_nbddp.setup()  # this rank's device, the process group, error reports",
+        "_nbddp.interactive.guard()  # input() and Hugging Face logins cannot wait for a person in a rank",
         "",
     ]
     return out
