@@ -28,7 +28,7 @@ def test_colab_form_lines_before_a_cell_magic_make_it_the_cells_magic():
     c = clean('#@title Colab Extra Install { display-mode: "form" }\n%%capture\n!pip install unsloth\nimport os\n')
     assert [i.command for i in c.installs] == ["pip install unsloth"]
     assert c.code.splitlines()[-1] == "import os" and c.line_map[-1] == 4
-    assert "%%capture dropped" in c.notes[0].message
+    assert "%%capture: the cell's printed output is kept" in c.notes[0].message and c.capture == (2, "")
 
 
 def test_colab_markdown_and_param_lines_are_form_lines_too():

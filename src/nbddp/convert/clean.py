@@ -94,6 +94,8 @@ class CleanCell:
     installs: tuple[Install, ...] = ()
     notes: tuple[Note, ...] = ()
     tree: ast.Module | None = field(default=None, compare=False, repr=False)
+    #: ``(line, arguments)`` of a ``%%capture`` line: the script keeps the cell's output from the console
+    capture: tuple[int, str] | None = None
 
 
 def clean_cell(cell: Cell) -> CleanCell:
@@ -101,11 +103,15 @@ def clean_cell(cell: Cell) -> CleanCell:
     lines = cell.source.splitlines()
     first = next((i for i, ln in enumerate(lines) if ln.strip() and not _FORM_LINE.match(ln)), None)
     notes: list[Note] = []
+    capture = None
     if first is not None and lines[first].lstrip().startswith("%%"):
         head = lines[first].strip()[2:]
         name = head.split()[0] if head.split() else ""
         body, offset = lines[first + 1 :], first + 1
-        if name in WRAPPER_CELL_MAGICS:
+        if name == "capture":
+            capture = (first + 1, head[len("capture") :].strip())
+            notes.append(Note(first + 1, "%%capture: the cell's printed output is kept from the console, as in the kernel"))
+        elif name in WRAPPER_CELL_MAGICS:
             notes.append(Note(first + 1, f"%%{name} dropped; the cell's code is kept"))
         elif name in SHELL_CELL_MAGICS:
             return _shell_cell(cell, body, offset, name, head)
@@ -126,7 +132,7 @@ def clean_cell(cell: Cell) -> CleanCell:
     if "login(" in transformed or "input(" in transformed:
         notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in _interactive_calls(tree)]
     if "get_ipython" not in transformed:  # plain Python: nothing for the libcst pass to do
-        return CleanCell(cell, transformed, line_map, (), tuple(notes), tree)
+        return CleanCell(cell, transformed, line_map, (), tuple(notes), tree, capture)
 
     magics = Magics(transformed.splitlines())
     try:
@@ -140,7 +146,7 @@ def clean_cell(cell: Cell) -> CleanCell:
     # Every replacement is one line for one line, so new line k is transformed line k.
     installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in magics.installs)
     notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in magics.notes]
-    return CleanCell(cell, new_code, line_map, installs, tuple(notes), new_tree)
+    return CleanCell(cell, new_code, line_map, installs, tuple(notes), new_tree, capture)
 
 
 def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> tuple[str, ast.Module]:

@@ -179,10 +179,17 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
             back = list(range(len(code_lines)))
         body_lines.append(f"# [cell {cell.index}]")
         body_map.append(None)
+        if clean.capture:  # %%capture: the cell's output kept from the console, between these two calls
+            body_lines.append(f"_nbddp.capture.begin({clean.capture[1]!r})")
+            body_map.append((cell.index, clean.capture[0]))
         for text, j in zip(code_lines, back):
             body_lines.append(text)
             src = to_cell(j)
             body_map.append((cell.index, src) if src is not None else None)
+        if clean.capture:
+            name = next((a for a in clean.capture[1].split() if not a.startswith("-")), None)
+            body_lines.append(f"{name} = _nbddp.capture.end()" if name else "_nbddp.capture.end()")
+            body_map.append((cell.index, clean.capture[0]))
         body_lines.append("")
         body_map.append(None)
 
@@ -249,6 +256,7 @@ def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], 
         "if '' not in sys.path:  # modules next to the notebook import, as in its kernel",
         "    sys.path.insert(0, '')",
         "import nbddp.runtime as _nbddp",
+        "import nbddp.runtime.capture",
         "import nbddp.runtime.interactive",
         "from nbddp.runtime import display  # display() prints on rank 0 outside a notebook",
         "",
