@@ -275,3 +275,12 @@ def test_an_ordinary_syntax_error_does_not_blame_the_python_version():
     with pytest.raises(CellError) as err:
         clean('print(f"{x}")\nx y\n')
     assert "needs Python" not in str(err.value) and err.value.line == 2
+
+
+def test_a_captured_cell_keeps_its_shell_output_from_the_console(tmp_path):
+    cells = ["print('before')", "%%capture out\n!echo from-shell\nprint('from-python')", "print('after', out.stdout.split())"]
+    convert_cells([Cell(i, src) for i, src in enumerate(cells, 1)]).write(tmp_path / "script.py")
+    proc = subprocess.run([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == ["before", "after ['from-shell', 'from-python']"]

@@ -4,10 +4,12 @@ A cell that Python's parser reads is Python as it stands, and most cells are: th
 For the others, IPython's own ``TransformerManager`` turns ``!cmd``, ``%magic`` and ``x = !cmd`` into
 ``get_ipython().…`` calls; a libcst pass (``ipycalls.py``, over the statements holding those calls) then
 replaces each call with what it means in a script run by every rank: installs leave the script (they run
-once, before torchrun starts), ``%time stmt`` becomes ``stmt``, ``%env``/``%cd`` become
-``os.environ``/``os.chdir``, other shell commands run through ``_nbddp.shell`` on one process per node while
-the others wait, display-only magics are dropped. Cell magics (``%%capture``, ``%%time``, ``%%bash``, …) are
-handled before, from the cell's first line. IPython and libcst are imported only for cells that need them.
+once, before torchrun starts, unless they install local files an earlier cell may make), ``%time stmt``
+becomes ``stmt``, ``%env`` becomes ``os.environ``, ``%cd`` ``_nbddp.cd``, other shell commands run through
+``_nbddp.shell`` on one process per node while the others wait (``{expr}``/``$name`` expanded there, as
+IPython's ``var_expand`` does), notebook-only magics are dropped. Cell magics (``%%capture``, ``%%time``,
+``%%bash``, …) are handled before, from the cell's first line (after Colab's form lines). IPython and libcst
+are imported only for cells that need them.
 """
 
 from __future__ import annotations

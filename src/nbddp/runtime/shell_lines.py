@@ -73,8 +73,7 @@ def shell(command: str) -> int:
     code = 0
     with main_process_first():
         if is_local_main_process():
-            sys.stdout.flush()
-            code = subprocess.run(command, shell=True, executable=os.environ.get("SHELL")).returncode
+            code = _run(command, shell=True, executable=os.environ.get("SHELL"))
     sys._getframe(1).f_globals["_exit_code"] = code
     return code
 
@@ -112,11 +111,21 @@ def shell_cell(arguments: str, body: str) -> int:
     code = 0
     with main_process_first():
         if is_local_main_process():
-            sys.stdout.flush()
-            code = subprocess.run(argv, input=body.encode()).returncode
+            code = _run(argv, input=body.encode())
     if code and raise_error:
         raise subprocess.CalledProcessError(code, body)
     return code
+
+
+def _run(args, **kwargs) -> int:
+    """Run a command with its output on the console, or through ``sys.stdout`` while a ``%%capture`` cell
+    holds it (the kernel reads a command's output and prints it, so ``%%capture`` takes it too)."""
+    sys.stdout.flush()
+    if sys.stdout is sys.__stdout__:
+        return subprocess.run(args, **kwargs).returncode
+    proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+    sys.stdout.write(proc.stdout.decode(errors="replace"))
+    return proc.returncode
 
 
 def write_file(path: str, text: str, append: bool = False) -> None:
