@@ -107,6 +107,7 @@ def test_bash_cell_is_one_script():
     assert c.line_map == (1,) and not c.installs
     assert clean("%%script bash -e\necho 1\n").code.startswith("_nbddp.shell_cell('bash -e', ")
     assert clean("%%sh\necho 1\n").code.startswith("_nbddp.shell_cell('sh', ")
+    assert clean("%%bash --no-raise-error\nfalse\n").code.startswith("_nbddp.shell_cell('bash --no-raise-error', ")
 
 
 def test_bash_cell_of_installs_joins_the_install_plan():
@@ -119,7 +120,7 @@ SHELL_NOTEBOOK = [
     "import os\nfile_path = 'my file.txt'\nn = 8\nname = 'x'\nos.makedirs('repo', exist_ok=True)",
     "!echo hello > '{file_path}'\n!cat *.txt\n!echo $name {n // 4} '$name'",
     "%%bash\nX=3\nfor i in 1 2; do\n  echo $X$i \\\n    done\ndone",
-    "%cd {os.getcwd()}/repo\nprint(os.path.basename(os.getcwd()))\n%cd ..",
+    "%cd {os.getcwd()}/repo\nprint(os.path.basename(os.getcwd()))\n%cd ..\n%cd -q \"repo\"\n%cd /no/such/dir\n%cd ..",
     "!exit 3\nprint('exit code', _exit_code)\nfiles = !ls\nprint(sorted(f for f in files if f.endswith('.txt')))",
 ]
 

@@ -547,6 +547,10 @@ def _line_at(lines: list[str], line: int) -> str:
     return lines[line - 1] if 0 < line <= len(lines) else ""
 
 
+#: The program a shell cell magic runs its cell with (``%%script PROGRAM`` names its own).
+_SHELL_PROGRAMS = {"shell": "bash", "system": "sh"}
+
+
 def _shell_cell(cell: Cell, body: list[str], offset: int, name: str, head: str) -> CleanCell:
     """A ``%%bash``/``%%sh``/``%%script PROGRAM`` cell: one script, run once per node by ``_nbddp.shell_cell``
     (shell variables, ``cd`` and ``\\`` continuations hold across its lines, as in the kernel). A cell of
@@ -557,10 +561,12 @@ def _shell_cell(cell: Cell, body: list[str], offset: int, name: str, head: str) 
                      and not text.endswith("\\") for _, text in lines):
         installs = tuple(Install(cell.index, i, text) for i, text in lines)
         return CleanCell(cell, "", (), installs, (Note(offset, f"%%{name} cell of installs: they run before launch"),))
-    program = head[len("script"):].strip() if name == "script" else ("bash" if name in ("shell", "system") else name)
+    options = head[len(name) :].strip()
+    program = options if name == "script" else f"{_SHELL_PROGRAMS.get(name, name)} {options}".strip()
     if not program:
         raise CellError("%%script needs a program to run the cell with (%%script bash)", cell=cell.index, line=offset)
-    code = f"_nbddp.shell_cell({program!r}, {chr(10).join(body) + chr(10)!r})\n"
+    script = "\n".join(body) + "\n"
+    code = f"_nbddp.shell_cell({program!r}, {script!r})\n"
     note = Note(offset, f"%%{name} cell runs as one script, once per node")
     return CleanCell(cell, code, (offset,), (), (note,))
 

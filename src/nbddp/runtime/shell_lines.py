@@ -88,16 +88,16 @@ def getoutput(command: str) -> list[str]:
 
 def cd(argument: str) -> None:
     """A notebook ``%cd``: expanded, changes every process's directory and prints it (not with ``-q``)."""
-    words = expand(argument, 2).strip()
-    quiet = words == "-q" or words.startswith("-q ")
-    path = words[3:].strip() if quiet else words
-    if len(path) > 1 and path[0] == path[-1] and path[0] in "'\"":
-        path = path[1:-1]
+    words = shlex.split(expand(argument, 2))  # as IPython's parse_options splits it (POSIX quoting)
+    options = []
+    while words and words[0].startswith("-") and words[0] != "-":
+        options.append(words.pop(0))
+    quiet = any("q" in option for option in options)
+    path = " ".join(words)
     try:
         os.chdir(os.path.expanduser(path or "~"))
-    except OSError as exc:
+    except OSError as exc:  # IPython prints the error, then the directory it stays in
         print(exc)
-        return
     if not quiet:
         print(os.getcwd())
 
