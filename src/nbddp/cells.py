@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import nbformat
+from nbformat.warnings import MissingIDFieldWarning
 
 from .errors import NbddpError, NotebookError
 
@@ -57,7 +59,9 @@ def load_notebook(path: str | Path) -> tuple[list[Cell], tuple[str, ...]]:
         raise NotebookError(f"{path}: not UTF-8 (byte {exc.start}); save the notebook as UTF-8") from None
     invalid: dict = {}  # nbformat validates while it reads; asked again it would validate twice
     try:
-        nb = nbformat.reads(text, as_version=4, capture_validation_error=invalid)
+        with warnings.catch_warnings():  # cells without ids get them, as Jupyter gives them, without a word
+            warnings.simplefilter("ignore", MissingIDFieldWarning)
+            nb = nbformat.reads(text, as_version=4, capture_validation_error=invalid)
     except nbformat.reader.NotJSONError as exc:
         bad = exc.__cause__
         where = f"line {bad.lineno}, column {bad.colno}: {bad.msg}" if isinstance(bad, json.JSONDecodeError) else exc
