@@ -177,17 +177,35 @@ def test_an_install_of_local_files_keeps_its_place():
 def test_an_install_that_would_replace_torch_is_named_and_skipped(monkeypatch):
     from importlib.metadata import version
 
-    from nbddp.launch import run_installs, stack_replacement
+    from nbddp.launch import run_installs
+    from nbddp.runtime.shell_lines import stack_replacement
 
     monkeypatch.delenv("NBDDP_REPLACE_TORCH", raising=False)
     said = []
-    run_installs([["pip", "install", "torch==2.0.0"]], sink=lambda stream, text: said.append(text))
-    assert said == [f"nbddp: not installing `pip install torch==2.0.0`: torch==2.0.0 would replace the running "
-                    f"torch {version('torch')} (NBDDP_REPLACE_TORCH=1 installs it)\n"]
+    harmless = ["--dry-run", "--index-url", "http://127.0.0.1:9/simple"]  # should it run after all
+    run_installs([["pip", "install", "torch==2.0.0", *harmless]], sink=lambda stream, text: said.append(text))
+    assert said == [f"nbddp: not installing `pip install torch==2.0.0 {' '.join(harmless)}`: torch==2.0.0 would "
+                    f"replace the running torch {version('torch')} (NBDDP_REPLACE_TORCH=1 installs it)\n"]
     other_index = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cu118".split()
     assert "--index-url" in stack_replacement(other_index)
     assert stack_replacement("pip install -q torch trl peft".split()) is None
     assert stack_replacement(["pip", "install", f"torch=={version('torch')}"]) is None
+
+
+def test_an_install_in_the_script_that_would_replace_torch_is_skipped_in_the_rank(tmp_path):
+    import os
+    from importlib.metadata import version
+
+    harmless = "--dry-run --index-url http://127.0.0.1:9/simple"  # should it run after all
+    cells = [f"pin = 'torch==2.0.0'\n!pip install -qqq \"{{pin}}\" {harmless}\nprint('exit code', _exit_code)"]
+    convert_cells([Cell(1, src) for src in cells]).write(tmp_path / "script.py")
+    env = {k: v for k, v in os.environ.items() if k != "NBDDP_REPLACE_TORCH"}
+    proc = subprocess.run([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"nbddp: not installing `pip install -qqq \"torch==2.0.0\" {harmless}`: torch==2.0.0 would replace the "
+            f"running torch {version('torch')}") in proc.stdout
+    assert "exit code 0" in proc.stdout
 
 
 # 5. The notebook's folder

@@ -38,7 +38,7 @@ import psutil
 
 from .convert.script import SourceMap, map_path
 from .errors import LaunchError
-from .runtime import selflaunch
+from .runtime import selflaunch, shell_lines
 
 #: Seconds between two looks at the log files.
 POLL_S = 0.05
@@ -289,10 +289,10 @@ def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replac
     runs it anyway.
     """
     if replace_stack is None:
-        replace_stack = os.environ.get("NBDDP_REPLACE_TORCH", "") not in ("", "0")
+        replace_stack = shell_lines.replace_stack_allowed()
     say = sink or _stdout_sink
     for argv in commands:
-        reason = None if replace_stack else stack_replacement(argv)
+        reason = None if replace_stack else shell_lines.stack_replacement(argv)
         if reason:
             say("stdout", f"nbddp: not installing `{' '.join(argv)}`: {reason} (NBDDP_REPLACE_TORCH=1 installs it)\n")
             continue
@@ -301,51 +301,6 @@ def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replac
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode:
             raise LaunchError(f"install failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stdout[-2000:]}")
-
-
-#: The packages of the running torch and CUDA stack, and pip's options that take a value.
-_STACK = ("torch", "torchvision", "torchaudio", "triton", "pytorch", "pytorch-cuda", "cudatoolkit")
-_VALUED = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint", "-r",
-           "--requirement", "-t", "--target", "--prefix", "--root", "--platform", "--python-version", "-e",
-           "--editable", "--src", "--upgrade-strategy", "--trusted-host", "--cache-dir", "--log", "--timeout",
-           "--retries", "--progress-bar", "--only-binary", "--no-binary", "-C", "--config-settings", "--python"}
-
-
-def stack_replacement(argv: list[str]) -> str | None:
-    """Why an install would replace the running torch/CUDA stack, or None.
-
-    It would when it names a stack package (``torch``, ``torchvision``, ``nvidia-*``, …) with a version the
-    installed one does not meet, or asks for one from another package index or with ``--upgrade``/
-    ``--force-reinstall`` while one is installed.
-    """
-    from importlib import metadata
-
-    from packaging.requirements import InvalidRequirement, Requirement
-
-    args = argv[argv.index("install") + 1 :] if "install" in argv else []
-    index = next((a for a in args if a.split("=")[0] in ("-i", "--index-url", "--extra-index-url")), None)
-    forced = next((a for a in args if a in ("-U", "--upgrade", "--force-reinstall")), None)
-    skip = False
-    for arg in args:
-        if skip or arg.startswith("-"):
-            skip = not skip and arg in _VALUED
-            continue
-        try:
-            req = Requirement(arg)
-        except InvalidRequirement:
-            continue
-        name = req.name.lower().replace("_", "-")
-        if name not in _STACK and not name.startswith("nvidia-"):
-            continue
-        try:
-            installed = metadata.version("torch" if name == "pytorch" else name)
-        except metadata.PackageNotFoundError:
-            continue
-        if req.specifier and not req.specifier.contains(installed, prereleases=True):
-            return f"{arg} would replace the running {name} {installed}"
-        if index or forced:
-            return f"{arg} with {index or forced} would replace the running {name} {installed}"
-    return None
 
 
 def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None) -> RunResult:

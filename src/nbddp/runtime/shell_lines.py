@@ -68,11 +68,15 @@ def shell(command: str) -> int:
     """A notebook ``!command``: expanded, run once per machine while the other processes wait.
 
     Its exit code goes to the caller's ``_exit_code``, as in the kernel; a failure does not stop the script.
+    An install that would replace the running torch/CUDA stack is named and skipped (``stack_replacement``).
     """
     command = expand(command, 2)
+    reason = "install" in command and not replace_stack_allowed() and stack_replacement(_split(command))
     code = 0
     with main_process_first():
-        if is_local_main_process():
+        if reason and is_local_main_process():
+            print(f"nbddp: not installing `{command}`: {reason} (NBDDP_REPLACE_TORCH=1 installs it)", flush=True)
+        elif is_local_main_process():
             code = _run(command, shell=True, executable=os.environ.get("SHELL"))
     sys._getframe(1).f_globals["_exit_code"] = code
     return code
@@ -126,6 +130,63 @@ def _run(args, **kwargs) -> int:
     proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
     sys.stdout.write(proc.stdout.decode(errors="replace"))
     return proc.returncode
+
+
+def replace_stack_allowed() -> bool:
+    """``NBDDP_REPLACE_TORCH=1``: installs may replace the running torch/CUDA stack."""
+    return os.environ.get("NBDDP_REPLACE_TORCH", "") not in ("", "0")
+
+
+def _split(command: str) -> list[str]:
+    try:
+        return shlex.split(command, comments=True)
+    except ValueError:
+        return command.split()
+
+
+#: The packages of the running torch and CUDA stack, and pip's options that take a value.
+_STACK = ("torch", "torchvision", "torchaudio", "triton", "pytorch", "pytorch-cuda", "cudatoolkit")
+_VALUED = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint", "-r",
+           "--requirement", "-t", "--target", "--prefix", "--root", "--platform", "--python-version", "-e",
+           "--editable", "--src", "--upgrade-strategy", "--trusted-host", "--cache-dir", "--log", "--timeout",
+           "--retries", "--progress-bar", "--only-binary", "--no-binary", "-C", "--config-settings", "--python"}
+
+
+def stack_replacement(argv: list[str]) -> str | None:
+    """Why an install would replace the running torch/CUDA stack, or None.
+
+    It would when it names a stack package (``torch``, ``torchvision``, ``nvidia-*``, …) with a version the
+    installed one does not meet, or asks for one from another package index or with ``--upgrade``/
+    ``--force-reinstall`` while one is installed.
+    """
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    args = argv[argv.index("install") + 1 :] if "install" in argv else []
+    index = next((a for a in args if a.split("=")[0] in ("-i", "--index-url", "--extra-index-url")), None)
+    forced = next((a for a in args if a in ("-U", "--upgrade", "--force-reinstall")), None)
+    skip = False
+    for arg in args:
+        if skip or arg.startswith("-"):
+            skip = not skip and arg in _VALUED
+            continue
+        try:
+            req = Requirement(arg)
+        except InvalidRequirement:
+            continue
+        name = req.name.lower().replace("_", "-")
+        if name not in _STACK and not name.startswith("nvidia-"):
+            continue
+        try:
+            installed = metadata.version("torch" if name == "pytorch" else name)
+        except metadata.PackageNotFoundError:
+            continue
+        if req.specifier and not req.specifier.contains(installed, prereleases=True):
+            return f"{arg} would replace the running {name} {installed}"
+        if index or forced:
+            return f"{arg} with {index or forced} would replace the running {name} {installed}"
+    return None
 
 
 def write_file(path: str, text: str, append: bool = False) -> None:
