@@ -24,6 +24,7 @@ from ..cells import Cell
 from ..errors import CellError
 from .facts import CellCode, compound_bodies, group_lines, is_compound, is_dead_if
 from .lines import align
+from .newer_python import newer_python
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(
@@ -400,7 +401,7 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
     try:
         transformed = _transformer().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
-        newer = _newer_python(body)
+        newer = newer_python(body)
         if newer:
             raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
@@ -408,57 +409,11 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
     try:
         return transformed, t_map, ast.parse(transformed)
     except SyntaxError as exc:
-        newer = _newer_python(body)
+        newer = newer_python(body)
         if newer:
             raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         src_line = _body_line(t_map, exc.lineno or 1, offset)
         raise CellError(f"not valid Python: {exc.msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
-
-
-#: Syntax that a newer Python reads: PEP 695's ``type X = …`` and ``def f[T](…)``/``class C[T]:`` (3.12).
-_NEWER_SYNTAX = (
-    (re.compile(r"^\s*type\s+[A-Za-z_]\w*\s*(?:\[[^\]]*\])?\s*="), (3, 12), "a type alias statement"),
-    (re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+[A-Za-z_]\w*\s*\["), (3, 12), "type parameters"),
-)
-
-
-def _newer_python(body: list[str]) -> tuple[int, str] | None:
-    """``(line, message)`` for the first body line holding syntax only a newer Python reads, if this one
-    is older: an f-string with its own quote inside a replacement field (PEP 701, 3.12), PEP 695 syntax."""
-    import sys
-
-    for number, text in enumerate(body, start=1):
-        found = [(v, what) for pattern, v, what in _NEWER_SYNTAX if pattern.match(text)]
-        if _nested_same_quote(text):
-            found.append(((3, 12), "an f-string with its own quotes inside"))
-        for version, what in found:
-            if sys.version_info < version:
-                needed, here = ".".join(map(str, version)), ".".join(map(str, sys.version_info[:2]))
-                return number, f"needs Python {needed} or newer ({what}); this is Python {here}"
-    return None
-
-
-_FSTRING_START = re.compile(r"(?<![\w'\"])[rRbB]?[fF][rR]?('\'\'|\"\"\"|'|\")|(?<![\w'\"])[fF][rRbB]('\'\'|\"\"\"|'|\")")
-
-
-def _nested_same_quote(text: str) -> bool:
-    """Whether an f-string on this line holds its own quote inside a replacement field (``f"{d["k"]}"``)."""
-    for m in _FSTRING_START.finditer(text):
-        quote = m.group(1) or m.group(2)
-        depth, i = 0, m.end()
-        while i < len(text):
-            if text.startswith("{{", i) and depth == 0:
-                i += 2
-                continue
-            ch = text[i]
-            if text.startswith(quote, i):
-                if depth > 0:
-                    return True
-                break
-            depth += ch == "{"
-            depth -= ch == "}" and depth > 0
-            i += 1
-    return False
 
 
 #: A line IPython's token transformers may rewrite: an escape first (``!cmd``, ``%magic``, ``?obj``),
