@@ -41,7 +41,7 @@ def test_line_magics_become_python_or_go():
         "# nbddp: %matplotlib inline dropped (notebook-only)",
         "z = 1 + 1",
         "os.environ['MY_VAR'] = '7'",
-        "os.chdir(os.path.expanduser('/tmp'))",
+        "_nbddp.cd('/tmp')",
         "x = _nbddp.getoutput('ls')",
     ]
     assert c.line_map == (1, 2, 3, 4, 5)
@@ -131,7 +131,7 @@ def test_comments_and_blank_lines_above_a_replaced_magic_stay():
         "",
         "# nbddp: `pip install foo` runs once before launch",
         "# go there",
-        "os.chdir(os.path.expanduser('/tmp'))",
+        "_nbddp.cd('/tmp')",
         "",
         "os.environ['A'] = '1'",
         "# hush",

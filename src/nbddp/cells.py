@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import nbformat
+from nbformat.warnings import MissingIDFieldWarning
 
 from .errors import NbddpError, NotebookError
 
@@ -32,10 +34,17 @@ class Cell:
 
 
 def read_notebook(path: str | Path) -> list[Cell]:
-    """The code cells of the notebook at ``path``, validated by nbformat, less those tagged ``nbddp-skip``.
+    """The code cells of the notebook at ``path``, less those tagged ``nbddp-skip`` (see ``load_notebook``)."""
+    return load_notebook(path)[0]
 
-    Raises ``NotebookError`` with a one-line reason for a missing file, bad encoding, invalid JSON or a
-    notebook that fails nbformat's schema.
+
+def load_notebook(path: str | Path) -> tuple[list[Cell], tuple[str, ...]]:
+    """The code cells of the notebook at ``path``, less those tagged ``nbddp-skip``, and notes on what was
+    repaired to read it.
+
+    What Jupyter opens is read: a notebook that fails nbformat's schema is upgraded and normalised as nbformat
+    can (``repair``), with a note. Raises ``NotebookError`` with a one-line reason for a missing file, bad
+    encoding, invalid JSON, or a file with no cells Jupyter could show.
     """
     path = Path(path)
     try:
@@ -50,24 +59,57 @@ def read_notebook(path: str | Path) -> list[Cell]:
         raise NotebookError(f"{path}: not UTF-8 (byte {exc.start}); save the notebook as UTF-8") from None
     invalid: dict = {}  # nbformat validates while it reads; asked again it would validate twice
     try:
-        nb = nbformat.reads(text, as_version=4, capture_validation_error=invalid)
+        with warnings.catch_warnings():  # cells without ids get them, as Jupyter gives them, without a word
+            warnings.simplefilter("ignore", MissingIDFieldWarning)
+            nb = nbformat.reads(text, as_version=4, capture_validation_error=invalid)
     except nbformat.reader.NotJSONError as exc:
         bad = exc.__cause__
         where = f"line {bad.lineno}, column {bad.colno}: {bad.msg}" if isinstance(bad, json.JSONDecodeError) else exc
         raise NotebookError(f"{path}: not valid JSON ({where})") from None
     except Exception as exc:  # nbformat raises several types for structurally wrong files
         raise NotebookError(f"{path}: not a notebook: {exc}") from None
+    notes: tuple[str, ...] = ()
     if "ValidationError" in invalid:
-        raise NotebookError(f"{path}: invalid notebook: {invalid['ValidationError'].message}")
-    return notebook_cells(nb, origin=str(path))
+        nb, notes = repair(nb, invalid["ValidationError"], path)
+    return notebook_cells(nb, origin=str(path)), notes
+
+
+def repair(nb: nbformat.NotebookNode, error, path: Path) -> tuple[nbformat.NotebookNode, tuple[str, ...]]:
+    """A notebook that fails nbformat's schema, made valid where nbformat can, and what was done.
+
+    Cell ids under ``nbformat_minor`` < 5 are what nbformat's v4 upgrade adds: the notebook becomes 4.5,
+    keeping the ids it has. Unknown keys and metadata are dropped (``nbformat.validator.normalize``).
+    Whatever is still invalid is noted; only a notebook without readable code cells is refused, as Jupyter
+    shows nothing of it either.
+    """
+    from nbformat.v4.nbbase import random_cell_id
+
+    cells = nb.get("cells")
+    if not isinstance(cells, list) or not all(isinstance(c, dict) and "cell_type" in c for c in cells):
+        raise NotebookError(f"{path}: invalid notebook: {error.message}")
+    done = []
+    if nb.get("nbformat_minor", 0) < 5 and any("id" in c for c in cells):
+        for cell in cells:
+            cell.setdefault("id", random_cell_id())
+        nb.nbformat_minor = 5
+        done.append("cell ids: read as nbformat 4.5")
+    _, fixed = nbformat.validator.normalize(nb, 4, nb.nbformat_minor, relax_add_props=True, strip_invalid_metadata=True)
+    nb = nbformat.from_dict(fixed)
+    if any(not isinstance(c.get("source", ""), str) for c in nb.cells):
+        raise NotebookError(f"{path}: invalid notebook: {error.message}")
+    still = next(nbformat.validator.iter_validate(nb), None)
+    if still is not None:
+        done.append(f"still {still.message}")
+    note = f"{path.name} is not valid nbformat ({error.message}); read as Jupyter reads it"
+    return nb, (note + (f" ({'; '.join(done)})" if done else ""),)
 
 
 def notebook_cells(nb: nbformat.NotebookNode, origin: str = "<notebook>") -> list[Cell]:
     """The code cells of a notebook already in memory, less those tagged ``nbddp-skip``."""
     return [
-        Cell(index=i, source=cell.source, origin=origin)
+        Cell(index=i, source=cell.get("source", ""), origin=origin)
         for i, cell in enumerate(nb.cells, start=1)
-        if cell.cell_type == "code" and SKIP_TAG not in cell.metadata.get("tags", [])
+        if cell.cell_type == "code" and SKIP_TAG not in cell.get("metadata", {}).get("tags", [])
     ]
 
 

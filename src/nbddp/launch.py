@@ -38,7 +38,7 @@ import psutil
 
 from .convert.script import SourceMap, map_path
 from .errors import LaunchError
-from .runtime import selflaunch
+from .runtime import selflaunch, shell_lines
 
 #: Seconds between two looks at the log files.
 POLL_S = 0.05
@@ -281,11 +281,23 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def run_installs(commands: Iterable[list[str]], sink: Sink | None = None) -> None:
-    """Run each install once, in this process's Python environment (``pip`` → ``python -m pip``)."""
+def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replace_stack: bool | None = None) -> None:
+    """Run each install once, in this process's Python environment (``pip`` → ``python -m pip``).
+
+    An install that would replace the running torch or CUDA stack (``stack_replacement``) is named and
+    skipped: the ranks would start on a half-replaced torch. ``replace_stack`` (default: ``NBDDP_REPLACE_TORCH=1``)
+    runs it anyway.
+    """
+    if replace_stack is None:
+        replace_stack = shell_lines.replace_stack_allowed()
+    say = sink or _stdout_sink
     for argv in commands:
+        reason = None if replace_stack else shell_lines.stack_replacement(argv)
+        if reason:
+            say("stdout", f"nbddp: not installing `{' '.join(argv)}`: {reason} (NBDDP_REPLACE_TORCH=1 installs it)\n")
+            continue
         argv = selflaunch.install_argv(argv)
-        (sink or _stdout_sink)("stdout", f"nbddp: installing: {' '.join(argv)}\n")
+        say("stdout", f"nbddp: installing: {' '.join(argv)}\n")
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode:
             raise LaunchError(f"install failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stdout[-2000:]}")

@@ -4,10 +4,12 @@ A cell that Python's parser reads is Python as it stands, and most cells are: th
 For the others, IPython's own ``TransformerManager`` turns ``!cmd``, ``%magic`` and ``x = !cmd`` into
 ``get_ipython().…`` calls; a libcst pass (``ipycalls.py``, over the statements holding those calls) then
 replaces each call with what it means in a script run by every rank: installs leave the script (they run
-once, before torchrun starts), ``%time stmt`` becomes ``stmt``, ``%env``/``%cd`` become
-``os.environ``/``os.chdir``, other shell commands run through ``_nbddp.shell`` on one process per node while
-the others wait, display-only magics are dropped. Cell magics (``%%capture``, ``%%time``, ``%%bash``, …) are
-handled before, from the cell's first line. IPython and libcst are imported only for cells that need them.
+once, before torchrun starts, unless they install local files an earlier cell may make), ``%time stmt``
+becomes ``stmt``, ``%env`` becomes ``os.environ``, ``%cd`` ``_nbddp.cd``, other shell commands run through
+``_nbddp.shell`` on one process per node while the others wait (``{expr}``/``$name`` expanded there, as
+IPython's ``var_expand`` does), notebook-only magics are dropped. Cell magics (``%%capture``, ``%%time``,
+``%%bash``, …) are handled before, from the cell's first line (after Colab's form lines). IPython and libcst
+are imported only for cells that need them.
 """
 
 from __future__ import annotations
@@ -22,19 +24,23 @@ from ..cells import Cell
 from ..errors import CellError
 from .facts import CellCode, compound_bodies, group_lines, is_compound, is_dead_if
 from .lines import align
+from .newer_python import newer_python
 
 #: Line magics with no meaning in a script: dropped, with a note.
 DROPPED_LINE_MAGICS = frozenset(
     "matplotlib load_ext reload_ext unload_ext autoreload aimport config pylab who whos who_ls pinfo pinfo2 "
     "psearch pdoc pdef psource pfile history recall rerun logstart logstop xmode colors precision "
-    "reset reset_selective store alias unalias rehashx doctest_mode notebook qtconsole".split()
+    "reset reset_selective store alias unalias rehashx doctest_mode notebook qtconsole tensorboard autosave "
+    "lsmagic magic quickref page pprint pdb wandb clear connect_info".split()
 )
 #: Line magics that wrap a statement: ``%time x = f()`` runs ``x = f()``.
 STATEMENT_LINE_MAGICS = frozenset({"time", "timeit", "prun", "capture"})
 #: Cell magics that wrap a body of Python: the body is kept, the wrapper dropped.
 WRAPPER_CELL_MAGICS = frozenset({"capture", "time", "timeit", "prun"})
 #: Cell magics whose body is shell.
-SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system"})
+SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system", "shell"})
+#: Colab's form annotations (``#@title …``, ``#@markdown …``): a cell magic after them is the cell's magic.
+_FORM_LINE = re.compile(r"^\s*#\s*@(?:title|markdown|param)\b")
 #: Cell magics that only display something in the notebook.
 DISPLAY_CELL_MAGICS = frozenset({"html", "HTML", "markdown", "javascript", "js", "latex", "svg"})
 
@@ -91,21 +97,27 @@ class CleanCell:
     installs: tuple[Install, ...] = ()
     notes: tuple[Note, ...] = ()
     tree: ast.Module | None = field(default=None, compare=False, repr=False)
+    #: ``(line, arguments)`` of a ``%%capture`` line: the script keeps the cell's output from the console
+    capture: tuple[int, str] | None = None
 
 
 def clean_cell(cell: Cell) -> CleanCell:
     """Turn one notebook cell into plain Python; raise ``CellError`` for a cell that does not parse."""
     lines = cell.source.splitlines()
-    first = next((i for i, ln in enumerate(lines) if ln.strip()), None)
+    first = next((i for i, ln in enumerate(lines) if ln.strip() and not _FORM_LINE.match(ln)), None)
     notes: list[Note] = []
+    capture = None
     if first is not None and lines[first].lstrip().startswith("%%"):
         head = lines[first].strip()[2:]
         name = head.split()[0] if head.split() else ""
         body, offset = lines[first + 1 :], first + 1
-        if name in WRAPPER_CELL_MAGICS:
+        if name == "capture":
+            capture = (first + 1, head[len("capture") :].strip())
+            notes.append(Note(first + 1, "%%capture: the cell's printed output is kept from the console, as in the kernel"))
+        elif name in WRAPPER_CELL_MAGICS:
             notes.append(Note(first + 1, f"%%{name} dropped; the cell's code is kept"))
         elif name in SHELL_CELL_MAGICS:
-            return _shell_cell(cell, body, offset, name)
+            return _shell_cell(cell, body, offset, name, head)
         elif name == "writefile":
             return _writefile_cell(cell, head, body, offset)
         else:
@@ -120,8 +132,10 @@ def clean_cell(cell: Cell) -> CleanCell:
     if t_map is None:
         t_map = list(range(len(body)))
     line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
+    if "login(" in transformed or "input(" in transformed:
+        notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in _interactive_calls(tree)]
     if "get_ipython" not in transformed:  # plain Python: nothing for the libcst pass to do
-        return CleanCell(cell, transformed, line_map, (), tuple(notes), tree)
+        return CleanCell(cell, transformed, line_map, (), tuple(notes), tree, capture)
 
     magics = Magics(transformed.splitlines())
     try:
@@ -135,7 +149,7 @@ def clean_cell(cell: Cell) -> CleanCell:
     # Every replacement is one line for one line, so new line k is transformed line k.
     installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in magics.installs)
     notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in magics.notes]
-    return CleanCell(cell, new_code, line_map, installs, tuple(notes), new_tree)
+    return CleanCell(cell, new_code, line_map, installs, tuple(notes), new_tree, capture)
 
 
 def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> tuple[str, ast.Module]:
@@ -216,6 +230,26 @@ def _as_text(group: list[ast.stmt], line: str, indent: str, magics: Magics, dead
     return value + "\n"  # "statement"
 
 
+#: Calls that wait for a person in a notebook (``runtime/interactive.py`` stops them in a rank).
+_LOGINS = frozenset({"notebook_login", "login", "interpreter_login"})
+
+
+def _interactive_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, note)`` for each ``input()`` and each Hugging Face login without a token in the cell."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        if name == "input" and isinstance(node.func, ast.Name):
+            found.append((node.lineno, "input() waits for a person: in a rank it stops the job here; set the value "
+                                       "in the cell or read it from os.environ"))
+        elif name in _LOGINS and not node.args and not any(k.arg == "token" for k in node.keywords):
+            found.append((node.lineno, f"{name}() without a token: every rank uses HF_TOKEN or the login saved "
+                                       "before launch, and stops here without one"))
+    return sorted(found)
+
+
 class MagicError(Exception):
     """A magic that cannot be converted, at a line of the transformed cell (``clean_cell`` maps it back)."""
 
@@ -253,7 +287,7 @@ class Magics:
 
     @staticmethod
     def _pulls_out(command: str, dead: bool) -> bool:
-        return is_install(command) and not interpolates(command) and not dead
+        return is_install(command) and not interpolates(command) and not dead and not installs_local_files(command)
 
     def statement(self, method: str, first: str | None, second: str | None, text: str, dead: bool):
         """``get_ipython().method(first, second)``, a statement of its own whose code is ``text``.
@@ -292,9 +326,10 @@ class Magics:
             if not key or not value.strip():
                 self.notes.append((line, "%env without a value dropped"))
                 return "dropped", f"%env {arg} dropped"
-            return "statement", f"os.environ[{key!r}] = {value.strip()!r}"
+            value = f"_nbddp.expand({value.strip()!r})" if interpolates(value) else repr(value.strip())
+            return "statement", f"os.environ[{key!r}] = {value}"
         if name == "cd":
-            return "statement", f"os.chdir(os.path.expanduser({arg.strip()!r}))"
+            return "statement", f"_nbddp.cd({arg.strip()!r})"
         if name in DROPPED_LINE_MAGICS or name is None:
             self.notes.append((line, f"%{name} dropped (notebook-only)"))
             return "dropped", f"%{name} {arg}".rstrip() + " dropped (notebook-only)"
@@ -366,11 +401,17 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
     try:
         transformed = _transformer().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
+        newer = newer_python(body)
+        if newer:
+            raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
     t_map = align(body, transformed.splitlines())
     try:
         return transformed, t_map, ast.parse(transformed)
     except SyntaxError as exc:
+        newer = newer_python(body)
+        if newer:
+            raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         src_line = _body_line(t_map, exc.lineno or 1, offset)
         raise CellError(f"not valid Python: {exc.msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
 
@@ -461,19 +502,28 @@ def _line_at(lines: list[str], line: int) -> str:
     return lines[line - 1] if 0 < line <= len(lines) else ""
 
 
-def _shell_cell(cell: Cell, body: list[str], offset: int, name: str) -> CleanCell:
-    """A ``%%bash`` cell: install lines go to the plan, the rest runs through ``_nbddp.shell``."""
-    installs, code, line_map, notes = [], [], [], []
-    for i, text in enumerate(body, start=offset + 1):
-        if not text.strip() or text.lstrip().startswith("#"):
-            continue
-        if is_install(text):
-            installs.append(Install(cell.index, i, text.strip()))
-        else:
-            code.append(f"_nbddp.shell({text.strip()!r})")
-            line_map.append(i)
-    notes.append(Note(offset, f"%%{name} cell: installs run before launch, other lines once per node"))
-    return CleanCell(cell, "\n".join(code) + ("\n" if code else ""), tuple(line_map), tuple(installs), tuple(notes))
+#: The program a shell cell magic runs its cell with (``%%script PROGRAM`` names its own).
+_SHELL_PROGRAMS = {"shell": "bash", "system": "sh"}
+
+
+def _shell_cell(cell: Cell, body: list[str], offset: int, name: str, head: str) -> CleanCell:
+    """A ``%%bash``/``%%sh``/``%%script PROGRAM`` cell: one script, run once per node by ``_nbddp.shell_cell``
+    (shell variables, ``cd`` and ``\\`` continuations hold across its lines, as in the kernel). A cell of
+    nothing but installs joins the install plan instead."""
+    lines = [(i, text.strip()) for i, text in enumerate(body, start=offset + 1)
+             if text.strip() and not text.lstrip().startswith("#")]
+    if lines and all(is_install(text) and not interpolates(text) and not installs_local_files(text)
+                     and not text.endswith("\\") for _, text in lines):
+        installs = tuple(Install(cell.index, i, text) for i, text in lines)
+        return CleanCell(cell, "", (), installs, (Note(offset, f"%%{name} cell of installs: they run before launch"),))
+    options = head[len(name) :].strip()
+    program = options if name == "script" else f"{_SHELL_PROGRAMS.get(name, name)} {options}".strip()
+    if not program:
+        raise CellError("%%script needs a program to run the cell with (%%script bash)", cell=cell.index, line=offset)
+    script = "\n".join(body) + "\n"
+    code = f"_nbddp.shell_cell({program!r}, {script!r})\n"
+    note = Note(offset, f"%%{name} cell runs as one script, once per node")
+    return CleanCell(cell, code, (offset,), (), (note,))
 
 
 def _writefile_cell(cell: Cell, head: str, body: list[str], offset: int) -> CleanCell:
@@ -486,6 +536,17 @@ def _writefile_cell(cell: Cell, head: str, body: list[str], offset: int) -> Clea
     text = "\n".join(body) + "\n"
     code = f"_nbddp.write_file({paths[0]!r}, {text!r}, append={append})\n"
     return CleanCell(cell, code, (offset,), (), (Note(offset, f"%%writefile {paths[0]} written once per node"),))
+
+
+#: An install that reads files: ``-e``/``-r``/``-c``, or a path (``.``, ``./repo[extra]``, ``/x.whl``, ``~/pkg``,
+#: ``file:``). Such files are often made by an earlier cell (a clone, ``%%writefile``, ``%cd``): the install
+#: keeps its place in the notebook's order rather than running before launch.
+_LOCAL_INSTALL = re.compile(r"(?:^|\s)(?:-e|--editable|-r|--requirement)\b|(?:^|\s)['\"]?(?:\.{1,2}(?:/|\[|['\"]?(?:\s|$))|/|~|file:)")
+
+
+def installs_local_files(command: str) -> bool:
+    """Whether an install reads local files (an editable or path install, a requirements file)."""
+    return bool(_LOCAL_INSTALL.search(command.split(" install", 1)[-1]))
 
 
 def interpolates(command: str) -> bool:

@@ -40,7 +40,7 @@ _DATA_PREP = frozenset(
     "load_dataset map filter snapshot_download hf_hub_download dataset_download competition_download".split()
 )
 #: Runtime calls with barriers inside: they must run on every rank.
-_RUNTIME_COLLECTIVES = frozenset({"shell", "write_file", "main_process_first"})
+_RUNTIME_COLLECTIVES = frozenset({"shell", "shell_cell", "write_file", "main_process_first"})
 #: Words in a ``from_pretrained`` owner that say it is not a model.
 _NOT_MODELS = ("Tokenizer", "Processor", "Config", "FeatureExtractor", "ImageProcessor", "Dataset")
 #: Trainer configurations ``TrainerConfigRule`` completes.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..cells import Cell, read_notebook
+from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError
 from .checks import plan_cell
 from .clean import CleanCell, Install, clean_cell
@@ -97,9 +97,10 @@ def map_path(script_path: str | Path) -> Path:
 
 
 def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Script:
-    """Read a notebook with nbformat and convert its code cells."""
+    """Read a notebook with nbformat and convert its code cells (what was repaired to read it: warnings)."""
     with _collector_paused():
-        return convert_cells(read_notebook(path), origin=Path(path).name, skip_bad_cells=skip_bad_cells)
+        cells, notes = load_notebook(path)
+        return convert_cells(cells, origin=Path(path).name, skip_bad_cells=skip_bad_cells, notes=notes)
 
 
 @contextlib.contextmanager
@@ -123,25 +124,27 @@ def _collector_paused():
 
 
 def convert_cells(
-    cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False, precheck: bool = True
+    cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False, precheck: bool = True,
+    notes: tuple[str, ...] = (),
 ) -> Script:
     """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
 
     Raises ``NotebookError`` when there is no code at all, ``CellError`` for a cell that does not parse
     (unless ``skip_bad_cells``). The rules run only on the statements their checks say they may change
     (``checks.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
-    in instead, which gives the same script more slowly (what the checks are tested against).
+    in instead, which gives the same script more slowly (what the checks are tested against). ``notes``:
+    warnings from reading the notebook, listed first.
     """
     with _collector_paused():
-        return _convert_cells(cells, origin, skip_bad_cells, precheck)
+        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes)
 
 
-def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool) -> Script:
+def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool, notes=()) -> Script:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     cleaned: list[CleanCell] = []
     codes: list[CellCode] = []
-    warnings: list[str] = []
+    warnings: list[str] = list(notes)
     for cell in cells:
         try:
             clean = clean_cell(cell)
@@ -176,10 +179,17 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
             back = list(range(len(code_lines)))
         body_lines.append(f"# [cell {cell.index}]")
         body_map.append(None)
+        if clean.capture:  # %%capture: the cell's output kept from the console, between these two calls
+            body_lines.append(f"_nbddp.capture.begin({clean.capture[1]!r})")
+            body_map.append((cell.index, clean.capture[0]))
         for text, j in zip(code_lines, back):
             body_lines.append(text)
             src = to_cell(j)
             body_map.append((cell.index, src) if src is not None else None)
+        if clean.capture:
+            name = next((a for a in clean.capture[1].split() if not a.startswith("-")), None)
+            body_lines.append(f"{name} = _nbddp.capture.end()" if name else "_nbddp.capture.end()")
+            body_map.append((cell.index, clean.capture[0]))
         body_lines.append("")
         body_map.append(None)
 
@@ -234,18 +244,31 @@ def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], 
     ]
     if installs:
         out.append("# Installs, run once before launch (not by every rank):")
-        out += [f"#   cell {i.cell}, line {i.line}: {i.command}" for i in installs]
+        out += [ln for i in installs for ln in _comment(f"#   cell {i.cell}, line {i.line}: {i.command}")]
     if changes:
         out.append("# What nbddp changed:")
-        out += [f"#   {c}" for c in changes]
-    out += [f"# Warning: {w}" for w in warnings]
+        out += [ln for c in changes for ln in _comment(f"#   {c}")]
+    out += [ln for w in warnings for ln in _comment(f"# Warning: {w}")]
     out += [
         "import os",
+        "import sys",
         "",
+        "if '' not in sys.path:  # modules next to the notebook import, as in its kernel",
+        "    sys.path.insert(0, '')",
         "import nbddp.runtime as _nbddp",
+        "import nbddp.runtime.capture",
+        "import nbddp.runtime.interactive",
         "from nbddp.runtime import display  # display() prints on rank 0 outside a notebook",
         "",
         "_nbddp.setup()  # this rank's device, the process group, error reports",
+        "_nbddp.interactive.guard()  # input() and Hugging Face logins cannot wait for a person in a rank",
         "",
     ]
     return out
+
+
+def _comment(text: str) -> list[str]:
+    """``text`` as comment lines of the header: a message spanning lines (a cell's error with its source
+    line) stays a comment on each."""
+    first, *rest = text.splitlines() or [""]
+    return [first] + [f"#     {line}" for line in rest]

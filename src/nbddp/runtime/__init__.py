@@ -8,7 +8,6 @@ from .dist import (
     device_map,
     distributed_sampler,
     display,
-    getoutput,
     is_local_main_process,
     is_main_process,
     main_process_first,
@@ -17,22 +16,23 @@ from .dist import (
     seed_everything,
     set_epoch,
     setup,
-    shell,
     unwrap,
-    write_file,
 )
+from .shell_lines import cd, expand, getoutput, shell, shell_cell, write_file
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
 
 __all__ = [
     "GPUInfo",
     "MultiGPUConfig",
     "RankInfo",
+    "cd",
     "cleanup",
     "ddp",
     "device",
     "device_map",
     "distributed_sampler",
     "display",
+    "expand",
     "get_multi_gpu_config",
     "getoutput",
     "is_local_main_process",
@@ -44,6 +44,7 @@ __all__ = [
     "set_epoch",
     "setup",
     "shell",
+    "shell_cell",
     "unwrap",
     "write_file",
 ]

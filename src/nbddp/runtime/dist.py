@@ -258,34 +258,6 @@ def display(*objs, **kwargs) -> None:
         print0(obj if isinstance(obj, str) else repr(obj))
 
 
-def shell(command: str) -> int:
-    """A notebook ``!command``: run once per machine (the first process), the others wait; non-zero fails."""
-    import subprocess
-
-    code = 0
-    with main_process_first():
-        if is_local_main_process():
-            code = subprocess.run(command, shell=True).returncode  # the user's own shell line, as in the notebook
-    if code:
-        raise RuntimeError(f"shell command failed with exit code {code}: {command}")
-    return code
-
-
-def getoutput(command: str) -> list[str]:
-    """A notebook ``x = !command``: its output lines."""
-    import subprocess
-
-    return subprocess.run(command, shell=True, capture_output=True, text=True).stdout.splitlines()
-
-
-def write_file(path: str, text: str, append: bool = False) -> None:
-    """A ``%%writefile`` cell: written once per machine, read by all after."""
-    with main_process_first():
-        if is_local_main_process():
-            with open(path, "a" if append else "w", encoding="utf-8") as fh:
-                fh.write(text)
-
-
 def _record_uncaught_errors() -> None:
     """Write uncaught exceptions to torchrun's per-rank error file, in torch elastic's ``error.json`` format.
 
