@@ -18,7 +18,6 @@ import ast
 import functools
 import json
 import re
-import sys
 import tarfile
 import warnings
 from pathlib import Path
@@ -53,7 +52,6 @@ MORE_TRAINING = re.compile(r"\bengine\.train\(|\bnotebook_launcher\(")
 COLLECTIVE = re.compile(r"\.(evaluate|predict)\(")
 
 I15 = "issue 15 item {}: "
-I18 = "issue 18 item {}: "
 #: Notebook → the open issue item it waits on. Strict xfails: remove an entry when its fix lands.
 XFAIL = {
     "hf_notebooks/accelerate_simple_cv_example.ipynb":
@@ -90,64 +88,10 @@ XFAIL = {
         I15.format(5) + "training through an imported helper (engine.train) is not recognised",
 }
 
-#: Colab form cells (``#@title …`` first, ``%%capture`` second) are refused (issue 18, item 1).
-COLAB_FORM_MAGIC = [
-    'nb/Advanced_Llama3_1_(3B)_GRPO_LoRA.ipynb',
-    'nb/Advanced_Llama3_2_(3B)_GRPO_LoRA.ipynb',
-    'nb/DeepSeek_R1_0528_Qwen3_(8B)_GRPO.ipynb',
-    'nb/Gemma3_(1B)-GRPO.ipynb',
-    'nb/Gemma3_(4B)-Vision-GRPO.ipynb',
-    'nb/HuggingFace Course-Advanced_Llama3_1_(3B)_GRPO_LoRA.ipynb',
-    'nb/HuggingFace Course-Advanced_Llama3_2_(3B)_GRPO_LoRA.ipynb',
-    'nb/HuggingFace Course-DeepSeek_R1_0528_Qwen3_(8B)_GRPO.ipynb',
-    'nb/HuggingFace Course-Gemma3_(1B)-GRPO.ipynb',
-    'nb/HuggingFace Course-Gemma3_(4B)-Vision-GRPO.ipynb',
-    'nb/HuggingFace Course-Llama3.1_(8B)-GRPO.ipynb',
-    'nb/HuggingFace Course-Llama_FP8_GRPO.ipynb',
-    'nb/HuggingFace Course-Mistral_v0.3_(7B)-GRPO.ipynb',
-    'nb/HuggingFace Course-Phi_4_(14B)-GRPO.ipynb',
-    'nb/HuggingFace Course-Qwen2.5_(3B)-GRPO.ipynb',
-    'nb/HuggingFace Course-Qwen2_5_7B_VL_GRPO.ipynb',
-    'nb/HuggingFace Course-Qwen3_(4B)-GRPO.ipynb',
-    'nb/HuggingFace Course-Qwen3_8B_FP8_GRPO.ipynb',
-    'nb/HuggingFace Course-Qwen3_VL_(8B)-Vision-GRPO.ipynb',
-    'nb/LFM2.5_(1.2B)-GRPO.ipynb',
-    'nb/Llama3.1_(8B)-GRPO.ipynb',
-    'nb/Llama_FP8_GRPO.ipynb',
-    'nb/Meta-Synthetic-Data-Llama3.1_(8B).ipynb',
-    'nb/Meta_Synthetic_Data_Llama3_2_(3B).ipynb',
-    'nb/Mistral_v0.3_(7B)-GRPO.ipynb',
-    'nb/Phi_4_(14B)-GRPO.ipynb',
-    'nb/Qwen2.5_(3B)-GRPO.ipynb',
-    'nb/Qwen2_5_7B_VL_GRPO.ipynb',
-    'nb/Qwen3_(4B)-GRPO.ipynb',
-    'nb/Qwen3_8B_FP8_GRPO.ipynb',
-]
-#: Notebooks Jupyter opens that nbformat's schema rejects: cell ids under ``nbformat_minor`` 4, ``outputs``
-#: on markdown cells (issue 18, item 2).
-JUPYTER_OPENS = [
-    'nb/Kaggle-Meta-Synthetic-Data-Llama3.1_(8B).ipynb',
-    'nb/Kaggle-Meta_Synthetic_Data_Llama3_2_(3B).ipynb',
-    'nb/Kaggle-Nemotron-Nano-3-30B-A3B_A100.ipynb',
-    'nb/Kaggle-Qwen3_(14B)-Reasoning-Conversational.ipynb',
-    'nb/Kaggle-Qwen3_(14B).ipynb',
-    'nb/Nemotron-Nano-3-30B-A3B_A100.ipynb',
-    'nb/Qwen3_(14B)-Reasoning-Conversational.ipynb',
-    'nb/Qwen3_(14B).ipynb',
-]
-#: Nested same-quote f-strings, which parse from Python 3.12 (issue 18, item 10: name the version needed).
-NEWER_FSTRINGS = [
-    'nb/AMD-Gemma3_(4B)-Vision-GRPO.ipynb',
-    'nb/Kaggle-Gemma3_(4B)-Vision-GRPO.ipynb',
-]
-
-#: Unsloth notebook (``nb/…`` in the archive) → the open issue item it waits on; strict, as above.
-UNSLOTH_XFAIL = {
-    **dict.fromkeys(COLAB_FORM_MAGIC, I18.format(1) + "a cell magic after Colab #@title lines is refused"),
-    **dict.fromkeys(JUPYTER_OPENS, I18.format(2) + "a notebook Jupyter opens is refused as invalid"),
-    **({} if sys.version_info >= (3, 12) else dict.fromkeys(
-        NEWER_FSTRINGS, I18.format(10) + "the refusal of a Python 3.12 f-string must name the version")),
-}
+#: Unsloth notebook (``nb/…`` in the archive) → the open issue item it waits on; strict, as above. Empty now:
+#: the Colab form cells (issue 18 item 1), the notebooks Jupyter opens that nbformat's schema rejects (item 2)
+#: and the cells that parse from Python 3.12 only (item 10, refused naming the version) all pass.
+UNSLOTH_XFAIL: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
