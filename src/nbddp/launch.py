@@ -215,7 +215,7 @@ def plan(
     nproc = nproc or default_nproc()
     extra = list(torchrun_args)
     rendezvous = selflaunch.rendezvous(extra)
-    _check_master_port(extra)
+    check_master_port(extra)
     argv = (
         sys.executable, "-m", "nbddp.agent",
         *rendezvous,
@@ -244,15 +244,19 @@ def plan(
     )
 
 
-def _check_master_port(torchrun_args: list[str]) -> None:
-    """Refuse a user-chosen ``--master-port`` that something on this machine already listens on.
+def check_master_port(torchrun_args: list[str]) -> None:
+    """Refuse a user-chosen ``--master-port`` that is no port number, or that something on this machine
+    already listens on.
 
-    Only for a single-node job: across nodes the port is on the master's host, not necessarily this one.
+    Busy is checked only for a single-node job: across nodes the port is on the master's host, not
+    necessarily this one.
     """
+    port = _arg_value(torchrun_args, "master-port")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise LaunchError(f"--master-port takes a port number from 1 to 65535, not {port!r}")
     if _arg_value(torchrun_args, "nnodes") not in (None, "1", "1:1"):
         return
-    port = _arg_value(torchrun_args, "master-port")
-    if port and port.isdigit() and not port_is_free(int(port)):
+    if port and not port_is_free(int(port)):
         raise LaunchError(
             f"port {port} (--master-port) is already in use on this machine; "
             "leave --master-port out and torchrun picks a free port"
