@@ -3,6 +3,7 @@ templates all go through ``run_script``/``run_notebook`` so they behave the same
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from . import launch as _launch
+from . import outputs
 from .cells import notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
@@ -44,6 +46,8 @@ def run_script(
     """
     check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                       torchrun_args=torchrun_args)
+    folders = outputs.output_folders(script, cwd) if cwd is not None else []
+    outputs.check_writable(folders)
     runs = Path(runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
     run_dir = _launch.new_run_dir(runs, name)
     path = script.write(run_dir / "script.py")
@@ -53,7 +57,12 @@ def run_script(
         path, run_dir, nproc=nproc, torchrun_args=torchrun_args, cwd=cwd, env=env, timeout_s=timeout_s,
         collective_timeout_s=collective_timeout_s, resume=resume,
     )
-    return _launch.launch(plan, sink=sink, on_metrics=on_metrics)
+    with outputs.claimed(folders, run_dir) as shared:
+        for warning in shared:
+            (sink or _launch._stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
+        result = _launch.launch(plan, sink=sink, on_metrics=on_metrics)
+    failure = outputs.explain_no_space(result.failure, plan.cwd, list(result.log_history))
+    return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 
 
 def run_notebook(path: str | os.PathLike, *, skip_bad_cells: bool = False, **kwargs) -> tuple[Script, RunResult]:
