@@ -77,3 +77,57 @@ def test_a_second_job_writing_the_same_output_folder_is_warned(tmp_path, noteboo
     _, result = run_notebook(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t))
     assert result.ok and "another job" not in "".join(said)  # the first job's claim ended with it
     assert no_rank_processes(str(tmp_path))
+
+
+LOOP = "t = torch.ones(1)\nfor i in range(100000):\n    dist.all_reduce(t)\n    print('step', i, flush=True)\n    time.sleep(0.05)"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_to_the_cli_stops_every_rank_and_says_where_they_were(tmp_path, notebook, reaper, sig):
+    nb = notebook([IMPORTS, LOOP])
+    runs = tmp_path / "runs"
+    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
+    try:
+        wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "both ranks stepping")
+        (run_dir,) = runs.iterdir()
+        proc.send_signal(sig)
+        wait_for(lambda: not processes_with(str(run_dir)), 5, "every rank to end")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert f"nbddp: stopped by {signal.Signals(sig).name}; every rank has been stopped." in err
+    assert "rank 1 was at cell 2, line " in err  # where each rank was
+    assert f"run directory: {run_dir}" in err
+
+
+API_JOB = """
+import sys
+from nbddp.job import run_notebook
+run_notebook(sys.argv[1], nproc=2, runs_dir=sys.argv[2])
+print("launch returned", flush=True)
+"""
+
+
+def test_a_stop_signal_to_a_process_using_the_api_ends_it_after_the_ranks(tmp_path, notebook, reaper):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    nb = notebook([IMPORTS, LOOP])
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-c", API_JOB, str(nb), str(runs)], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "both ranks stepping")
+        (run_dir,) = runs.iterdir()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM  # ended by the signal, as it would have been without a job
+    assert "launch returned" not in out
+    assert "nbddp: stopped by SIGTERM; every rank has been stopped." in err
+    assert no_rank_processes(str(run_dir))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -62,14 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:at], argv[at + 1 :]
     args = _parser().parse_args(argv)
     args.torchrun_args = extra
+    from .launch import STOP_SIGNALS, JobStopped, raise_job_stopped
+
+    for sig in STOP_SIGNALS:  # a scheduler's stop or a closed terminal ends the job as Ctrl-C does
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, raise_job_stopped)
     try:
         return _COMMANDS[args.command](args)
     except NbddpError as exc:
         print(f"nbddp: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("nbddp: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        with contextlib.suppress(OSError):
+            print("nbddp: interrupted", file=sys.stderr)
+        return 128 + exc.args[0] if isinstance(exc, JobStopped) else 130
 
 
 def _convert(args) -> int:
@@ -114,7 +122,10 @@ def _run(args) -> int:
     elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     job = JobResult.from_run(result, args.notebook.resolve().parent)
-    print(summary(job), file=sys.stderr)
+    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP)
+        print(summary(job), file=sys.stderr)
+    if result.stopped_by:
+        return 128 + result.stopped_by
     return 0 if job.ok else (130 if job.interrupted else 1)
 
 
