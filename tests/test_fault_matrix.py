@@ -131,3 +131,35 @@ def test_a_stop_signal_to_a_process_using_the_api_ends_it_after_the_ranks(tmp_pa
     assert "launch returned" not in out
     assert "nbddp: stopped by SIGTERM; every rank has been stopped." in err
     assert no_rank_processes(str(run_dir))
+
+
+TRAINER = '''import torch
+from nbddp import demo
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+from transformers import DataCollatorForLanguageModeling
+path = demo.tiny_model()
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+data = demo.arithmetic_dataset(256).map(
+    lambda row: tokenizer(row["text"], padding="max_length", max_length=8, truncation=True), remove_columns=["text"])'''
+
+STOP_AT_37 = '''class StopAt37(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 37:
+            raise RuntimeError("stopped at step 37")
+args = TrainingArguments(output_dir="out", max_steps=200, per_device_train_batch_size=1, save_strategy="no",
+                         report_to="none", use_cpu=True, logging_steps=1000)
+trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StopAt37()],
+                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+trainer.train()'''
+
+
+def test_the_last_trainer_step_said_is_the_last_completed_one(tmp_path, notebook, reaper):
+    from nbddp.launch import where_ranks_were
+
+    nb = notebook([TRAINER, STOP_AT_37])
+    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet)
+    assert result.failure and "stopped at step 37" in result.failure.message
+    assert result.last_step == (37, 200)
+    assert "last Trainer step: 37 of 200" in where_ranks_were(result)
+    assert no_rank_processes(str(result.run_dir))

@@ -39,6 +39,7 @@ import psutil
 from .convert.script import SourceMap, map_path
 from .errors import LaunchError
 from .runtime import selflaunch
+from .runtime.metrics import read_last_step
 
 #: Seconds between two looks at the log files.
 POLL_S = 0.05
@@ -343,6 +344,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         for f in followers:
             f.poll(final=True)
         metrics.poll()
+        metrics.add_last_step()
     code = proc.returncode
     failure, stacks = None, ()
     if code != 0 or timed_out or interrupted:
@@ -576,9 +578,20 @@ class _MetricsReader:
                 record = json.loads(raw)
             except ValueError:
                 continue
-            self.records.append(record)
-            if self.callback:
-                self.callback(record)
+            self._add(record)
+
+    def _add(self, record: dict) -> None:
+        self.records.append(record)
+        if self.callback:
+            self.callback(record)
+
+    def add_last_step(self) -> None:
+        """A final "step" record for the last step rank 0 completed, when the "step" lines (written at most
+        every ``metrics.STEP_INTERVAL_S``) stopped short of it."""
+        last = read_last_step(self.path)
+        seen = max((int(r.get("step") or 0) for r in self.records), default=0)
+        if last and last[0] > seen:
+            self._add({"event": "step", "step": last[0], "max_steps": last[1], "time": time.time()})
 
 
 _FRAME = re.compile(r'^(\s*)File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<rest>.*)$')
