@@ -28,6 +28,7 @@ import psutil
 from .convert.script import Script
 from .errors import LaunchError
 from .launch import RankFailure
+from .runtime.io import atomic_write_text
 
 #: Calls whose ``output_dir`` keyword names a folder the Trainer writes checkpoints into.
 _CONFIG_CALL = re.compile(r"^(?:\w*TrainingArguments|\w*Config)$")
@@ -193,8 +194,12 @@ def claimed(folders: list[OutputFolder], run_dir: Path) -> Iterator[list[str]]:
     me = psutil.Process()
     mine = {"pid": me.pid, "started": me.create_time(), "run_dir": str(run_dir)}
     warnings, taken = [], []
+    try:
+        claims = _claims_dir() if folders else None
+    except OSError:  # no temporary folder to claim in: the job runs unclaimed
+        folders = []
     for folder in folders:
-        claim = _claims_dir() / (hashlib.sha256(str(folder.path).encode()).hexdigest()[:24] + ".json")
+        claim = claims / (hashlib.sha256(str(folder.path).encode()).hexdigest()[:24] + ".json")
         other = _live_claim(claim)
         if other and other["pid"] != me.pid:
             warnings.append(
@@ -203,8 +208,6 @@ def claimed(folders: list[OutputFolder], run_dir: Path) -> Iterator[list[str]]:
             )
             continue
         with contextlib.suppress(OSError):
-            from .runtime.io import atomic_write_text
-
             atomic_write_text(claim, json.dumps({**mine, "folder": str(folder.path)}))
             taken.append(claim)
     try:
