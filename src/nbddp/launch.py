@@ -319,28 +319,27 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         followers = [_Follower(plan.log_dir, 0, stream, sink) for stream in ("stdout", "stderr")]
         metrics = _MetricsReader(plan.metrics_path, on_metrics)
         interrupted = timed_out = False
-        stop = _StopSignals()
-        try:
-            stop.__enter__()
-            while proc.poll() is None:
-                for f in followers:
-                    f.poll()
-                metrics.poll()
-                if plan.timeout_s and time.monotonic() - started > plan.timeout_s:
-                    timed_out = True
-                    break
-                time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            stop.__exit__(None, None, None)
-            with _interrupts_held() as held:
-                if (timed_out or interrupted) and proc.poll() is None:
-                    ask_for_stacks(proc, plan.log_dir)
-                terminate_tree(proc)
-            interrupted = interrupted or bool(held)
-            stop.received = stop.received or next((h for h in held if h != signal.SIGINT), None)
-            stopped_by = stop.received
+        with _StopSignals() as stop:
+            try:
+                while proc.poll() is None:
+                    for f in followers:
+                        f.poll()
+                    metrics.poll()
+                    if plan.timeout_s and time.monotonic() - started > plan.timeout_s:
+                        timed_out = True
+                        break
+                    time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                stop.waiting = False  # from here a stop signal is only noted
+                with _interrupts_held() as held:
+                    if (timed_out or interrupted) and proc.poll() is None:
+                        ask_for_stacks(proc, plan.log_dir)
+                    terminate_tree(proc)
+                interrupted = interrupted or bool(held)
+                stop.note(next((h for h in held if h != signal.SIGINT), None))
+                stopped_by = stop.received
         for f in followers:
             f.poll(final=True)
         metrics.poll()
@@ -413,6 +412,7 @@ class _StopSignals:
     def __init__(self):
         self.previous: dict[int, object] = {}
         self.received: int | None = None
+        self.waiting = True  # raise while the launcher waits for the job; afterwards only note
 
     def __enter__(self) -> "_StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -422,9 +422,14 @@ class _StopSignals:
         return self
 
     def _raise(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signum
+        first = self.received is None
+        self.note(signum)
+        if first and self.waiting:
             raise JobStopped(signum)
+
+    def note(self, signum: int | None) -> None:
+        """Remember the first stop signal, to report it and pass it on."""
+        self.received = self.received or signum
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
