@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -62,14 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:at], argv[at + 1 :]
     args = _parser().parse_args(argv)
     args.torchrun_args = extra
+    from .launch import STOP_SIGNALS, JobStopped, raise_job_stopped
+
+    for sig in STOP_SIGNALS:  # a scheduler's stop or a closed terminal ends the job as Ctrl-C does
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, raise_job_stopped)
     try:
         return _COMMANDS[args.command](args)
     except NbddpError as exc:
         print(f"nbddp: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("nbddp: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        with contextlib.suppress(OSError):
+            print("nbddp: interrupted", file=sys.stderr)
+        return 128 + exc.args[0] if isinstance(exc, JobStopped) else 130
 
 
 def _convert(args) -> int:
@@ -95,14 +103,17 @@ def _convert(args) -> int:
 
 def _run(args) -> int:
     from .display import failure_report, summary
-    from .job import JobResult, run_notebook, shim_env
+    from .job import JobResult, check_job_options, run_notebook, shim_env
     from .launch import node_args, where_ranks_were
 
+    torchrun_args = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint) + args.torchrun_args
+    check_job_options(nproc=args.nproc, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
+                      torchrun_args=torchrun_args)
     script, result = run_notebook(
         args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
         runs_dir=args.runs_dir, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
         resume=args.resume, env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing),
-        torchrun_args=node_args(args.nnodes, args.node_rank, args.rdzv_endpoint) + args.torchrun_args,
+        torchrun_args=torchrun_args,
     )
     for w in script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
@@ -111,7 +122,10 @@ def _run(args) -> int:
     elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     job = JobResult.from_run(result, args.notebook.resolve().parent)
-    print(summary(job), file=sys.stderr)
+    with contextlib.suppress(OSError):  # a closed terminal (SIGHUP)
+        print(summary(job), file=sys.stderr)
+    if result.stopped_by:
+        return 128 + result.stopped_by
     return 0 if job.ok else (130 if job.interrupted else 1)
 
 

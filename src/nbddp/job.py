@@ -3,6 +3,8 @@ templates all go through ``run_script``/``run_notebook`` so they behave the same
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from . import launch as _launch
+from . import outputs
 from .cells import notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
@@ -41,6 +44,10 @@ def run_script(
     or ``./nbddp_runs``. ``timeout_s`` bounds the job, ``collective_timeout_s`` each collective; ``resume``
     continues ``trainer.train()`` from the last checkpoint (see ``launch.plan``).
     """
+    check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
+                      torchrun_args=torchrun_args)
+    folders = outputs.output_folders(script, cwd) if cwd is not None else []
+    outputs.check_writable(folders)
     runs = Path(runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
     run_dir = _launch.new_run_dir(runs, name)
     path = script.write(run_dir / "script.py")
@@ -50,7 +57,12 @@ def run_script(
         path, run_dir, nproc=nproc, torchrun_args=torchrun_args, cwd=cwd, env=env, timeout_s=timeout_s,
         collective_timeout_s=collective_timeout_s, resume=resume,
     )
-    return _launch.launch(plan, sink=sink, on_metrics=on_metrics)
+    with outputs.claimed(folders, run_dir) as shared:
+        for warning in shared:
+            (sink or _launch._stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
+        result = _launch.launch(plan, sink=sink, on_metrics=on_metrics)
+    failure = outputs.explain_no_space(result.failure, plan.cwd, list(result.log_history))
+    return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 
 
 def run_notebook(path: str | os.PathLike, *, skip_bad_cells: bool = False, **kwargs) -> tuple[Script, RunResult]:
@@ -94,6 +106,26 @@ def run_template(
     script = convert_cells(notebook_cells(nb, origin=str(path)), origin=path.name)
     kwargs.setdefault("cwd", path.resolve().parent)
     return script, JobResult.from_run(run_script(script, name=path.stem, **kwargs), kwargs["cwd"])
+
+
+def check_job_options(
+    *,
+    nproc: int | None = None,
+    timeout_s: float | None = None,
+    collective_timeout_s: float | None = None,
+    torchrun_args: Iterable[str] = (),
+) -> None:
+    """Refuse numbers no job can run with, before a run directory or a process exists (``NbddpError``).
+
+    The CLI and the magic call this as soon as they have parsed their options; ``run_script`` calls it too.
+    A ``--master-port`` given to torchrun must be a port number, and free on this machine.
+    """
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
+    for flag, seconds in (("--timeout", timeout_s), ("--collective-timeout", collective_timeout_s)):
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
+    _launch.check_master_port(list(torchrun_args))
 
 
 def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -39,6 +39,7 @@ import psutil
 from .convert.script import SourceMap, map_path
 from .errors import LaunchError
 from .runtime import selflaunch, shell_lines
+from .runtime.metrics import read_last_step
 
 #: Seconds between two looks at the log files.
 POLL_S = 0.05
@@ -130,6 +131,7 @@ class RunResult:
     interrupted: bool = False
     timed_out: bool = False
     stacks: tuple[RankStack, ...] = ()  # where each stopped rank was, when the job did not finish by itself
+    stopped_by: int | None = None  # SIGTERM or SIGHUP that stopped the launcher (then ``interrupted`` too)
 
     @property
     def ok(self) -> bool:
@@ -215,7 +217,7 @@ def plan(
     nproc = nproc or default_nproc()
     extra = list(torchrun_args)
     rendezvous = selflaunch.rendezvous(extra)
-    _check_master_port(extra)
+    check_master_port(extra)
     argv = (
         sys.executable, "-m", "nbddp.agent",
         *rendezvous,
@@ -244,15 +246,19 @@ def plan(
     )
 
 
-def _check_master_port(torchrun_args: list[str]) -> None:
-    """Refuse a user-chosen ``--master-port`` that something on this machine already listens on.
+def check_master_port(torchrun_args: list[str]) -> None:
+    """Refuse a user-chosen ``--master-port`` that is no port number, or that something on this machine
+    already listens on.
 
-    Only for a single-node job: across nodes the port is on the master's host, not necessarily this one.
+    Busy is checked only for a single-node job: across nodes the port is on the master's host, not
+    necessarily this one.
     """
+    port = _arg_value(torchrun_args, "master-port")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise LaunchError(f"--master-port takes a port number from 1 to 65535, not {port!r}")
     if _arg_value(torchrun_args, "nnodes") not in (None, "1", "1:1"):
         return
-    port = _arg_value(torchrun_args, "master-port")
-    if port and port.isdigit() and not port_is_free(int(port)):
+    if port and not port_is_free(int(port)):
         raise LaunchError(
             f"port {port} (--master-port) is already in use on this machine; "
             "leave --master-port out and torchrun picks a free port"
@@ -306,8 +312,10 @@ def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replac
 def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None) -> RunResult:
     """Run the plan to the end; stream rank 0 to ``sink``; leave no process behind whatever happens.
 
-    A Ctrl-C (``KeyboardInterrupt``) or the plan's timeout stops every rank; a second Ctrl-C while they are
-    being stopped is held back until they are gone, so it cannot leave ranks running.
+    A Ctrl-C (``KeyboardInterrupt``), SIGTERM or SIGHUP (a scheduler's stop, a closed terminal) or the
+    plan's timeout stops every rank; another of those signals while they are being stopped is held back until
+    they are gone, so it cannot leave ranks running. A SIGTERM or SIGHUP that would have ended this process
+    ends it once the ranks are gone and the stop is reported (``_StopSignals``).
     """
     sink = sink or _stdout_sink
     plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -323,26 +331,31 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         followers = [_Follower(plan.log_dir, 0, stream, sink) for stream in ("stdout", "stderr")]
         metrics = _MetricsReader(plan.metrics_path, on_metrics)
         interrupted = timed_out = False
-        try:
-            while proc.poll() is None:
-                for f in followers:
-                    f.poll()
-                metrics.poll()
-                if plan.timeout_s and time.monotonic() - started > plan.timeout_s:
-                    timed_out = True
-                    break
-                time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            with _interrupts_held() as held:
-                if (timed_out or interrupted) and proc.poll() is None:
-                    ask_for_stacks(proc, plan.log_dir)
-                terminate_tree(proc)
-            interrupted = interrupted or bool(held)
+        with _StopSignals() as stop:
+            try:
+                while proc.poll() is None:
+                    for f in followers:
+                        f.poll()
+                    metrics.poll()
+                    if plan.timeout_s and time.monotonic() - started > plan.timeout_s:
+                        timed_out = True
+                        break
+                    time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                stop.waiting = False  # from here a stop signal is only noted
+                with _interrupts_held() as held:
+                    if (timed_out or interrupted) and proc.poll() is None:
+                        ask_for_stacks(proc, plan.log_dir)
+                    terminate_tree(proc)
+                interrupted = interrupted or bool(held)
+                stop.note(next((h for h in held if h != signal.SIGINT), None))
+                stopped_by = stop.received
         for f in followers:
             f.poll(final=True)
         metrics.poll()
+        metrics.add_last_step()
     code = proc.returncode
     failure, stacks = None, ()
     if code != 0 or timed_out or interrupted:
@@ -361,11 +374,17 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         interrupted=interrupted,
         timed_out=timed_out,
         stacks=stacks,
+        stopped_by=stopped_by,
     )
     if interrupted or timed_out:  # a hang is often ended this way: say where each rank was
         what = "interrupted" if interrupted else f"timed out after {plan.timeout_s:.0f} s"
+        if stopped_by:
+            what = f"stopped by {signal.Signals(stopped_by).name}"
         where = "".join(f"nbddp:   {line}\n" for line in where_ranks_were(result))
-        sink("stderr", f"\nnbddp: {what}; every rank has been stopped.\n{where}")
+        run_dir = f"nbddp:   run directory: {plan.run_dir}\n" if stopped_by else ""
+        with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
+            sink("stderr", f"\nnbddp: {what}; every rank has been stopped.\n{where}{run_dir}")
+    stop.pass_on()
     return result
 
 
@@ -379,18 +398,82 @@ def where_ranks_were(result: RunResult) -> list[str]:
     return lines
 
 
+#: Signals that stop a job the way Ctrl-C does: a scheduler's stop, a terminal closed under the launcher.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class JobStopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the launcher while it waited for the job: handled as an interrupt."""
+
+
+def raise_job_stopped(signum, frame) -> None:
+    """A SIGTERM/SIGHUP handler for a program that reads ``RunResult.stopped_by`` itself (the CLI): outside a
+    job it raises ``JobStopped``; after a job ``launch`` leaves the signal to the program's return value."""
+    raise JobStopped(signum)
+
+
+class _StopSignals:
+    """While entered (main thread only), SIGTERM and SIGHUP raise ``JobStopped`` where the launcher waits.
+
+    A signal this process ignored stays ignored (``nohup``). ``pass_on()``, once the ranks are gone and the
+    stop reported, gives the signal to whatever handled it before: a handler is called (but for
+    ``raise_job_stopped``, whose program reads ``RunResult.stopped_by``), and the default action (ending
+    this process, e.g. a kernel being shut down) is carried out, so a stop is never swallowed.
+    """
+
+    def __init__(self):
+        self.previous: dict[int, object] = {}
+        self.received: int | None = None
+        self.waiting = True  # raise while the launcher waits for the job; afterwards only note
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, self._raise)
+        return self
+
+    def _raise(self, signum, frame) -> None:
+        first = self.received is None
+        self.note(signum)
+        if first and self.waiting:
+            raise JobStopped(signum)
+
+    def note(self, signum: int | None) -> None:
+        """Remember the first stop signal, to report it and pass it on."""
+        self.received = self.received or signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def pass_on(self) -> None:
+        handler = self.previous.get(self.received)
+        if self.received is None or handler is None:
+            return
+        if callable(handler) and handler is not raise_job_stopped:
+            handler(self.received, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), self.received)
+
+
 @contextlib.contextmanager
 def _interrupts_held():
-    """Hold SIGINT back for the duration of the block (main thread only); yields the list of those held."""
+    """Hold SIGINT, SIGTERM and SIGHUP back for the duration of the block (main thread only); yields the
+    list of those held."""
     held: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield held
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    previous = {}
+    for sig in (signal.SIGINT, *STOP_SIGNALS):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         yield held
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def ask_for_stacks(proc: subprocess.Popen, log_dir: Path, wait_s: float = STACKS_WAIT_S) -> None:
@@ -512,9 +595,20 @@ class _MetricsReader:
                 record = json.loads(raw)
             except ValueError:
                 continue
-            self.records.append(record)
-            if self.callback:
-                self.callback(record)
+            self._add(record)
+
+    def _add(self, record: dict) -> None:
+        self.records.append(record)
+        if self.callback:
+            self.callback(record)
+
+    def add_last_step(self) -> None:
+        """A final "step" record for the last step rank 0 completed, when the "step" lines (written at most
+        every ``metrics.STEP_INTERVAL_S``) stopped short of it."""
+        last = read_last_step(self.path)
+        seen = max((int(r.get("step") or 0) for r in self.records), default=0)
+        if last and last[0] > seen:
+            self._add({"event": "step", "step": last[0], "max_steps": last[1], "time": time.time()})
 
 
 _FRAME = re.compile(r'^(\s*)File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<rest>.*)$')

@@ -23,7 +23,7 @@ from .display import LivePanel, outcome_error
 from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
-from .job import JobResult, parse_env, run_script, shim_env, split_torchrun_args
+from .job import JobResult, check_job_options, parse_env, run_script, shim_env, split_torchrun_args
 from .launch import default_nproc
 
 
@@ -95,6 +95,7 @@ class NbddpMagics(Magics):
         if not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
         nproc = None if args.nproc == "auto" else _positive_int(args.nproc)
+        check_job_options(nproc=nproc, timeout_s=args.timeout, torchrun_args=torchrun_args)
         env = {**parse_env(args.env), **shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing)}
         if cell is None:
             script = convert_notebook(args.notebook)

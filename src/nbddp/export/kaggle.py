@@ -23,6 +23,7 @@ import json
 import os
 import pprint
 import re
+import shlex
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from ..cells import read_notebook
 from ..convert import convert_cells
 from ..errors import NbddpError
 from ..runtime.io import atomic_write_text
-from .secrets import check_secrets
+from .secrets import check_secrets, find_leftovers
 
 #: The file name ``kaggle kernels push`` looks for.
 METADATA_FILE = "kernel-metadata.json"
@@ -59,7 +60,7 @@ class KaggleExport:
     def __str__(self) -> str:
         return (
             f"wrote {self.script} and {self.metadata_file}\n"
-            f"push it with:  kaggle kernels push -p {self.folder}"
+            f"push it with:  kaggle kernels push -p {shlex.quote(str(self.folder))}"
         )
 
 
@@ -208,4 +209,4 @@ def export_kaggle(
     )
     script_path = atomic_write_text(folder / meta["code_file"], launcher + script.text, mode=0o644)
     meta_path = atomic_write_text(folder / METADATA_FILE, json.dumps(meta, indent=2) + "\n", mode=0o644)
-    return KaggleExport(folder, script_path, meta_path, meta, script.warnings)
+    return KaggleExport(folder, script_path, meta_path, meta, (*find_leftovers(notebook), *script.warnings))

@@ -4,17 +4,25 @@ A Kaggle kernel's code is readable by whoever can open the kernel (by everyone o
 token pasted into a cell leaks with it. ``find_secrets`` looks at each cell's raw source, line by line, for
 the token formats of the services a fine-tune talks to (Hugging Face, Weights & Biases, Kaggle, OpenAI-style
 ``sk-…`` keys, GitHub, AWS) and for long literal values assigned to names such as ``*_token``,
-``api_key`` or ``password``. ``check_secrets`` turns the first finding into a ``SecretError`` at its cell and
-line, with the way Kaggle keeps secrets out of code.
+``api_key`` or ``password``. A value written in pieces (``"hf_aBc" + "DeF…"``, adjacent literals, ``"".join([…])``) is
+read from the cell's ast joined, and checked as if written whole. ``check_secrets`` turns the first finding
+into a ``SecretError`` at its cell and line, with the way Kaggle keeps secrets out of code.
+``find_leftovers`` names what the export does not publish but the notebook file still holds: tokens in
+markdown, in outputs, in metadata and in cells tagged ``nbddp-skip``.
 """
 
 from __future__ import annotations
 
+import ast
+import os
 import re
 from dataclasses import dataclass
+from typing import Iterator
 
-from ..cells import Cell
-from ..errors import SecretError
+import nbformat
+
+from ..cells import SKIP_TAG, Cell
+from ..errors import NbddpError, SecretError
 
 _QUOTED = r"""["']([^"'\s]{16,})["']"""
 
@@ -65,21 +73,126 @@ def _looks_random(value: str) -> bool:
     return bool(re.search(r"[0-9]", value) and re.search(r"[A-Za-z]", value)) and "/" not in value and "<" not in value
 
 
+def _scan(text: str) -> tuple[str, str] | None:
+    """The first credential in one line of text: ``(kind, the line with the value cut short)``."""
+    for kind, pattern in PATTERNS:
+        match = pattern.search(text)
+        if not match:
+            continue
+        secret = next((g for g in match.groups() if g), match.group(0))
+        if kind == "credential" and not _looks_random(secret):
+            continue
+        return kind, text.replace(secret, secret[:6] + "…").strip()
+    return None
+
+
 def find_secrets(cells: list[Cell]) -> list[Finding]:
-    """Every line of every cell that holds something credential-shaped, in cell and line order."""
+    """Every line of every cell that holds something credential-shaped, written whole or in pieces, in cell
+    and line order."""
     found = []
     for cell in cells:
-        for n, text in enumerate(cell.source.splitlines(), start=1):
-            for kind, pattern in PATTERNS:
-                match = pattern.search(text)
-                if not match:
-                    continue
-                secret = next((g for g in match.groups() if g), match.group(0))
-                if kind == "credential" and not _looks_random(secret):
-                    continue
-                found.append(Finding(cell.index, n, kind, text.replace(secret, secret[:6] + "…").strip()))
-                break
+        lines = dict(enumerate(cell.source.splitlines(), start=1))
+        lines.update((n, text) for n, text in _joined_literals(cell) if not _scan(lines.get(n, "")))
+        for n, text in sorted(lines.items()):
+            hit = _scan(text)
+            if hit:
+                found.append(Finding(cell.index, n, *hit))
     return found
+
+
+def _joined_literals(cell: Cell) -> Iterator[tuple[int, str]]:
+    """``(cell line, that line with the joined value in place of its pieces)`` for each string the cell builds
+    from literals: ``"a" + "b"``, adjacent literals over several lines, ``"".join(["a", "b"])``."""
+    from ..convert.clean import clean_cell  # only a cell that is exported is cleaned
+
+    try:
+        clean = clean_cell(cell)
+        tree = clean.tree or ast.parse(clean.code)
+    except (NbddpError, SyntaxError):
+        return
+    code = clean.code.splitlines()
+    for node in _pieced_strings(tree):
+        line = clean.line_map[node.lineno - 1] if node.lineno <= len(clean.line_map) else None
+        if line is not None:
+            yield line, f'{code[node.lineno - 1][:node.col_offset]}"{_fold(node)}"'
+
+
+def _pieced_strings(node: ast.AST) -> Iterator[ast.expr]:
+    """The outermost expressions that fold to a string made of more than one literal piece."""
+    value = _fold(node) if isinstance(node, ast.expr) else None
+    if value is not None:
+        if not isinstance(node, ast.Constant) or node.lineno != node.end_lineno:
+            yield node
+        return
+    for child in ast.iter_child_nodes(node):
+        yield from _pieced_strings(child)
+
+
+def _fold(node: ast.expr) -> str | None:
+    """The string ``node`` always evaluates to when built from literals only, else None."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _fold(node.left), _fold(node.right)
+        return left + right if left is not None and right is not None else None
+    if isinstance(node, ast.JoinedStr):
+        parts = [_fold(v) for v in node.values]
+        return "".join(parts) if all(p is not None for p in parts) else None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], (ast.List, ast.Tuple))):
+        sep, parts = _fold(node.func.value), [_fold(e) for e in node.args[0].elts]
+        return sep.join(parts) if sep is not None and all(p is not None for p in parts) else None
+    return None
+
+
+def find_leftovers(path: str | os.PathLike) -> list[str]:
+    """Warnings for credentials the notebook file holds where the export does not look (so does not
+    publish): markdown and raw cells, cells tagged ``nbddp-skip``, outputs, cell and notebook metadata."""
+    nb = nbformat.read(str(path), as_version=4)
+    places: list[tuple[str, list[str], bool]] = []  # (where, its texts, whether its lines are cell lines)
+    for i, cell in enumerate(nb.cells, start=1):
+        if cell.cell_type != "code":
+            places.append((f"cell {i} ({cell.cell_type})", [cell.source], True))
+        elif SKIP_TAG in cell.metadata.get("tags", []):
+            places.append((f"cell {i} (tagged {SKIP_TAG})", [cell.source], True))
+        places.append((f"cell {i} (its output)", list(_strings(cell.get("outputs", []))), False))
+        places.append((f"cell {i} (its metadata)", list(_strings(cell.metadata)), False))
+    places.append(("the notebook's metadata", list(_strings(nb.metadata)), False))
+    warnings = []
+    for where, texts, numbered in places:
+        hit = _first_in(texts)
+        if hit:
+            line, kind, masked = hit
+            at = f"{where}, line {line}" if numbered else where
+            warnings.append(f"{at}: {_article(kind)} {kind} is in the notebook file ({masked}); it is not exported, "
+                            "but anyone given the notebook can read it: remove it there too")
+    return warnings
+
+
+def _first_in(texts: list[str]) -> tuple[int, str, str] | None:
+    """``(line, kind, masked line)`` of the first credential in any of ``texts``."""
+    for text in texts:
+        for n, line in enumerate(text.splitlines(), start=1):
+            hit = _scan(line)
+            if hit:
+                return n, *hit
+    return None
+
+
+def _strings(value) -> Iterator[str]:
+    """Every string inside nested dicts and lists (an output's text, a metadata value)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[0] in "AEIOU" else "a"
 
 
 def check_secrets(cells: list[Cell]) -> None:
@@ -90,7 +203,7 @@ def check_secrets(cells: list[Cell]) -> None:
     first = found[0]
     name = _SECRET_NAMES.get(first.kind, "MY_SECRET")
     others = "".join(f"\n  also cell {f.cell}, line {f.line}: {f.kind}" for f in found[1:])
-    article = "an" if first.kind[0] in "AEIOU" else "a"
+    article = _article(first.kind)
     message = (
         f"{article} {first.kind} is written in the notebook; the export would publish it with the kernel's code:\n"
         f"    {first.masked}{others}\n"
