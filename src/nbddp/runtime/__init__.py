@@ -7,7 +7,6 @@ from .dist import (
     device,
     device_map,
     distributed_sampler,
-    display,
     is_local_main_process,
     is_main_process,
     main_process_first,
@@ -18,6 +17,7 @@ from .dist import (
     setup,
     unwrap,
 )
+from .rich import display
 from .shell_lines import cd, expand, getoutput, shell, shell_cell, write_file
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
 

@@ -90,11 +90,12 @@ def setup() -> RankInfo:
         dist.init_process_group(backend=info.backend, timeout=timeout)
         _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
     _info = info
-    from . import metrics, resume, shims
+    from . import metrics, resume, rich, shims
     from .report import get_multi_gpu_config
 
     seed = seed_everything()
     metrics.attach()
+    rich.install()
     resume.attach(log=lambda line: print0(line, flush=True))
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
@@ -250,12 +251,6 @@ def print0(*args, **kwargs) -> None:
     """``print`` on rank 0 only."""
     if is_main_process():
         print(*args, **kwargs)
-
-
-def display(*objs, **kwargs) -> None:
-    """The notebook's ``display()`` outside a notebook: the objects' text form, printed on rank 0."""
-    for obj in objs:
-        print0(obj if isinstance(obj, str) else repr(obj))
 
 
 def _record_uncaught_errors() -> None:
