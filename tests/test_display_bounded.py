@@ -72,6 +72,8 @@ def rank0_output(step):
             yield "stderr", ("/venv/lib/transformers/training_args.py:1541: FutureWarning: `gradient_checkpointing` "
                              "is deprecated\n  warnings.warn(f\"...\", FutureWarning)\n")
         yield "stderr", "[W1123 12:00:00.000 ProcessGroupGloo.cpp:1] Warning: no GPU, gloo on CPU\n"
+        yield "stderr", ("  0%|          | 0/2000 [00:00<?, ?it/s]/venv/torch/utils/data/dataloader.py:759: UserWarning: "
+                         "'pin_memory' argument is set as true\n  super().__init__(loader)\n")
         return
     yield "stderr", f"\r{100 * step // STEPS:3d}%|#####     | {step}/{STEPS} [00:10<00:20, 9.0it/s]"
     if step % LOGGING_STEPS == 0:
@@ -142,6 +144,8 @@ def test_a_2000_step_run_is_a_few_outputs_updated_in_place(tmp_path, monkeypatch
     text = log["text/plain"]
     assert text.count("FutureWarning: `gradient_checkpointing` is deprecated (training_args.py:1541)") == 1
     assert "torch: no GPU, gloo on CPU" in text and "warnings.warn" not in text
+    assert "UserWarning: 'pin_memory' argument is set as true (dataloader.py:759)" in text  # after a bar, on its line
+    assert " 0/2000" not in text and "super().__init__" not in text
     assert text.startswith("nbddp: 2 process(es), backend gloo, rank 0 on cpu, seed 0; no GPU: fp32 only (+1 nbddp notes)")
     assert "{'loss'" not in text and "2000/2000 [" in text and "1999/2000" not in text
     assert text.splitlines()[-1] == f"rank 0's full output: {tmp_path / 'r1' / 'logs'}"

@@ -21,7 +21,8 @@ MAX_LINE = 300
 #: Most different warnings a view lists.
 MAX_WARNINGS = 30
 
-_PY_WARNING = re.compile(r"^(?P<file>\S[^:]*):(?P<line>\d+): (?P<category>[A-Z]\w*(?:Warning|Deprecation)\w*): (?P<message>.*)$")
+#: Python's warning line; it may follow a bar left unfinished on the same line (a warning while a bar stands).
+_PY_WARNING = re.compile(r"(?:^|(?<=\]))(?P<file>[^\s:][^:]*\.py):(?P<line>\d+): (?P<category>[A-Z]\w*Warning): (?P<message>.*)$")
 _TORCH_WARNING = re.compile(r"^\[W\d{3,4} [^\]]*\] (?:Warning: )?(?P<message>.*)$")
 _TRAINER_LOG = re.compile(r"^\{'\w+': .*\}$")
 _DIM = "opacity:0.65"
@@ -121,7 +122,7 @@ class RankLog:
             return
         if after_warning and line.startswith(" "):
             return  # the code line Python prints under a warning
-        m = _PY_WARNING.match(line)
+        m = _PY_WARNING.search(line)
         if m:
             self._source_line_next = True
             self._warn(f"{m['category']}: {m['message']} ({Path(m['file']).name}:{m['line']})")
