@@ -45,7 +45,7 @@ def lab(tmp_path_factory):
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-         "--ServerApp.terminals_enabled=False"],
+         "--ServerApp.terminals_enabled=False", *(["--allow-root"] if os.geteuid() == 0 else [])],
         cwd=root, env=env, stdout=open(root / "lab.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -99,14 +99,18 @@ def last_cell(page):
 
 
 def wait_for_text(page, pattern: str, timeout_s: float) -> str:
-    """The last cell's text once ``pattern`` (a regex) shows in it."""
+    """The last cell's text once ``pattern`` (a regex) shows in it, the cell kept in the window (JupyterLab
+    skips drawing cells out of sight)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = last_cell(page).inner_text()
+    while True:
+        cell = last_cell(page)
+        cell.scroll_into_view_if_needed()
+        text = cell.inner_text()
         if re.search(pattern, text):
             return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pattern!r} never showed in {timeout_s} s; the cell reads:\n{text[-3000:]}")
         time.sleep(1)
-    raise AssertionError(f"{pattern!r} never showed; the cell reads:\n{last_cell(page).inner_text()[-3000:]}")
 
 
 def in_view(page, locator) -> bool:
