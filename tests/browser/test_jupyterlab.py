@@ -90,7 +90,8 @@ def open_notebook(browser, lab, name: str, cells: list[str]):
         "(() => { const w = window.jupyterapp.shell.currentWidget;"
         " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
         " && w.sessionContext.session.kernel.status === 'idle'; })()", timeout=120_000)
-    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    # started, not awaited: the command's promise settles only when every cell has run
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
     return page
 
 
@@ -126,6 +127,9 @@ def outputs(page) -> int:
 
 
 def shot(page, name: str) -> Path:
+    news = page.get_by_role("button", name="No")  # JupyterLab's "get notified about news?" toast, in the way
+    if news.count():
+        news.first.click()
     SHOTS.mkdir(parents=True, exist_ok=True)
     path = SHOTS / f"{name}.png"
     page.screenshot(path=str(path))
