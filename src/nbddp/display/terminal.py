@@ -64,7 +64,7 @@ class TerminalView:
 
     def _emit(self, stream: str, text: str) -> None:
         if self._open and self._open != stream:
-            self.end_line(clear=text.startswith("\r") is False)
+            self.end_line(clear=True)
         f = self.files[stream]
         f.write(text)
         f.flush()
