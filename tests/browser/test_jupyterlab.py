@@ -165,10 +165,12 @@ def test_a_failure_at_step_300_shows_one_mapped_traceback(lab, browser):
     assert "rank 1 failed in" in text and "rank 1 gave up at step 300" in text
     assert re.search(r'File "In \[\d+\]", line \d+, in <module>  \(the %%ddp_train cell\)', text)
     assert re.search(r'File "In \[\d+\]", line \d+, in on_step_end', text)
-    assert "script.py" not in text and "nbddp/runtime" not in text
-    assert_cell_bounded(page)
     error = last_cell(page).locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').last
     assert in_view(page, error)
+    shown = error.inner_text()  # the one traceback: no generated script, no nbddp frames, the logs named
+    assert "rank 1 gave up at step 300" in shown and "script.py" not in shown and "nbddp/runtime" not in shown
+    assert "every rank's own traceback and output:" in shown and shown.count("Traceback (most recent call last)") == 1
+    assert_cell_bounded(page)
     shot(page, "failed-at-300")
     page.close()
 
