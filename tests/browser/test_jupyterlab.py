@@ -155,6 +155,7 @@ def test_a_2000_step_run_stays_a_few_outputs_with_its_summary_in_sight(lab, brow
     summary = last_cell(page).get_by_text(re.compile("nbddp: finished in"))
     assert in_view(page, summary)
     assert "done · step 2000/2000" in text and "learning_rate" in text
+    assert status.bounding_box()["height"] < 30  # the longest status, at the end, on one line too
     assert shot(page, "long-finished").stat().st_size > 10_000
     page.close()
 

@@ -79,7 +79,8 @@ class Progress:
         """The panel's status line as a display bundle: plain text, and HTML with a progress bar."""
         text = self.text(outcome)
         bar = f'<progress value="{self.step}" max="{self.max_steps}" style="width:12em;flex:none"></progress>' if self.max_steps else ""
-        line = f'<code style="overflow:hidden;text-overflow:ellipsis">{html.escape(text)}</code>'
+        # nowrap on the text itself: front ends style <code> as pre-wrap
+        line = f'<code style="white-space:nowrap;overflow:hidden;text-overflow:ellipsis;min-width:0">{html.escape(text)}</code>'
         # one line at any width: the bar keeps its size, the text is cut with "…" rather than wrapped
         style = "display:flex;gap:0.6em;align-items:center;white-space:nowrap;overflow:hidden"
         return {"text/plain": text, "text/html": f'<div style="{style}">{bar}{line}</div>'}
