@@ -155,7 +155,8 @@ def test_a_2000_step_run_is_a_few_outputs_updated_in_place(tmp_path, monkeypatch
 
 
 def test_a_failure_ends_with_one_traceback_and_the_log_view_without_the_raw_one(tmp_path, monkeypatch):
-    raw = "Traceback (most recent call last):\n  File \"/r1/script.py\", line 40, in <module>\nValueError: boom\n"
+    raw = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"/r1/script.py\", line 40, in <module>\n"
+           "[rank0]: RuntimeError: Connection closed by peer\n")
     failure = RankFailure(rank=1, message="ValueError: boom", traceback="Traceback (most recent call last):\nValueError: boom",
                           cell=4, line=2)
     cell, panel, job = simulate(tmp_path, monkeypatch, last_step=300, returncode=1, failure=failure,
@@ -163,7 +164,7 @@ def test_a_failure_ends_with_one_traceback_and_the_log_view_without_the_raw_one(
     assert [o["output_type"] for o in cell.outputs] == ["stream", "display_data", "display_data", "stream"]
     assert "failed · step 300/2000" in cell.outputs[1]["data"]["text/plain"]
     log = cell.outputs[2]["data"]["text/plain"]
-    assert "script.py" not in log and "(rank 0's raw traceback: in its log)" in log
+    assert "script.py" not in log and "[rank0]" not in log and "(rank 0's raw traceback: in its log)" in log
     error = outcome_error(job)
     assert f"every rank's own traceback and output: {tmp_path / 'r1' / 'logs'}" in error.report
 

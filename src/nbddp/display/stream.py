@@ -25,6 +25,8 @@ MAX_WARNINGS = 30
 _PY_WARNING = re.compile(r"(?:^|(?<=\]))(?P<file>[^\s:][^:]*\.py):(?P<line>\d+): (?P<category>[A-Z]\w*Warning): (?P<message>.*)$")
 _TORCH_WARNING = re.compile(r"^\[W\d{3,4} [^\]]*\] (?:Warning: )?(?P<message>.*)$")
 _TRAINER_LOG = re.compile(r"^\{'\w+': .*\}$")
+#: A traceback's first line, as Python prints it or with torch's ``[rank0]:`` prefix.
+_TRACEBACK = re.compile(r"^(?:\[rank\d+\]:\s*)?Traceback \(most recent call last\)")
 _DIM = "opacity:0.65"
 
 
@@ -140,7 +142,7 @@ class RankLog:
     def cut_traceback(self) -> None:
         """Drop a raw traceback from the shown lines: the cell's error shows it once, mapped to the cells."""
         lines = list(self.tail)
-        at = next((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), None)
+        at = next((i for i, ln in enumerate(lines) if _TRACEBACK.match(ln)), None)
         if at is not None:
             self.tail = deque([*lines[:at], "(rank 0's raw traceback: in its log)"], maxlen=self.tail.maxlen)
 
