@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.nbddp-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-browser bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,16 @@ demo: $(STAMP)  ## train the embedded tiny model on 2 processes (CPU/gloo withou
 
 test: $(STAMP)  ## the full test suite, as CI runs it
 	$(PY) -m pytest -q
+
+# Chromium comes from the system's packages (never a browser download): installed with apt where this can.
+CHROMIUM_HINT := no chromium: install your system's package (Debian/Ubuntu: apt-get install -y chromium) and run make test-browser again
+
+test-browser: $(STAMP)  ## JupyterLab in headless Chromium: a 2000-step %%ddp_train, a failure, the stop button
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } \
+		|| { echo "$(CHROMIUM_HINT)"; exit 1; }
+	$(PY) -m pip install -q jupyterlab playwright
+	$(PY) -m pytest -q -m browser tests/browser
 
 bench: $(STAMP)  ## CPU benchmarks; results land in benchmarks/results/
 	$(PY) benchmarks/convert_speed.py

@@ -60,3 +60,8 @@ def rendered(text: str) -> str:
 
 def errors(cell) -> list:
     return [o for o in cell.outputs if o.output_type == "error"]
+
+
+def displays(cell) -> list[str]:
+    """A cell's displays as saved (after every update), as plain text: nbddp's panel, then its log view."""
+    return [o.data["text/plain"] for o in cell.outputs if o.output_type == "display_data"]

@@ -123,7 +123,7 @@ def test_the_error_a_cell_ends_with(tmp_path):
     error = outcome_error(job, label=lambda i: f"In [{i}]")
     assert isinstance(error, JobFailed)
     assert str(error).startswith("rank 1 failed in In [7], line 2: ValueError: boom")
-    assert error._render_traceback_()[0] == '  File "In", cell 7, line 2, in <module>'
+    assert error._render_traceback_()[0] == '  File "In [7]", line 2, in <module>'  # the cell as the notebook names it
 
     job = JobResult(run_result(tmp_path, returncode=0, interrupted=True), tmp_path)  # torchrun may exit 0 when stopped
     assert not job.ok and summary(job).startswith("nbddp: interrupted in")

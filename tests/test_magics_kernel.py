@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from conftest import ROOT, no_rank_processes, write_notebook
-from kernel import errors, execute, rendered, stream
+from kernel import displays, errors, execute, stream
 
 pytestmark = pytest.mark.e2e
 
@@ -26,26 +26,26 @@ def test_the_example_notebook_trains_with_a_live_panel_and_leaves_its_result(tmp
     # the job: the registered cells plus the magic cell, numbered as the kernel numbers them
     out = stream(train, "stdout")
     assert "3 cells from %%ddp_setup cells (registered): In [2], In [3], In [4]" in out
-    assert "nbddp: 2 process(es), backend gloo" in out
+    panel, log = displays(train)
+    assert "nbddp: 2 process(es), backend gloo" in log  # rank 0's output: in the log view
     assert re.search(r"finished in [\d.]+ s · 30 steps · [\d.]+ steps/s · [\d.]+ samples/s · loss [\d.]+ → [\d.]+", out)
     assert f"adapter saved in {tmp_path / 'outputs' / 'lora_adapter'}" in out
 
-    # the panel: a status line and a loss curve, both updated in place through their display ids
-    displays = [o for o in train.outputs if o.output_type == "display_data"]
-    status, plot = displays[0], displays[1]
-    assert "done" in status.data["text/plain"] and "step 30/30" in status.data["text/plain"]
-    assert base64.b64decode(plot.data["image/png"]).startswith(b"\x89PNG\r\n\x1a\n")
+    # the panel: a status line, a loss curve and the metrics table, updated in place through its display id;
+    # the log view too; nothing else but the lines before and the summary
+    assert [o.output_type for o in train.outputs] == ["stream", "display_data", "display_data", "stream"]
+    assert "done" in panel and "step 30/30" in panel and "learning_rate" in panel
+    html = train.outputs[1].data["text/html"]
+    png = re.search(r'src="data:image/png;base64,([^"]+)"', html).group(1)
+    assert base64.b64decode(png).startswith(b"\x89PNG\r\n\x1a\n")
     train_index = nb.cells.index(train)
-    status_id, plot_id = [d for c, kind, d, _ in client.messages if c == train_index and kind == "display_data"]
-    updates = [(d, mimes) for c, kind, d, mimes in client.messages if kind == "update_display_data"]
-    assert (plot_id, ("image/png", "text/plain")) in updates
-    assert len([u for u in updates if u[0] == status_id]) >= 2
+    panel_id, log_id = [d for c, kind, d, _ in client.messages if c == train_index and kind == "display_data"]
+    updates = [d for c, kind, d, mimes in client.messages if kind == "update_display_data"]
+    assert updates.count(panel_id) >= 2 and updates.count(log_id) >= 1
 
-    # the Trainer's bar: redrawn in place in the front end, so no line is left at an intermediate step (a
-    # warning printed while the bar stood at 0/30 keeps that line, as it would in a terminal)
-    shown = rendered(stream(train, "stderr"))
-    assert len(re.findall(r"\b30/30 \[", shown)) == 1
-    assert not re.search(r"\b([1-9]|[12]\d)/30 \[", shown)
+    # the Trainer's bar in the log view: its last redraw only, and no Trainer dict lines (the table has them)
+    assert len(re.findall(r"\b30/30 \[", log)) == 1
+    assert not re.search(r"\b([1-9]|[12]\d)/30 \[", log) and "{'loss'" not in log
 
     # the next cells: the result, then the adapter loaded in the kernel for inference
     text = stream(result, "stdout")
@@ -95,17 +95,18 @@ def test_notebook_cells_a_failing_rank_and_a_whole_notebook_file(tmp_path):
     assert "2 cells from nb.ipynb (notebook): cell 2, cell 4" in stream(fail, "stdout")
     (error,) = errors(fail)
     assert error.ename == "JobFailed"
-    assert error.evalue.startswith("rank 1 failed in cell 4, line 4: ValueError: boom on rank 1")
+    assert error.evalue.startswith("rank 1 failed in the %%ddp_train cell (cell 4), line 4: ValueError: boom on rank 1")
     assert any('File "nb.ipynb", cell 4, line 4, in <module>' in line for line in error.traceback)
-    assert "greeting: hello" in stream(fail, "stdout") and "failed in" in stream(fail, "stdout")
+    assert not any("script.py" in line or "runtime" in line for line in error.traceback)  # nbddp's frames hidden
+    assert "greeting: hello" in displays(fail)[1] and "failed in" in stream(fail, "stdout")
 
     # %ddp_train NOTEBOOK: the whole file; tqdm's redraws reach the notebook collapsed, one bar in the end
     assert not errors(whole)
-    assert "loop done" in stream(whole, "stdout") and "other ok: True" in stream(after, "stdout")
-    saved = stream(whole, "stderr")
+    shown = displays(whole)[1]
+    assert "loop done" in shown and "other ok: True" in stream(after, "stdout")
     log = next((tmp_path / "nbddp_runs").glob("*-other/logs/*/attempt_0/0/stderr.log")).read_bytes()
-    assert log.count(b"\r") >= 200 and saved.count("\r") < 40
-    bars = [ln for ln in rendered(saved).splitlines() if "/200 [" in ln]
+    assert log.count(b"\r") >= 200 and "\r" not in shown
+    bars = [ln for ln in shown.splitlines() if "/200 [" in ln]
     assert len(bars) == 1 and "200/200" in bars[0]
     assert no_rank_processes(str(tmp_path))
 

@@ -102,23 +102,26 @@ def _convert(args) -> int:
 
 
 def _run(args) -> int:
-    from .display import failure_report, summary
+    from .display import TerminalView, failure_report, summary
     from .job import JobResult, check_job_options, run_notebook, shim_env
     from .launch import node_args, where_ranks_were
 
     torchrun_args = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint) + args.torchrun_args
     check_job_options(nproc=args.nproc, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
                       torchrun_args=torchrun_args)
+    view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
     script, result = run_notebook(
         args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
         runs_dir=args.runs_dir, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
         resume=args.resume, env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing),
         torchrun_args=torchrun_args,
+        sink=view.sink, on_metrics=view.on_metrics,
     )
+    view.end_line()
     for w in script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
     if result.failure:
-        sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result)))
+        sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result), hidden=[result.script]))
     elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     job = JobResult.from_run(result, args.notebook.resolve().parent)

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import launch
 
@@ -52,26 +53,43 @@ class Report:
 
     def text(self) -> str:
         width = max((len(c.name) for c in self.checks), default=0)
-        lines = ["nbddp doctor"]
-        for c in self.checks:
-            lines.append(f"  {c.status:<4}  {c.name:<{width}}  {c.detail}")
-            if c.hint:
-                lines.append(f"        {'':<{width}}  → {c.hint}")
-        return "\n".join(lines)
+        return "\n".join(["nbddp doctor", *(check_lines(c, width) for c in self.checks)])
 
 
-def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Report:
-    """Every check. ``in_kernel`` adds the checks about the notebook kernel this runs in."""
+#: The width of a check's name when checks are shown one by one, before all the names are known.
+NAME_WIDTH = len("kernel memory")
+
+
+def check_lines(c: Check, width: int = NAME_WIDTH) -> str:
+    """``  ok    /dev/shm  64 GiB``, and the hint on a line below."""
+    line = f"  {c.status:<4}  {c.name:<{width}}  {c.detail}"
+    return line + (f"\n        {'':<{width}}  → {c.hint}" if c.hint else "")
+
+
+def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+        show: Callable[[str], None] | None = None) -> Report:
+    """Every check. ``in_kernel`` adds the checks about the notebook kernel this runs in.
+
+    ``show`` gets the report's lines as the checks are done, the quick ones first and a line saying the
+    all-reduce probe is under way (a notebook cell shows each check as it comes, not all after the probe).
+    """
+    show = show or (lambda text: None)
+    show("nbddp doctor")
     n_gpus = gpu_count()
+    local = [kernel_memory_check()] if in_kernel else []
+    local.append(shm_check())
+    for check in local:
+        show(check_lines(check))
+    show(f"  ...   {'all-reduce':<{NAME_WIDTH}}  starting {nproc or launch.default_nproc()} processes "
+         f"(up to {timeout_s:.0f} s)")
     probe = all_reduce_probe(nproc=nproc, timeout_s=timeout_s)
-    checks = [gpus_check(probe.devices, n_gpus), precision_check(probe.devices)]
-    if in_kernel:
-        checks.append(kernel_memory_check())
-    checks.append(shm_check())
-    checks.append(probe.check)
+    found = [gpus_check(probe.devices, n_gpus), precision_check(probe.devices), probe.check]
     if in_kernel and n_gpus > 1:
-        checks.append(data_parallel_check(n_gpus))
-    return Report(tuple(checks))
+        found.append(data_parallel_check(n_gpus))
+    for check in found:
+        show(check_lines(check))
+    gpus, precision, *rest = found
+    return Report((gpus, precision, *local, *rest))
 
 
 def gpu_count() -> int:

@@ -37,12 +37,14 @@ def run_script(
     resume: bool = False,
     sink: Sink | None = None,
     on_metrics: Callable[[dict], None] | None = None,
+    on_run_dir: Callable[[Path], None] | None = None,
 ) -> RunResult:
     """Write the script into a new run directory, run its installs once, then launch it under torchrun.
 
     ``cwd`` is where the ranks start (default: here); run directories go under ``runs_dir``, ``$NBDDP_RUNS``
     or ``./nbddp_runs``. ``timeout_s`` bounds the job, ``collective_timeout_s`` each collective; ``resume``
-    continues ``trainer.train()`` from the last checkpoint (see ``launch.plan``).
+    continues ``trainer.train()`` from the last checkpoint (see ``launch.plan``). ``on_run_dir`` hears of
+    the run directory once it is made (a notebook's log view names it while the job runs).
     """
     check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                       torchrun_args=torchrun_args)
@@ -50,6 +52,8 @@ def run_script(
     outputs.check_writable(folders)
     runs = Path(runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
     run_dir = _launch.new_run_dir(runs, name)
+    if on_run_dir:
+        on_run_dir(run_dir)
     path = script.write(run_dir / "script.py")
     if script.installs and not skip_installs:
         _launch.run_installs((i.argv() for i in script.installs), sink)

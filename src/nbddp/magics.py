@@ -7,24 +7,45 @@ Thin on purpose: parse the arguments, call the API (``cells``, ``convert``, ``jo
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import MagicHelpFormatter, argument, kwds, magic_arguments, parse_argstring
 from IPython.utils.process import arg_split
 
 from . import doctor
 from .cells import SOURCES, Registry, find_notebook, select_cells
 from .convert import convert_cells, convert_notebook
-from .display import LivePanel, outcome_error
+from .display import LivePanel, cell_label, outcome_error
 from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
 from .job import JobResult, check_job_options, parse_env, run_script, shim_env, split_torchrun_args
 from .launch import default_nproc
+
+
+#: The names ``--shim``/``--no-shim`` take (each shim module's ``NAME``; a test keeps this in step with
+#: ``runtime/shims``, whose modules import torch, too slow to load for a help text).
+SHIM_NAMES = ("cuda_amp", "precision", "peft_kwargs", "xformers_bias", "unsloth", "no_checkpointing", "grad_ckpt",
+              "ddp_defaults", "loss_filter")
+
+# argparse fills in %(prog)s here, so "%%" is one "%"; the heading adds the first line's other "%"
+TRAIN_USAGE = """%%ddp_train [options] [-- TORCHRUN_ARGS]                  a cell: the cells above it, then this one
+  %%ddp_train NOTEBOOK.ipynb [options] [-- TORCHRUN_ARGS]    a whole notebook file"""
+
+
+class _HelpFormatter(MagicHelpFormatter):
+    """IPython's magic help with a plain ``usage:`` heading instead of a reStructuredText block."""
+
+    def add_usage(self, usage, actions, groups, prefix="usage:\n  %"):
+        super(MagicHelpFormatter, self).add_usage(usage, actions, groups, prefix)
+
+    # argparse's own option forms (--nproc N|auto), not IPython's reStructuredText-safe <N|auto>
+    _format_action_invocation = argparse.HelpFormatter._format_action_invocation
 
 
 def _arguments(options):
@@ -61,14 +82,17 @@ class NbddpMagics(Magics):
         self.shell.events.unregister("pre_run_cell", self._remember_cell_id)
 
     @magic_arguments()
+    @kwds(usage=TRAIN_USAGE, formatter_class=_HelpFormatter)
     @argument("notebook", nargs="?", help="as a line magic: a notebook file to train whole")
     @argument("--nproc", default="auto", metavar="N|auto", help="processes: one per GPU by default, 2 without GPUs")
     @argument("--dry-run", action="store_true", help="show the cells taken and the script; do not train")
     @argument("--show-script", action="store_true", help="show the generated script before training")
     @argument("--diff", action="store_true", help="show a unified diff from the cells' code to the script")
     @argument("--timeout", type=float, metavar="S", help="stop every rank after S seconds")
-    @argument("--shim", action="append", default=[], metavar="NAME", help="force a compatibility shim on")
-    @argument("--no-shim", action="append", default=[], metavar="NAME", help="force a compatibility shim off")
+    @argument("--shim", action="append", default=[], metavar="NAME",
+              help="force a compatibility shim on; NAME is one of " + ", ".join(SHIM_NAMES))
+    @argument("--no-shim", action="append", default=[], metavar="NAME",
+              help="force a compatibility shim off; NAME is one of " + ", ".join(SHIM_NAMES))
     @argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off everywhere (more memory)")
     @argument("--env", action="append", default=[], metavar="K=V", help="an environment variable for the ranks")
     @argument("--save", metavar="PATH", help="also write the script (and PATH.map.json) to PATH")
@@ -82,11 +106,12 @@ class NbddpMagics(Magics):
     def ddp_train(self, line: str, cell: str | None = None):
         """Train on every GPU: the cells before this one plus this cell, as a DDP script run by torchrun.
 
-        Rank 0's output streams into the cell with a live panel (progress, speed, ETA, loss curve); the
-        result lands in ``_ddp`` (or ``--out VAR``): metrics, log_history, output_dir, adapters, script_path,
-        log_dir. A failing rank's traceback is shown at its notebook cell and line; interrupting the kernel
-        stops every rank. As a line magic, ``%ddp_train path/to/notebook.ipynb`` trains a whole notebook.
-        Arguments after ``--`` go to torchrun, e.g. ``%%ddp_train -- --nnodes=2 --node-rank=0 ...``.
+        The cell shows a live panel (progress, speed, ETA, loss curve, the Trainer's logged metrics) and
+        the last lines of rank 0's output, both updated in place, then a summary. The result lands in _ddp
+        (or --out VAR): metrics, log_history, output_dir, adapters, script_path, log_dir. A failing rank's
+        traceback is shown at its notebook cell and line; interrupting the kernel stops every rank. As a
+        line magic, %ddp_train path/to/notebook.ipynb trains a whole notebook. Arguments after -- go to
+        torchrun, e.g. %%ddp_train -- --nnodes=2 --node-rank=0 --rdzv-endpoint=HOST:29500
         """
         ours, torchrun_args = split_torchrun_args(arg_split(line, posix=True))
         args = self.ddp_train.parser.parse_args(ours)
@@ -108,7 +133,7 @@ class NbddpMagics(Magics):
             print("\n".join([selection.describe(), *(f"nbddp: note: {n}" for n in selection.notes)]))
             script = convert_cells(list(selection.cells), origin=selection.origin)
             name = Path(selection.origin).stem if selection.source == "notebook" else "kernel"
-            cwd, label = Path.cwd(), selection.label
+            cwd, label = Path.cwd(), cell_label(selection.cells, selection.numbering)
         for warning in script.warnings:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
         if args.save:
@@ -126,6 +151,7 @@ class NbddpMagics(Magics):
         run = run_script(
             script, name=name, nproc=nproc, cwd=cwd, runs_dir=args.runs_dir, torchrun_args=torchrun_args, env=env,
             skip_installs=args.skip_installs, timeout_s=args.timeout, sink=panel.sink, on_metrics=panel.on_metrics,
+            on_run_dir=panel.on_run_dir,
         )
         job = JobResult.from_run(run, cwd)
         self.shell.user_ns[args.out] = job
@@ -135,14 +161,15 @@ class NbddpMagics(Magics):
             raise error
 
     @magic_arguments()
+    @kwds(formatter_class=_HelpFormatter)
     @argument("--also-here", action="store_true", help="run the cell in this kernel too")
     @argument("--list", action="store_true", help="as a line magic: list the registered cells")
     @argument("--clear", action="store_true", help="as a line magic: forget every registered cell")
     @line_cell_magic
     def ddp_setup(self, line: str, cell: str | None = None):
-        """Mark a cell as part of the next ``%%ddp_train`` job without running it here, so the kernel does not
+        """Mark a cell as part of the next %%ddp_train job without running it here, so the kernel does not
         load the model onto a GPU the ranks need. Running the cell again replaces what it registered.
-        ``%ddp_setup --list`` shows the registered cells, ``%ddp_setup --clear`` forgets them.
+        %ddp_setup --list shows the registered cells, %ddp_setup --clear forgets them.
         """
         args = parse_argstring(self.ddp_setup, line)
         if cell is None:
@@ -158,6 +185,7 @@ class NbddpMagics(Magics):
             raise NbddpError("the cell failed in this kernel (traceback above); it is registered for the job all the same")
 
     @magic_arguments()
+    @kwds(formatter_class=_HelpFormatter)
     @argument("--nproc", type=int, help="processes for the all-reduce (default: one per GPU, 2 without GPUs)")
     @argument("--timeout", type=float, default=doctor.DEFAULT_TIMEOUT_S, metavar="S", help="give up the all-reduce after S seconds")
     @line_magic
@@ -165,19 +193,20 @@ class NbddpMagics(Magics):
         """Pre-flight checks: GPUs and precisions, GPU memory this kernel holds, /dev/shm, an all-reduce across
         every GPU (gloo on CPU), and the DataParallel trap of training in a kernel that sees several GPUs."""
         args = parse_argstring(self.ddp_doctor, line)
-        print(doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout).text())
+        doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout, show=lambda text: print(text, flush=True))
 
     @magic_arguments()
+    @kwds(formatter_class=_HelpFormatter)
     @argument("notebook", nargs="?", help="the notebook file (default: the one this kernel runs, as last saved)")
     @_arguments(EXPORT_OPTIONS)
     @line_magic
     def ddp_export(self, line: str):
         """Export a notebook as a Kaggle Script kernel that trains on every GPU of Kaggle's machine: a
-        self-launching script and its kernel-metadata.json in DIR, for ``!kaggle kernels push -p DIR``.
+        self-launching script and its kernel-metadata.json in DIR, for !kaggle kernels push -p DIR.
 
         Without a path it exports the notebook this kernel runs, as last saved: save it first. Cells holding
-        a token or key stop the export at their cell and line (``--allow-secrets`` to go on); cells tagged
-        ``nbddp-skip`` are left out. Example: ``%ddp_export --kaggle kaggle_out --id me/my-finetune``.
+        a token or key stop the export at their cell and line (--allow-secrets to go on); cells tagged
+        nbddp-skip are left out. Example: %ddp_export --kaggle kaggle_out --id me/my-finetune
         """
         from .export import export_kaggle
 

@@ -1,0 +1,71 @@
+"""``nbddp run`` in a terminal: rank 0's text as it comes, so tqdm redraws its bar on one line; the
+Trainer's logged metrics as a compact table instead of its dict lines; nothing printed on the end of a bar.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import TextIO
+
+from .progress import MetricsTable
+
+_TRAINER_LOG = re.compile(r"^\{'\w+': .*\}$")
+#: Back to the line's start and clear it: where a bar stands, a line printed next starts clean, and the
+#: bar's next redraw puts it back below (what ``tqdm.write`` does).
+_CLEAR_LINE = "\r\x1b[K"
+
+
+class TerminalView:
+    """The launcher's ``sink`` and ``on_metrics`` for a terminal (or a file: then a bar's line is ended with
+    a newline rather than cleared)."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None):
+        self.files = {"stdout": out or sys.stdout, "stderr": err or sys.stderr}
+        self.table = MetricsTable()
+        self._header: list[str] = []
+        self._held = ""  # stdout's unfinished line that may be a Trainer dict
+        self._open: str | None = None  # the stream whose last line is unfinished (a bar being drawn)
+
+    def sink(self, stream: str, text: str) -> None:
+        if stream == "stdout":
+            text = self._without_trainer_dicts(text)
+        if text:
+            self._emit(stream, text)
+
+    def on_metrics(self, record: dict) -> None:
+        row = self.table.add(record)
+        if row is None:
+            return
+        lines = []
+        if self.table.columns != self._header:
+            self._header = list(self.table.columns)
+            lines.append(self.table.header())
+        lines.append(self.table.line(row))
+        self.end_line(clear=True)
+        self._emit("stdout", "".join(f"{ln}\n" for ln in lines))
+
+    def end_line(self, clear: bool = False) -> None:
+        """Make the next text start a line of its own: a bar left unfinished is ended (or, with ``clear``
+        on a terminal, cleared so its next redraw comes back below)."""
+        if self._open is None:
+            return
+        f = self.files[self._open]
+        f.write(_CLEAR_LINE if clear and f.isatty() else "\n")
+        f.flush()
+        self._open = None
+
+    def _without_trainer_dicts(self, text: str) -> str:
+        *complete, self._held = (self._held + text).split("\n")
+        kept = "".join(f"{ln}\n" for ln in complete if not _TRAINER_LOG.match(ln.strip("\r")))
+        if not self._held.startswith("{"):  # only a line that may become a dict waits for its end
+            kept, self._held = kept + self._held, ""
+        return kept
+
+    def _emit(self, stream: str, text: str) -> None:
+        if self._open and self._open != stream:
+            self.end_line(clear=True)
+        f = self.files[stream]
+        f.write(text)
+        f.flush()
+        self._open = None if text.endswith("\n") else stream

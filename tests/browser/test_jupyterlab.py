@@ -1,0 +1,193 @@
+"""The cell a person watches, in a real JupyterLab driven by headless Chromium (the system's package, through
+Playwright; no browser is downloaded): a 2000-step %%ddp_train on the embedded model stays a few outputs with
+its summary in sight, a run failing at step 300 on rank 1 shows its one mapped traceback, and the stop button
+ends every rank. Screenshots are kept in build/browser-test/. Run with ``make test-browser``."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import ROOT, no_rank_processes
+from kernel import kernel_env
+from long_run import sources
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SHOTS = ROOT / "build" / "browser-test"
+WIDTH = 1400
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab on 127.0.0.1, serving a fresh folder, its kernels importing nbddp from this tree."""
+    root = tmp_path_factory.mktemp("lab")
+    port, token = free_port(), secrets.token_hex(16)
+    env = kernel_env(NBDDP_CACHE=str(root / "cache"))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+         "--ServerApp.terminals_enabled=False", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=root, env=env, stdout=open(root / "lab.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("JupyterLab did not start:\n" + (root / "lab.log").read_text()[-3000:])
+            time.sleep(0.5)
+    yield root, url, token
+    server.terminate()
+    server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("no Chromium: apt-get install -y chromium (make test-browser does it where it can)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def open_notebook(browser, lab, name: str, cells: list[str]):
+    """Write ``name`` from ``cells``, open it in JupyterLab at 1400 px, run every cell; return the page."""
+    root, url, token = lab
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nbformat.write(nb, str(root / name))
+    page = browser.new_page(viewport={"width": WIDTH, "height": 1000})
+    page.goto(f"{url}/lab/tree/{name}?token={token}&reset")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook-ExecutionIndicator, .jp-Toolbar')",
+                           timeout=60_000)
+    page.wait_for_function(  # the kernel is up: its status is idle
+        "(() => { const w = window.jupyterapp.shell.currentWidget;"
+        " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
+        " && w.sessionContext.session.kernel.status === 'idle'; })()", timeout=120_000)
+    # started, not awaited: the command's promise settles only when every cell has run
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    return page
+
+
+def last_cell(page):
+    return page.locator(".jp-Notebook .jp-Cell").last
+
+
+def wait_for_text(page, pattern: str, timeout_s: float) -> str:
+    """The last cell's text once ``pattern`` (a regex) shows in it, the cell kept in the window (JupyterLab
+    skips drawing cells out of sight)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cell = last_cell(page)
+        cell.scroll_into_view_if_needed()
+        text = cell.inner_text()
+        if re.search(pattern, text):
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pattern!r} never showed in {timeout_s} s; the cell reads:\n{text[-3000:]}")
+        time.sleep(1)
+
+
+def in_view(page, locator) -> bool:
+    """Whether ``locator`` is drawn inside the window once the page itself is scrolled to it (no scrolling
+    inside the cell, no click)."""
+    locator.scroll_into_view_if_needed()
+    box = locator.bounding_box()
+    return box is not None and box["height"] > 0 and 0 <= box["y"] and box["y"] + min(box["height"], 200) <= 1000
+
+
+def outputs(page) -> int:
+    return last_cell(page).locator(".jp-OutputArea-child").count()
+
+
+def shot(page, name: str) -> Path:
+    news = page.get_by_role("button", name="No")  # JupyterLab's "get notified about news?" toast, in the way
+    if news.count():
+        news.first.click()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    return path
+
+
+def assert_cell_bounded(page):
+    cell = last_cell(page)
+    assert outputs(page) <= 10
+    assert cell.get_by_text("Show more outputs").count() == 0
+    assert "jp-mod-outputsScrolled" not in (cell.get_attribute("class") or "")
+
+
+def test_a_2000_step_run_stays_a_few_outputs_with_its_summary_in_sight(lab, browser):
+    page = open_notebook(browser, lab, "long.ipynb", sources(steps=2000, logging_steps=100))
+    wait_for_text(page, r"training · step \d+/2000", 180)
+    status = last_cell(page).locator(".nbddp-panel > div").first
+    assert status.bounding_box()["height"] < 30  # the status line stays one line at 1400 px
+    shot(page, "long-running")
+    text = wait_for_text(page, r"nbddp: finished in|Error", 420)
+    assert "nbddp: finished in" in text and "2000 steps" in text
+    assert_cell_bounded(page)
+    summary = last_cell(page).get_by_text(re.compile("nbddp: finished in"))
+    assert in_view(page, summary)
+    assert "done · step 2000/2000" in text and "learning_rate" in text
+    assert status.bounding_box()["height"] < 30  # the longest status, at the end, on one line too
+    assert shot(page, "long-finished").stat().st_size > 10_000
+    page.close()
+
+
+def test_a_failure_at_step_300_shows_one_mapped_traceback(lab, browser):
+    page = open_notebook(browser, lab, "fail.ipynb", sources(steps=2000, logging_steps=50, fail_at=300))
+    text = wait_for_text(page, r"JobFailed", 240)
+    assert "rank 1 failed in" in text and "rank 1 gave up at step 300" in text
+    assert re.search(r'File "In \[\d+\]", line \d+, in <module>  \(the %%ddp_train cell\)', text)
+    assert re.search(r'File "In \[\d+\]", line \d+, in on_step_end', text)
+    error = last_cell(page).locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').last
+    assert in_view(page, error)
+    shown = error.inner_text()  # the one traceback: no generated script, no nbddp frames, the logs named
+    assert "rank 1 gave up at step 300" in shown and "script.py" not in shown and "nbddp/runtime" not in shown
+    assert "every rank's own traceback and output:" in shown and shown.count("Traceback (most recent call last)") == 1
+    assert_cell_bounded(page)
+    shot(page, "failed-at-300")
+    page.close()
+
+
+def test_the_stop_button_ends_every_rank(lab, browser):
+    root = lab[0]
+    page = open_notebook(browser, lab, "stop.ipynb", sources(steps=2000, logging_steps=100))
+    wait_for_text(page, r"training · step [1-9]\d*/2000", 180)
+    page.locator('.jp-NotebookPanel-toolbar [data-command="notebook:interrupt-kernel"]').first.click()
+    text = wait_for_text(page, r"JobInterrupted", 60)
+    assert "every rank and torchrun have exited" in text and "interrupted · step" in text
+    assert_cell_bounded(page)
+    assert in_view(page, last_cell(page).get_by_text(re.compile("JobInterrupted")))
+    shot(page, "stopped")
+    deadline = time.monotonic() + 10
+    while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert no_rank_processes(str(root / "nbddp_runs"))
+    page.close()
