@@ -109,7 +109,17 @@ def run_template(
     nb = parameterize_notebook(load_notebook_node(str(path)), {n: namespace[n] for n in names})
     script = convert_cells(notebook_cells(nb, origin=str(path)), origin=path.name)
     kwargs.setdefault("cwd", path.resolve().parent)
+    _show_rich_output_in_kernel(kwargs)
     return script, JobResult.from_run(run_script(script, name=path.stem, **kwargs), kwargs["cwd"])
+
+
+def _show_rich_output_in_kernel(kwargs: dict) -> None:
+    """In a kernel (papermill's), rank 0's ``display()`` becomes rich output of the template's cell."""
+    from .display.panel import in_kernel, publish_display
+
+    if in_kernel() and kwargs.get("on_metrics") is None:
+        kwargs["on_metrics"] = publish_display
+        kwargs["env"] = {**(kwargs.get("env") or {}), "NBDDP_RICH_DISPLAY": "1"}
 
 
 def check_job_options(

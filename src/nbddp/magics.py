@@ -149,7 +149,8 @@ class NbddpMagics(Magics):
             print(f"nbddp: warning: {warning}", file=sys.stderr)
         panel = LivePanel(nproc or default_nproc())
         run = run_script(
-            script, name=name, nproc=nproc, cwd=cwd, runs_dir=args.runs_dir, torchrun_args=torchrun_args, env=env,
+            script, name=name, nproc=nproc, cwd=cwd, runs_dir=args.runs_dir, torchrun_args=torchrun_args,
+            env={**env, **panel.rich_env()},
             skip_installs=args.skip_installs, timeout_s=args.timeout, sink=panel.sink, on_metrics=panel.on_metrics,
             on_run_dir=panel.on_run_dir,
         )

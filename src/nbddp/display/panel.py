@@ -39,6 +39,12 @@ def in_kernel() -> bool:
     return shell is not None and hasattr(shell, "kernel")
 
 
+def publish_display(record: dict) -> None:
+    """A job's "display" event as rich output of the running cell (templates: papermill keeps it)."""
+    if record.get("event") == "display":
+        _ipython_show(record.get("data") or {})
+
+
 def _ipython_show(bundle: dict):
     from IPython.display import display
 
@@ -79,7 +85,15 @@ class LivePanel:
         self._log_changed = True
         self._show_log()
 
+    def rich_env(self) -> dict[str, str]:
+        """What the ranks need to send rank 0's ``display()`` here as rich output (``runtime/rich.py``)."""
+        return {"NBDDP_RICH_DISPLAY": "1"} if self.show else {}
+
     def on_metrics(self, record: dict) -> None:
+        if record.get("event") == "display":  # rank 0's own display() or plt.show(): shown as it was made
+            if self.show:
+                self.show(record.get("data") or {})
+            return
         self.progress.update(record)
         self.table.add(record)
         if record.get("event") == "begin":
