@@ -730,12 +730,12 @@ def placement(groups: list[list[ast.stmt]], name: str) -> list[ast.stmt] | None:
 
 def _plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
     """Where a plain PyTorch model is wrapped in DDP: after the last statement that makes or moves it before
-    the first training statement, at the top level and in each block (a function or a fold loop that builds
-    a model and trains it)."""
+    a training statement, at the top level and in each block (a function or a fold loop that builds a model
+    and trains it). A model made after an earlier training (a second model, a PEFT model built on the first)
+    is wrapped before the training that follows it."""
+    training = {id(s) for s in facts.training}
     for name in sorted(facts.ddp_models):
-        at = placement([s.nodes for s in top[:first]], name)
-        if at is not None:
-            stmt = next(s for s in top[:first] if s.nodes is at)
+        for stmt in _last_placements(top, training, name):
             facts.ddp_wrap_after.setdefault(stmt, []).append(name)
     for stmt in top:
         if is_compound(stmt.nodes[0]):
@@ -744,6 +744,19 @@ def _plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
                 _plan_block(block, stmt.cell, facts)
             if len(facts.ddp_wrap_inside) > before:
                 facts.ddp_wraps_inside.add(stmt)
+
+
+def _last_placements(top: list[Statement], training: set[int], name: str) -> list[Statement]:
+    """The top-level statements that make or move ``name`` last before some training statement."""
+    found, last = [], None
+    for stmt in top:
+        if id(stmt) in training:
+            if last is not None:
+                found.append(last)
+            last = None
+        elif not is_compound(stmt.nodes[0]) and _places(stmt.nodes, name):
+            last = stmt
+    return found
 
 
 def _plan_block(block: list[ast.stmt], cell: CellCode, facts: JobFacts) -> None:

@@ -1,0 +1,153 @@
+"""Train correctly or refuse loudly: notebooks that used to train wrong in silence, run on two gloo ranks.
+
+Each notebook is written in the style public notebooks use; the ranks write what they hold at the end
+(weights, what they read) to files named by rank, and the test compares them.
+"""
+
+import json
+
+import pytest
+
+from nbddp.convert import convert_notebook
+from nbddp.job import run_notebook
+
+pytestmark = pytest.mark.e2e
+
+IMPORTS = (
+    "import json, os\nimport torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, TensorDataset"
+)
+DATA = (
+    "torch.manual_seed(0)\nx = torch.randn(64, 4)\ny = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])\n"
+    "data = TensorDataset(x, y)\ntrain_loader = DataLoader(data, batch_size=8, shuffle=True)"
+)
+NET = (
+    "class Net(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc1 = nn.Linear(4, 8)\n"
+    "        self.fc2 = nn.Linear(8, 1)\n"
+    "    def forward(self, x):\n"
+    "        return self.fc2(torch.relu(self.fc1(x)))"
+)
+
+
+def loop(model: str, optimizer: str, *dumps: str) -> str:
+    """A plain training loop; ``dumps`` run at its end inside it, on every rank (after it, rank 0 only)."""
+    return (
+        "for epoch in range(2):\n"
+        "    for xb, yb in train_loader:\n"
+        f"        loss = ((({model})(xb) - yb) ** 2).mean()\n"
+        f"        {optimizer}.zero_grad()\n"
+        "        loss.backward()\n"
+        f"        {optimizer}.step()\n"
+        "    print(f'epoch {epoch} loss {loss.item():.4f}')"
+    ) + "".join("\n    if epoch == 1:\n" + "".join(f"        {line}\n" for line in d.splitlines()) for d in dumps)
+
+
+def dump(model: str, name: str) -> str:
+    """Each rank writes the model's trainable weights to ``<name>-<rank>.json``."""
+    return (
+        f"with open(f\"{name}-{{os.environ['RANK']}}.json\", 'w') as fh:\n"
+        f"    json.dump({{k: v.tolist() for k, v in {model}.named_parameters() if v.requires_grad}}, fh)"
+    )
+
+
+def run(tmp_path, nb, **env):
+    chunks = []
+    script, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
+                                  timeout_s=500, env=env or None)
+    return script, result, "".join(chunks)
+
+
+def same_on_both_ranks(tmp_path, name):
+    a, b = (json.loads((tmp_path / f"{name}-{r}.json").read_text()) for r in (0, 1))
+    assert a.keys() == b.keys() and a
+    return a == b
+
+
+# ------------------------------------------------------------------------------ 1. a second model
+
+
+SECOND_PEFT_MODEL = [
+    IMPORTS + "\nfrom peft import LoraConfig, get_peft_model",
+    DATA,
+    NET + "\nmodule = Net()\noptimizer = torch.optim.SGD(module.parameters(), lr=0.01)",
+    loop("module", "optimizer"),
+    'config = LoraConfig(r=2, target_modules=["fc1"])\npeft_model = get_peft_model(module, config)\n'
+    "peft_optimizer = torch.optim.SGD(peft_model.parameters(), lr=0.05)",
+    loop("peft_model", "peft_optimizer", dump("peft_model", "lora")),
+]
+
+TWO_MODELS = [
+    IMPORTS,
+    DATA,
+    NET + "\nmodel_1 = Net()\noptimizer_1 = torch.optim.SGD(model_1.parameters(), lr=0.01)",
+    loop("model_1", "optimizer_1"),
+    "model_2 = Net()\noptimizer_2 = torch.optim.SGD(model_2.parameters(), lr=0.01)",
+    loop("model_2", "optimizer_2", dump("model_1", "m1"), dump("model_2", "m2")),
+]
+
+
+def test_a_peft_model_trained_after_a_wrapped_loop_is_wrapped_too(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(SECOND_PEFT_MODEL))
+    assert result.ok, (out[-3000:], result.failure)
+    assert same_on_both_ranks(tmp_path, "lora")
+    assert "peft_model = _nbddp.ddp(peft_model)" in script.text
+
+
+def test_models_trained_one_after_another_are_each_wrapped(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(TWO_MODELS))
+    assert result.ok, (out[-3000:], result.failure)
+    assert same_on_both_ranks(tmp_path, "m1") and same_on_both_ranks(tmp_path, "m2")
+
+
+# ------------------------------------------------------------------------------------ the safety net
+
+HIDDEN_MODEL = [
+    IMPORTS,
+    DATA,
+    NET + "\nmodel = Net()\nparams = list(model.parameters())\noptimizer = torch.optim.SGD(params, lr=0.01)",
+    loop("model", "optimizer", dump("model", "hidden")),
+]
+
+
+def test_replicas_that_diverge_stop_the_job_with_the_cell_the_model_and_the_fix(tmp_path, notebook):
+    """The converter cannot see which model ``params`` holds: the net stops the job at the first step."""
+    script, result, out = run(tmp_path, notebook(HIDDEN_MODEL))
+    assert "_nbddp.ddp(model)" not in script.text  # the converter did not see it
+    assert not result.ok and result.failure is not None
+    message = result.failure.message
+    assert "ReplicasDiverged" in message and "copies of model diverged after optimizer step 1" in message
+    assert "cell 4, line 6" in message and "model = _nbddp.ddp(model)" in message
+    assert "NBDDP_ALLOW_DIVERGENCE=1" in message
+    assert (result.failure.cell, result.failure.line) == (4, 6)
+
+
+def test_allow_divergence_lets_ranks_train_apart(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(HIDDEN_MODEL), NBDDP_ALLOW_DIVERGENCE="1")
+    assert result.ok, (out[-3000:], result.failure)
+    assert not same_on_both_ranks(tmp_path, "hidden")  # what the net stops otherwise
+
+
+UNSHARDED = [
+    IMPORTS,
+    DATA.replace("shuffle=True", "sampler=torch.utils.data.WeightedRandomSampler([1.0] * 64, 64, generator="
+                 "torch.Generator().manual_seed(0))"),
+    NET + "\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
+    loop("model", "optimizer"),
+]
+
+
+def test_a_training_loader_that_is_the_same_on_every_rank_is_reported_once(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(UNSHARDED))
+    assert result.ok, (out[-3000:], result.failure)
+    assert out.count("the training batches are the same on every rank (optimizer step at cell 4, line 6)") == 1
+    assert "the training batches are the same" not in result.rank_log(1).read_text()
+
+
+def test_the_net_checks_stay_quiet_for_a_converted_loop(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook([IMPORTS, DATA, NET + "\nmodel = Net()\n"
+                                                  "optimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
+                                                  loop("model", "optimizer")]))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "nbddp: warning" not in out
