@@ -151,3 +151,68 @@ def test_the_net_checks_stay_quiet_for_a_converted_loop(tmp_path, notebook):
                                                   loop("model", "optimizer")]))
     assert result.ok, (out[-3000:], result.failure)
     assert "nbddp: warning" not in out
+
+
+# ------------------------------------------------------------------------- 6. parameters DDP never sees used
+
+LAYER_DROP = [
+    IMPORTS,
+    DATA,
+    "class Skipping(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc1 = nn.Linear(4, 8)\n"
+    "        self.extra = nn.Linear(8, 8)\n"
+    "        self.fc2 = nn.Linear(8, 1)\n"
+    "        self.calls = 0\n"
+    "    def forward(self, x):\n"
+    "        self.calls += 1\n"
+    "        h = torch.relu(self.fc1(x))\n"
+    "        if self.calls % 2 == 0:  # a layer skipped every other step, as LayerDrop does at random\n"
+    "            h = self.extra(h)\n"
+    "        return self.fc2(h)\n"
+    "model = Skipping()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
+    loop("model", "optimizer"),
+]
+
+
+def test_a_model_that_skips_a_layer_fails_with_the_parameters_and_the_fix(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(LAYER_DROP))
+    assert not result.ok and result.failure is not None
+    message = result.failure.message
+    assert "UnusedParameters" in message
+    assert "got no gradient in the last step (rank 0): extra.weight, extra.bias" in message
+    assert "ddp_find_unused_parameters=True" in message and "find_unused_parameters=True" in message
+    assert (result.failure.cell, result.failure.line) == (4, 3)
+
+
+AUDIO_LAYER_DROP = [
+    "import torch\nfrom datasets import Dataset\n"
+    "from transformers import Trainer, TrainingArguments, Wav2Vec2Config, Wav2Vec2ForSequenceClassification",
+    "config = Wav2Vec2Config(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,\n"
+    "                        conv_dim=(8, 8), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,\n"
+    "                        num_conv_pos_embedding_groups=2, layerdrop=0.5, mask_time_prob=0.0, num_labels=2)\n"
+    "model = Wav2Vec2ForSequenceClassification(config)",
+    "g = torch.Generator().manual_seed(0)\n"
+    "data = Dataset.from_dict({'input_values': torch.randn(48, 400, generator=g).tolist(),\n"
+    "                          'labels': [i % 2 for i in range(48)]})",
+    "args = TrainingArguments(\n"
+    "    output_dir='audio-out',\n"
+    "    per_device_train_batch_size=4,\n"
+    "    max_steps=10,\n"
+    "    logging_steps=1,\n"
+    "    save_strategy='no',\n"
+    "    report_to='none',  # no trackers offline\n"
+    ")\n"
+    "trainer = Trainer(model=model, args=args, train_dataset=data)\n"
+    "trainer.train()",
+]
+
+
+def test_a_full_fine_tune_with_layer_drop_trains_with_the_trainers_own_ddp_setting(tmp_path, notebook):
+    """wav2vec2 skips layers at random (LayerDrop): the Trainer looks for unused parameters by itself."""
+    script, result, out = run(tmp_path, notebook(AUDIO_LAYER_DROP))
+    assert "ddp_find_unused_parameters" not in script.text
+    assert "report_to='none',  # no trackers offline\n    log_on_each_node=False,\n" in script.text
+    assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
+    assert "'train_runtime'" in out or "train_runtime" in out

@@ -287,6 +287,9 @@ class JobFacts:
     cuda_amp_names: set[str] = field(default_factory=set)
     #: the notebook distributes itself (Accelerate, its own DistributedDataParallel)
     self_distributed: bool = False
+    #: the notebook trains a PEFT adapter (``get_peft_model``, a trainer's ``peft_config=``, a PEFT loader):
+    #: every trainable weight takes part in each step, so DDP need not look for unused ones
+    peft: bool = False
     #: a plain PyTorch loop (backward in the notebook's own code, no HF/TRL/Lightning trainer)
     plain_loop: bool = False
     #: top-level statements that train, in notebook order
@@ -358,6 +361,17 @@ def _is_data_prep(call: ast.Call) -> bool:
     if name in ("map", "filter"):
         return isinstance(call.func, ast.Attribute)  # dataset.map(…), not the builtins
     return name in _DATA_PREP or (name or "").startswith("from_") and "Dataset" in (dotted_name(call.func) or "")
+
+
+def _is_peft(call: ast.Call) -> bool:
+    """``get_peft_model(…)``, ``PeftModel.from_pretrained(…)``/``AutoPeftModel….from_pretrained(…)``, or a
+    trainer given ``peft_config=``."""
+    name = last_name(call.func)
+    if name == "get_peft_model":
+        return True
+    if name == "from_pretrained" and isinstance(call.func, ast.Attribute):
+        return (last_name(call.func.value) or "").startswith(("Peft", "AutoPeft"))
+    return is_trainer_class(name) and keyword(call, "peft_config") is not None
 
 
 def _is_optimizer(call: ast.Call) -> bool:
@@ -572,6 +586,8 @@ class _Scan:
         name = dotted_name(node.func) or ""
         if name.endswith(("DistributedDataParallel", "Accelerator")) or name == "DDP":
             self.facts.self_distributed = True
+        if _is_peft(node):
+            self.facts.peft = True
         self.generic(node)
 
 

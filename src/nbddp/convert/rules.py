@@ -250,7 +250,8 @@ def _method(cls: type, name: str):
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
     """Set ``key=value`` on a call; return the new call and the old value's source (None when absent).
 
-    A new keyword goes last; in a call written one argument per line it gets a line of its own.
+    A new keyword goes last; in a call written one argument per line it gets a line of its own, and every
+    comment stays on the line it was on (a comment after the last argument does not move to the new one).
     """
     args = list(call.args)
     for i, arg in enumerate(args):
@@ -262,21 +263,46 @@ def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[c
         value=value,
         equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
     )
-    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in code_of(args[-1].comma):
-        # one argument per line with a trailing comma: the new argument takes the last one's line ending,
-        # the last one takes the separator used between arguments.
-        between = args[-2].comma if len(args) > 1 and isinstance(args[-2].comma, cst.Comma) else cst.Comma(
-            whitespace_after=call.whitespace_before_args
-        )
-        new_arg = new_arg.with_changes(comma=args[-1].comma)
-        args[-1] = args[-1].with_changes(comma=between)
-    elif args and isinstance(args[-1].comma, cst.Comma):  # f(a, ): the trailing comma stays last
+    if args and (closing := _closing_line(args[-1])) is not None:
+        return call.with_changes(args=_on_own_line(call, args, new_arg, closing)), None
+    if args and isinstance(args[-1].comma, cst.Comma):  # f(a, ): the trailing comma stays last
         new_arg = new_arg.with_changes(comma=args[-1].comma)
         args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     elif args:
         args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     args.append(new_arg)
     return call.with_changes(args=args), None
+
+
+def _closing_line(last: cst.Arg) -> cst.ParenthesizedWhitespace | None:
+    """What follows a call's last argument when the closing parenthesis is on a line of its own: the rest of
+    the argument's line (a comment), comment lines, the parenthesis' indentation. None otherwise."""
+    after = last.comma.whitespace_after if isinstance(last.comma, cst.Comma) else last.whitespace_after_arg
+    return after if isinstance(after, cst.ParenthesizedWhitespace) else None
+
+
+def _on_own_line(call: cst.Call, args: list[cst.Arg], new_arg: cst.Arg, closing: cst.ParenthesizedWhitespace) -> list:
+    """``args`` with ``new_arg`` on a line of its own after the last: the last argument keeps its line's
+    comment and the comment lines below it; the new one ends its line with what the call's arguments
+    end theirs with (a comma or not) and the parenthesis' indentation."""
+    between = next((a.comma.whitespace_after for a in reversed(args[:-1]) if isinstance(a.comma, cst.Comma)
+                    and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)), None)
+    if between is None:
+        between = call.whitespace_before_args if isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace) else closing
+    last = args[-1]
+    trailing_comma = isinstance(last.comma, cst.Comma)
+    kept = closing.with_changes(indent=between.indent, last_line=between.last_line)  # its comments stay here
+    args[-1] = last.with_changes(
+        comma=cst.Comma(whitespace_before=last.comma.whitespace_before if trailing_comma else cst.SimpleWhitespace(""),
+                        whitespace_after=kept),
+        whitespace_after_arg=last.whitespace_after_arg if trailing_comma else cst.SimpleWhitespace(""),
+    )
+    end = closing.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+    if trailing_comma:
+        new_arg = new_arg.with_changes(comma=cst.Comma(whitespace_after=end))
+    else:
+        new_arg = new_arg.with_changes(whitespace_after_arg=end)
+    return args + [new_arg]
 
 
 def _has_star_kwargs(call: cst.Call) -> bool:
@@ -541,10 +567,12 @@ class AutocastRule(Rule):
 class TrainerConfigRule(Rule):
     """Trainer configurations get DDP-safe settings the user did not set; values the user set are kept.
 
-    - ``ddp_find_unused_parameters=False``: the HF Trainer turns it on for every model that is not a plain
-      ``PreTrainedModel`` (every PEFT model), which costs an extra graph traversal each step and, with
-      reentrant gradient checkpointing, fails with "marked as ready twice". LoRA adapters are all used in
-      every step, so ``False`` is right.
+    - ``ddp_find_unused_parameters=False`` where the notebook trains a PEFT adapter (``JobFacts.peft``): the
+      HF Trainer turns it on for every model that is not a plain ``PreTrainedModel`` (every PEFT model),
+      which costs an extra graph traversal each step and, with reentrant gradient checkpointing, fails with
+      "marked as ready twice". LoRA adapters are all used in every step, so ``False`` is right there. A full
+      fine-tune keeps the Trainer's own choice: its model may skip layers (LayerDrop) or leave heads unused,
+      where ``False`` fails at the first step that skips one.
     - ``log_on_each_node=False``: logs come from global rank 0 only, not once per machine.
     - ``gradient_checkpointing_kwargs={"use_reentrant": False}`` when ``gradient_checkpointing=True``:
       reentrant checkpointing and DDP's reducer do not mix.
@@ -554,19 +582,18 @@ class TrainerConfigRule(Rule):
     """
 
     check = checks.TrainerConfig
-    _SAFE = (
-        ("ddp_find_unused_parameters", "False", "all LoRA weights train each step"),
-        ("log_on_each_node", "False", "logs from rank 0 only"),
-    )
+    _UNUSED = ("ddp_find_unused_parameters", "False", "a PEFT model: every LoRA weight trains each step")
+    _LOGS = ("log_on_each_node", "False", "logs from rank 0 only")
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         config = last_name(updated.func)
         if config not in TRAINER_CONFIGS:
             return updated
         if _has_star_kwargs(updated):
-            self.note(original, f"{config}: has **kwargs, left alone; set ddp_find_unused_parameters=False yourself")
+            advice = "set ddp_find_unused_parameters=False yourself" if self.facts.peft else "set log_on_each_node=False yourself"
+            self.note(original, f"{config}: has **kwargs, left alone; {advice}")
             return updated
-        settings = list(self._SAFE)
+        settings = [self._UNUSED, self._LOGS] if self.facts.peft else [self._LOGS]
         checkpointing = keyword(updated, "gradient_checkpointing")
         if checkpointing is not None and is_name(checkpointing.value, "True"):
             settings.append(("gradient_checkpointing_kwargs", '{"use_reentrant": False}', "DDP needs non-reentrant checkpointing"))

@@ -1,0 +1,105 @@
+"""What the converter writes for the notebooks of "train correctly or refuse loudly", cell by cell (no ranks)."""
+
+import textwrap
+
+import pytest
+
+from nbddp.convert.checks import plan_cell
+from nbddp.convert.facts import CellCode, gather_facts
+from nbddp.convert.rules import rewrite as rewrite_cell
+
+
+@pytest.fixture(params=["checks", "every statement"])
+def rewrite(request):
+    """Cells (dedented) through the rules, with the checks and over every statement: the new sources and the
+    ``(rule, line, message)`` changes."""
+
+    def run(*cells):
+        codes = [CellCode.read(textwrap.dedent(c), position=i) for i, c in enumerate(cells)]
+        facts = gather_facts(codes)
+        out, changes = [], []
+        for code in codes:
+            plan = plan_cell(code, facts, every_statement=request.param != "checks")
+            new, ch = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
+            out.append(new)
+            changes += ch
+        return out, changes
+
+    return run
+
+
+# ------------------------------------------------------------------ inserted keywords keep the comments
+
+
+def test_a_comment_after_the_last_argument_stays_on_its_line(rewrite):
+    (code,), _ = rewrite(
+        """\
+        args = TrainingArguments(
+            output_dir="out",
+            push_to_hub=True  # Automatically push the trained model
+        )
+        """
+    )
+    assert code == textwrap.dedent(
+        """\
+        args = TrainingArguments(
+            output_dir="out",
+            push_to_hub=True,  # Automatically push the trained model
+            log_on_each_node=False
+        )
+        """
+    )
+
+
+def test_comments_of_arguments_and_below_them_stay_where_they_were(rewrite):
+    (code,), _ = rewrite(
+        """\
+        args = TrainingArguments(
+            output_dir="out",  # where
+            push_to_hub=True,  # Automatically push the trained model
+
+            # report_to="wandb",
+        )
+        """
+    )
+    assert code == textwrap.dedent(
+        """\
+        args = TrainingArguments(
+            output_dir="out",  # where
+            push_to_hub=True,  # Automatically push the trained model
+
+            # report_to="wandb",
+            log_on_each_node=False,
+        )
+        """
+    )
+
+
+def test_a_single_argument_call_on_its_own_lines(rewrite):
+    (code,), _ = rewrite('args = TrainingArguments(\n    "out"  # the folder\n)\n')
+    assert code == 'args = TrainingArguments(\n    "out",  # the folder\n    log_on_each_node=False\n)\n'
+
+
+# ------------------------------------------------------------------ ddp_find_unused_parameters
+
+
+def test_a_full_fine_tune_keeps_the_trainers_own_choice_of_unused_parameters(rewrite):
+    (_, code), changes = rewrite(
+        "model = AutoModelForAudioClassification.from_pretrained('facebook/wav2vec2-base')\n",
+        "args = TrainingArguments('out', learning_rate=3e-5)\n",
+    )
+    assert "ddp_find_unused_parameters" not in code and "log_on_each_node=False" in code
+    assert not any("LoRA" in message or "PEFT" in message for _, _, message in changes)
+
+
+@pytest.mark.parametrize("peft", [
+    "model = get_peft_model(model, LoraConfig(r=8))\n",
+    "model = FastLanguageModel.get_peft_model(model, r=16)\n",
+    "model = PeftModel.from_pretrained(base, 'adapter')\n",
+    "trainer = SFTTrainer(model=model, args=args, peft_config=LoraConfig(r=8))\n",
+])
+def test_a_peft_model_gets_find_unused_parameters_off(rewrite, peft):
+    (code, _), changes = rewrite("args = SFTConfig('out')\n", peft)
+    assert "ddp_find_unused_parameters=False" in code
+    assert ("trainer_config", 1, "SFTConfig: ddp_find_unused_parameters=False (a PEFT model: every LoRA weight "
+            "trains each step)") in changes
