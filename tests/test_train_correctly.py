@@ -216,3 +216,41 @@ def test_a_full_fine_tune_with_layer_drop_trains_with_the_trainers_own_ddp_setti
     assert "report_to='none',  # no trackers offline\n    log_on_each_node=False,\n" in script.text
     assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
     assert "'train_runtime'" in out or "train_runtime" in out
+
+
+# ----------------------------------------------------------------- 2. loaders from one factory function
+
+FACTORY_LOADERS = [
+    IMPORTS,
+    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "def get_data_loader(ds, shuffle):\n"
+    "    return DataLoader(ds, batch_size=8, shuffle=shuffle)\n"
+    "train_dl = get_data_loader(train_ds, shuffle=True)\n"
+    "test_dl = get_data_loader(test_ds, shuffle=False)",
+    "model = nn.Linear(1, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=1e-4)",
+    "seen = {}\n"
+    "for epoch in range(2):\n"
+    "    seen[epoch] = []\n"
+    "    for xb, yb in train_dl:\n"
+    "        seen[epoch] += xb.flatten().int().tolist()\n"
+    "        loss = ((model(xb) - yb) ** 2).mean()\n"
+    "        optimizer.zero_grad()\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "    with open(f\"seen-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "        json.dump(seen, fh)",
+    "count = sum(len(xb) for xb, yb in test_dl)\nprint(f'evaluated on {count} samples')",
+]
+
+
+def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_epoch(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(FACTORY_LOADERS))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "evaluated on 32 samples" in out  # the whole test set, not rank 0's half
+    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+    assert "_nbddp.set_epoch(train_dl, epoch)" in script.text

@@ -103,3 +103,37 @@ def test_a_peft_model_gets_find_unused_parameters_off(rewrite, peft):
     assert "ddp_find_unused_parameters=False" in code
     assert ("trainer_config", 1, "SFTConfig: ddp_find_unused_parameters=False (a PEFT model: every LoRA weight "
             "trains each step)") in changes
+
+
+# ------------------------------------------------------------------ which loaders are training loaders
+
+LOOP = """\
+for epoch in range(3):
+    for xb, yb in {loader}:
+        loss = model(xb).sum()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def test_a_loader_a_training_loop_iterates_is_sharded_whatever_its_name(rewrite):
+    (code, _, loop), _ = rewrite(
+        "dl = DataLoader(ds, batch_size=8)\nval = DataLoader(vs, batch_size=8)\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="dl"),
+    )
+    assert "dl = DataLoader(ds, batch_size=8, sampler=_nbddp.distributed_sampler(ds, shuffle=False))" in code
+    assert "val = DataLoader(vs, batch_size=8)\n" in code
+    assert "_nbddp.set_epoch(dl, epoch)" in loop
+
+
+def test_a_loader_factory_shards_when_asked_to_shuffle(rewrite):
+    (code, _, loop), changes = rewrite(
+        "def make(ds, shuffle):\n    return DataLoader(ds, batch_size=8, shuffle=shuffle)\n"
+        "train_dl = make(a, shuffle=True)\neval_dl = make(b, shuffle=False)\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="train_dl"),
+    )
+    assert "sampler=_nbddp.distributed_sampler(ds, shuffle=shuffle) if shuffle else None)" in code
+    assert "_nbddp.set_epoch(train_dl, epoch)" in loop and "eval_dl" not in loop
+    assert any("whole data set otherwise" in m for _, _, m in changes)

@@ -78,8 +78,9 @@ def is_model_loader_owner(owner: str | None) -> bool:
     return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))
 
 
-def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str]) -> bool:
-    """Whether a ``DataLoader`` gets a ``DistributedSampler``: it shuffles, or it is named as a training loader.
+def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str], trained: set[str] = frozenset()) -> bool:
+    """Whether a ``DataLoader`` gets a ``DistributedSampler``: it shuffles, it is named as a training loader,
+    or a training loop iterates it (``trained``: ``JobFacts.train_iterated``).
 
     ``own_sampler``: it has a ``sampler``/``batch_sampler`` of its own (left alone). ``shuffles``: None without
     ``shuffle=``, False for ``shuffle=False``/``None``, True for anything else. Loaders that neither shuffle nor
@@ -90,7 +91,7 @@ def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str]) 
         return False
     if shuffles:
         return True
-    return any("train" in t.lower() for t in targets)
+    return any("train" in t.lower() or t in trained for t in targets)
 
 
 # --------------------------------------------------------------------------------------- ast helpers
@@ -283,6 +284,8 @@ class JobFacts:
     ddp_models: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
     sharded_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name
+    train_iterated: set[str] = field(default_factory=set)
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
     cuda_amp_names: set[str] = field(default_factory=set)
     #: the notebook distributes itself (Accelerate, its own DistributedDataParallel)
@@ -397,8 +400,8 @@ class _Scan:
     notebook distributes itself. One walk per statement: the facts cost one pass over the notebook's ast.
     """
 
-    def __init__(self, facts: JobFacts, defs: dict[str, list[ast.Call]], stmt: Statement):
-        self.facts, self.defs, self.stmt = facts, defs, stmt
+    def __init__(self, facts: JobFacts, defs: dict[str, list[ast.Call]], stmt: Statement, seen: _Seen):
+        self.facts, self.defs, self.stmt, self.seen = facts, defs, stmt, seen
         self.calls: list[tuple[ast.Call, bool]] = []  # (call, inside a class body)
         self.binds, self.reads = stmt.binds, stmt.reads
         self._def_stack: list[str] = []
@@ -471,8 +474,9 @@ class _Scan:
                 own = any(k.arg in ("sampler", "batch_sampler") for k in call.keywords)
                 shuffle = keyword(call, "shuffle")
                 shuffles = None if shuffle is None else not _is_literal(shuffle.value, False, None)
-                if loader_shards(own, shuffles, targets):
-                    self.facts.sharded_loaders.update(targets)
+                self.seen.loaders.append((own, shuffles, targets))
+            elif isinstance(call.func, ast.Name) and targets:
+                self.seen.assigned.append((targets, call))
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
         self.target(node.target)
@@ -486,6 +490,8 @@ class _Scan:
 
     def visit_For(self, node: ast.For) -> None:
         self.target(node.target)
+        if (name := loader_name(node.iter)) is not None:
+            self.seen.fors.append((name, node))
         self.generic(node)
 
     def visit_withitem(self, node: ast.withitem) -> None:
@@ -614,8 +620,27 @@ def _child_fields(kind: type) -> tuple[str, ...]:
     return () if kind is ast.Constant else tuple(f for f in kind._fields if f not in _NOT_NODES)
 
 
-def _scan(stmt: Statement, facts: JobFacts, defs: dict[str, list[ast.Call]]) -> None:
-    scan = _Scan(facts, defs, stmt)
+@dataclass
+class _Seen:
+    """What the scan met that is judged once the training functions are known."""
+
+    #: ``DataLoader(…)`` assignments: (own sampler, shuffles, target names)
+    loaders: list = field(default_factory=list)
+    #: ``names = function(…)``: (target names, the call)
+    assigned: list = field(default_factory=list)
+    #: ``for … in name``: (name, the loop)
+    fors: list = field(default_factory=list)
+
+
+def loader_name(expr: ast.AST) -> str | None:
+    """The loader a ``for`` iterates: ``dl`` in ``dl``, ``enumerate(dl)``, ``tqdm(dl, …)``, ``enumerate(tqdm(dl))``."""
+    while isinstance(expr, ast.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
+        expr = expr.args[0]
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def _scan(stmt: Statement, facts: JobFacts, defs: dict[str, list[ast.Call]], seen: _Seen) -> None:
+    scan = _Scan(facts, defs, stmt, seen)
     scan.visit_all(stmt.nodes)
     # in source order, outer calls first (the order a libcst walk meets them)
     scan.calls.sort(key=lambda c: (c[0].lineno, c[0].col_offset, -c[0].end_lineno, -c[0].end_col_offset))
@@ -628,8 +653,9 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     facts = JobFacts()
     defs: dict[str, list[ast.Call]] = {}  # function name → the calls in its body
     top = [stmt for cell in cells for stmt in cell.statements]
+    seen = _Seen()
     for stmt in top:
-        _scan(stmt, facts, defs)
+        _scan(stmt, facts, defs, seen)
     facts.module_names = set().union(*(stmt.binds for stmt in top))
     # a function trains if it trains directly or calls one that does; likewise for collectives
     changed = True
@@ -643,6 +669,7 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
                 facts.collective_functions.add(name)
                 changed = True
 
+    _plan_loaders(seen, defs, facts)
     trains = [any(is_training_call(c, facts) for c in stmt.calls) for stmt in top]
     facts.training = [s for s, t in zip(top, trains) if t]
     if not facts.training:
@@ -659,6 +686,24 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
         if facts.ddp_models:
             _plan_ddp_wraps(top, first, facts)
     return facts
+
+
+def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
+    """Which loaders are training loaders: those ``loader_shards`` says so of, and those a function of the
+    notebook builds (``get_data_loader(ds, shuffle=…)``) when called with ``shuffle=True`` or for a training
+    name. Their epoch loops get ``set_epoch``."""
+    facts.train_iterated = {name for name, loop in seen.fors
+                            if any(isinstance(c, ast.Call) and is_training_call(c, facts) for c in ast.walk(loop))}
+    for own, shuffles, targets in seen.loaders:
+        if loader_shards(own, shuffles, targets, facts.train_iterated):
+            facts.sharded_loaders.update(targets)
+    factories = {name for name, calls in defs.items() if any(last_name(c.func) == "DataLoader" for c in calls)}
+    for targets, call in seen.assigned:
+        if call.func.id in factories:
+            shuffle = keyword(call, "shuffle")
+            shuffles = shuffle is not None and not _is_literal(shuffle.value, False, None)
+            if loader_shards(False, shuffles, targets, facts.train_iterated):
+                facts.sharded_loaders.update(targets)
 
 
 def _plan_after_training(top: list[Statement], first: int, last: int, facts: JobFacts) -> None:

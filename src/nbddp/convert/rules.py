@@ -634,8 +634,12 @@ class DistributedSamplerRule(Rule):
         shuffle = keyword(updated, "shuffle")
         own = has_keyword(updated, "sampler") or has_keyword(updated, "batch_sampler")
         shuffles = None if shuffle is None else not is_name(shuffle.value, "False", "None")
-        if not loader_shards(own, shuffles, self._assigned.get(original, [])):
+        targets = self._assigned.get(original, [])
+        if not loader_shards(own, shuffles, targets, self.facts.train_iterated):
             return updated
+        # ``shuffle=shuffle`` in a loader factory: a training loader when it shuffles, else whole
+        depends = shuffle is not None and _decided_at_run_time(shuffle.value) and not loader_shards(
+            own, None, targets, self.facts.train_iterated)
         positional = [a for a in updated.args if a.keyword is None and not a.star]
         dataset_arg = keyword(updated, "dataset") or (positional[0] if positional else None)
         if dataset_arg is None or len(positional) > 2:
@@ -652,14 +656,32 @@ class DistributedSamplerRule(Rule):
             dataset = dataset.deep_clone()
         shuffle = keyword(updated, "shuffle")
         shuffle_code = code_of(shuffle.value) if shuffle is not None else "False"
-        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffle_code})")
+        sampler = f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffle_code})"
+        sampler = cst.parse_expression(f"{sampler} if {shuffle_code} else None" if depends else sampler)
         if shuffle is not None:
             args[args.index(shuffle)] = shuffle.with_changes(keyword=cst.Name("sampler"), value=sampler)
             new = updated.with_changes(args=args)
         else:
             new, _ = _set_keyword(updated.with_changes(args=args), "sampler", sampler)
-        self.note(original, f"DataLoader: DistributedSampler(shuffle={shuffle_code}), each rank reads its own share")
+        if depends:
+            self.note(original, f"DataLoader: DistributedSampler when {shuffle_code} (a training loader: each rank "
+                                "reads its own share), the whole data set otherwise")
+        else:
+            self.note(original, f"DataLoader: DistributedSampler(shuffle={shuffle_code}), each rank reads its own share")
         return new
+
+
+def _decided_at_run_time(value: cst.BaseExpression) -> bool:
+    """A ``shuffle=`` value that is neither a literal nor a call: a parameter or a comparison, read twice safely."""
+    if is_name(value, "True", "False", "None") or isinstance(value, (cst.BaseNumber, cst.BaseString)):
+        return False
+    return not any(isinstance(n, cst.Call) for n in _walk(value))
+
+
+def _walk(node: cst.CSTNode):
+    yield node
+    for child in node.children:
+        yield from _walk(child)
 
 
 
