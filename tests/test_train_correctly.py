@@ -254,3 +254,27 @@ def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_
         assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
     assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
     assert "_nbddp.set_epoch(train_dl, epoch)" in script.text
+
+
+# ----------------------------------------------------------------------- 5. a trainer built by a helper
+
+HELPER_TRAINER = [
+    "import os\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+    "from trl import SFTConfig, SFTTrainer\nfrom nbddp import demo",
+    "name = demo.tiny_model()\ntokenizer = AutoTokenizer.from_pretrained(name)\n"
+    "model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)\ndata = demo.arithmetic_dataset(32)",
+    "def create_trainer(model, out):\n"
+    "    args = SFTConfig(output_dir=out, max_steps=2, per_device_train_batch_size=4, max_length=32,\n"
+    "                     save_strategy='no', report_to='none', bf16=False)\n"
+    "    return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)",
+    "trainer_x = create_trainer(model, 'o1')\ntrainer_x.train()",
+    "with open(f\"after-{os.environ['RANK']}.txt\", 'w') as fh:\n    fh.write('written once')\n"
+    "trainer_x.save_model('final')",
+]
+
+
+def test_after_a_trainer_built_by_a_helper_trains_saving_runs_once(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(HELPER_TRAINER))
+    assert result.ok, (out[-3000:], result.failure)
+    assert (tmp_path / "after-0.txt").exists() and not (tmp_path / "after-1.txt").exists()
+    assert (tmp_path / "final" / "model.safetensors").exists()

@@ -137,3 +137,16 @@ def test_a_loader_factory_shards_when_asked_to_shuffle(rewrite):
     assert "sampler=_nbddp.distributed_sampler(ds, shuffle=shuffle) if shuffle else None)" in code
     assert "_nbddp.set_epoch(train_dl, epoch)" in loop and "eval_dl" not in loop
     assert any("whole data set otherwise" in m for _, _, m in changes)
+
+
+# ------------------------------------------------------------------ trainers built by a helper
+
+
+@pytest.mark.parametrize("build", [
+    "def create_trainer(m):\n    return SFTTrainer(model=m, args=args)\n",
+    "from helpers import create_trainer\n",
+])
+def test_a_trainer_built_by_a_helper_trains(rewrite, build):
+    (_, _, tail), changes = rewrite(build, "trainer_x = create_trainer(model)\ntrainer_x.train()\n",
+                                    "trainer_x.save_model('final')\n")
+    assert tail.startswith("if _nbddp.is_main_process():\n    trainer_x.save_model('final')")

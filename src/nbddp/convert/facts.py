@@ -67,6 +67,14 @@ def is_trainer_class(name: str | None) -> bool:
     return bool(name) and name.endswith("Trainer")
 
 
+#: A helper's name that says it returns a trainer: ``create_trainer``, ``get_trainer``, ``build_sft_trainer``.
+_TRAINER_FACTORY = re.compile(r"^(?:get|create|build|make|setup|set_up|init|prepare|new)_?\w*trainer$", re.I)
+
+
+def is_trainer_factory(name: str | None) -> bool:
+    return bool(name) and _TRAINER_FACTORY.match(name) is not None
+
+
 def is_model_loader_owner(owner: str | None) -> bool:
     """Whether ``owner.from_pretrained(…)`` loads a model (not a tokenizer, processor or config).
 
@@ -468,7 +476,7 @@ class _Scan:
             targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
             call = node.value
             callee = last_name(call.func)
-            if is_trainer_class(callee):
+            if is_trainer_class(callee) or is_trainer_factory(callee):
                 self.facts.trainer_names.update(targets)
             if callee == "DataLoader":
                 own = any(k.arg in ("sampler", "batch_sampler") for k in call.keywords)
@@ -657,6 +665,7 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     for stmt in top:
         _scan(stmt, facts, defs, seen)
     facts.module_names = set().union(*(stmt.binds for stmt in top))
+    _plan_trainers(seen, defs, facts)
     # a function trains if it trains directly or calls one that does; likewise for collectives
     changed = True
     while changed:
@@ -686,6 +695,15 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
         if facts.ddp_models:
             _plan_ddp_wraps(top, first, facts)
     return facts
+
+
+def _plan_trainers(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
+    """Names bound to what a function of the notebook returns when that function builds a trainer
+    (``trainer_x = create_trainer(…)``): their ``.train()`` trains."""
+    factories = {name for name, calls in defs.items() if any(is_trainer_class(last_name(c.func)) for c in calls)}
+    for targets, call in seen.assigned:
+        if call.func.id in factories:
+            facts.trainer_names.update(targets)
 
 
 def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
