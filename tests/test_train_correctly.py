@@ -278,3 +278,27 @@ def test_after_a_trainer_built_by_a_helper_trains_saving_runs_once(tmp_path, not
     assert result.ok, (out[-3000:], result.failure)
     assert (tmp_path / "after-0.txt").exists() and not (tmp_path / "after-1.txt").exists()
     assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------ 7. save, then load, before training
+
+SAVE_THEN_LOAD = [
+    "import os\nimport pandas as pd\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+    "from trl import SFTConfig, SFTTrainer\nfrom nbddp import demo",
+    "name = demo.tiny_model()\ntokenizer = AutoTokenizer.from_pretrained(name)\n"
+    "model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)\n"
+    "model.save_pretrained('base')",
+    "model = AutoModelForCausalLM.from_pretrained('base', dtype=torch.float32)",
+    "pd.DataFrame({'a': range(5000)}).to_csv('table.csv')",
+    "assert len(pd.read_csv('table.csv')) == 5000",
+    "args = SFTConfig(output_dir='o', max_steps=2, per_device_train_batch_size=4, max_length=32,\n"
+    "                 save_strategy='no', report_to='none', bf16=False)\n"
+    "trainer = SFTTrainer(model=model, args=args, train_dataset=demo.arithmetic_dataset(32), processing_class=tokenizer)\n"
+    "trainer.train()",
+]
+
+
+def test_files_saved_before_training_are_complete_before_any_rank_reads_them(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(SAVE_THEN_LOAD))
+    assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
+    assert script.text.count("_nbddp.barrier()") == 2

@@ -150,3 +150,23 @@ def test_a_trainer_built_by_a_helper_trains(rewrite, build):
     (_, _, tail), changes = rewrite(build, "trainer_x = create_trainer(model)\ntrainer_x.train()\n",
                                     "trainer_x.save_model('final')\n")
     assert tail.startswith("if _nbddp.is_main_process():\n    trainer_x.save_model('final')")
+
+
+# ------------------------------------------------------------------ saves read back before training
+
+
+def test_a_save_read_back_before_training_runs_on_rank_0_and_every_rank_waits(rewrite):
+    (save, load, _, _), changes = rewrite(
+        "model.save_pretrained('base')\ntorch.save(head, 'head.pt')\n",
+        "model = AutoModel.from_pretrained('base')\nhead = torch.load('head.pt')\n",
+        "trainer = Trainer(model=model)\ntrainer.train()\n",
+        "model.save_pretrained('final')\n",
+    )
+    assert save == ("if _nbddp.is_main_process():\n    model.save_pretrained('base')\n    torch.save(head, 'head.pt')\n"
+                    "_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")
+    assert ("rank0", 1, "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)") in changes
+
+
+def test_a_save_nothing_reads_back_is_left_to_every_rank(rewrite):
+    (save, _), _ = rewrite("model.save_pretrained('base')\n", "trainer = Trainer(model=model)\ntrainer.train()\n")
+    assert save == "model.save_pretrained('base')\n"

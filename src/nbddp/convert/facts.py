@@ -33,6 +33,12 @@ _RANK0_ACTIONS = frozenset(
     "save_pretrained_merged save_pretrained_gguf generate fast_generate print pprint display savefig show "
     "imshow plot to_csv to_json to_parquet save".split()
 )
+#: Calls that write files another rank may read, and calls that read files.
+_WRITES = frozenset("save_pretrained save_model to_csv to_json to_parquet save_to_disk save_file".split())
+_READS = frozenset(
+    "from_pretrained load read_csv read_json read_parquet read_pickle load_from_disk load_dataset load_file "
+    "safe_open open".split()
+)
 #: Trainer methods every rank must call together under DDP.
 _TRAINER_COLLECTIVES = frozenset({"train", "evaluate", "predict", "fit"})
 #: Calls that read or write shared caches and downloads: dataset preparation.
@@ -309,6 +315,9 @@ class JobFacts:
     loops: set[Statement] = field(default_factory=set)
     #: top-level statements after the first training call that run on rank 0 only
     rank0: set[Statement] = field(default_factory=set)
+    #: rank-0 statements before the first training call that write files a later statement reads: the other
+    #: ranks wait for them (a barrier after), a subset of ``rank0``
+    shared_saves: set[Statement] = field(default_factory=set)
     #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
     tail: set[Statement] = field(default_factory=set)
     #: statements after training that stay on every rank, with the reason (said in --explain)
@@ -689,6 +698,7 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     )
     first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
     _plan_after_training(top, first, last, facts)
+    _plan_shared_saves(top, first, facts)
     _plan_data_prep(top, facts)
     if facts.plain_loop:
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
@@ -751,6 +761,30 @@ def _plan_after_training(top: list[Statement], first: int, last: int, facts: Job
         if k > last:
             facts.all_ranks[stmt] = reason
         needed |= stmt.reads
+
+
+def _plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None:
+    """Saving before training that a later statement reads back (``model.save_pretrained("base")``, then
+    ``from_pretrained("base")``) runs on rank 0, and every rank waits for it: ``save_pretrained`` writes on
+    rank 0 only, so another rank would read before the files exist; a file every rank wrote could be read
+    half written. An expression statement whose files some later statement reads (by any path: the check
+    is by kind of call)."""
+    for k, stmt in enumerate(top[:first]):
+        node = stmt.nodes[0]
+        if len(stmt.nodes) != 1 or not isinstance(node, ast.Expr) or not any(_writes(c) for c in stmt.calls):
+            continue
+        if any(_reads(c) for later in top[k + 1 :] for c in later.calls):
+            facts.shared_saves.add(stmt)
+            facts.rank0.add(stmt)
+
+
+def _writes(call: ast.Call) -> bool:
+    name = dotted_name(call.func) or ""
+    return last_name(call.func) in _WRITES or name in ("torch.save", "np.save", "numpy.save")
+
+
+def _reads(call: ast.Call) -> bool:
+    return last_name(call.func) in _READS
 
 
 def _func_code(cell: CellCode, call: ast.Call) -> str:

@@ -323,6 +323,10 @@ class _StatementRule(Rule):
     def message(self, run: list[cst.BaseStatement]) -> str:
         raise NotImplementedError
 
+    def after(self, run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        """Statements that follow the block (none unless a rule says)."""
+        return []
+
     def inside(self, run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
         """The run as a block's body: the block takes the first statement's comments and blank lines above."""
         first = run[0].with_changes(leading_lines=[])
@@ -339,6 +343,7 @@ class _StatementRule(Rule):
         def flush():
             if run:
                 body.append(self.block(run).with_changes(leading_lines=run[0].leading_lines))
+                body.extend(self.after(run))
                 self.note(run[0], self.message(run))
                 run.clear()
 
@@ -423,7 +428,9 @@ class RankZeroRule(_StatementRule):
     collective such as ``trainer.evaluate()`` or a second ``trainer.train()``, and any statement binding a
     name that such code reads. Between two training calls only the statements that save, print, push,
     generate or plot go under the guard. In a plain PyTorch notebook the tail first unwraps the DDP model,
-    since rank 0 alone cannot run a DDP forward (it would wait for the others).
+    since rank 0 alone cannot run a DDP forward (it would wait for the others). Before training, a save
+    whose files a later statement reads (``save_pretrained("base")``, then ``from_pretrained("base")``) goes
+    under the guard too, followed by ``_nbddp.barrier()``: the other ranks read only complete files.
     """
 
     check = checks.RankZero
@@ -444,7 +451,14 @@ class RankZeroRule(_StatementRule):
             unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
         return cst.If(test=_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
 
+    def after(self, run):
+        if any(self.statement(s) in self.facts.shared_saves for s in run):
+            return [_statement("_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")]
+        return []
+
     def message(self, run) -> str:
+        if any(self.statement(s) in self.facts.shared_saves for s in run):
+            return "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)"
         tail = self.statement(run[0]) in self.facts.tail
         return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)")
 

@@ -21,12 +21,14 @@ from .dist import (
     unwrap,
     write_file,
 )
+from .sync import barrier
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
 
 __all__ = [
     "GPUInfo",
     "MultiGPUConfig",
     "RankInfo",
+    "barrier",
     "cleanup",
     "ddp",
     "device",
