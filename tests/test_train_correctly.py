@@ -302,3 +302,28 @@ def test_files_saved_before_training_are_complete_before_any_rank_reads_them(tmp
     script, result, out = run(tmp_path, notebook(SAVE_THEN_LOAD))
     assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
     assert script.text.count("_nbddp.barrier()") == 2
+
+
+# ------------------------------------------------------------- 3. loaders with a RandomSampler of their own
+
+RANDOM_SAMPLER = [
+    IMPORTS + "\nfrom torch.utils.data import RandomSampler, SequentialSampler",
+    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "train_loader = DataLoader(train_ds, batch_size=8, sampler=RandomSampler(train_ds))\n"
+    "test_loader = DataLoader(test_ds, batch_size=8, sampler=SequentialSampler(test_ds))",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+def test_a_random_sampler_is_replaced_by_the_distributed_one(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(RANDOM_SAMPLER))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "evaluated on 32 samples" in out
+    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled

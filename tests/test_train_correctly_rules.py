@@ -170,3 +170,32 @@ def test_a_save_read_back_before_training_runs_on_rank_0_and_every_rank_waits(re
 def test_a_save_nothing_reads_back_is_left_to_every_rank(rewrite):
     (save, _), _ = rewrite("model.save_pretrained('base')\n", "trainer = Trainer(model=model)\ntrainer.train()\n")
     assert save == "model.save_pretrained('base')\n"
+
+
+# ------------------------------------------------------------------ loaders with a sampler of their own
+
+
+def test_a_random_sampler_becomes_the_distributed_one_and_a_sequential_test_loader_stays_whole(rewrite):
+    (code, _, _), changes = rewrite(
+        "train_loader = DataLoader(ds, batch_size=8, sampler=RandomSampler(ds))\n"
+        "test_loader = DataLoader(ts, batch_size=8, sampler=SequentialSampler(ts))\n"
+        "dl = DataLoader(ds, sampler=SequentialSampler(ds))\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="dl"),
+    )
+    assert "train_loader = DataLoader(ds, batch_size=8, sampler=_nbddp.distributed_sampler(ds, shuffle=True))" in code
+    assert "test_loader = DataLoader(ts, batch_size=8, sampler=SequentialSampler(ts))" in code
+    assert "dl = DataLoader(ds, sampler=_nbddp.distributed_sampler(ds, shuffle=False))" in code
+    assert ("sampler", 1, "DataLoader: RandomSampler → DistributedSampler(shuffle=True), each rank reads its own "
+            "share") in changes
+
+
+def test_a_training_loader_with_another_sampler_is_said_to_be_left_alone(rewrite):
+    (code, _, _), changes = rewrite(
+        "train_loader = DataLoader(ds, sampler=WeightedRandomSampler(w, 64))\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="train_loader"),
+    )
+    assert code == "train_loader = DataLoader(ds, sampler=WeightedRandomSampler(w, 64))\n"
+    assert any("has a sampler of its own, left alone" in m for _, _, m in changes)
+    assert not any("DistributedSampler(" in m for _, _, m in changes)  # --explain claims no sampler

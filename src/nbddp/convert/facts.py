@@ -139,6 +139,20 @@ def is_dead_if(node: ast.AST) -> bool:
     return value is False or type(value) is int and value == 0 and node.test.end_col_offset - node.test.col_offset == 1
 
 
+#: Samplers a ``DistributedSampler`` stands in for: (shuffles).
+PLAIN_SAMPLERS = {"RandomSampler": True, "SequentialSampler": False}
+
+
+def plain_sampler(call: ast.Call) -> str | None:
+    """``RandomSampler``/``SequentialSampler`` when a DataLoader's ``sampler=`` is ``X(dataset)`` of one."""
+    given = keyword(call, "sampler")
+    value = given.value if given is not None else None
+    if isinstance(value, ast.Call) and last_name(value.func) in PLAIN_SAMPLERS and len(value.args) == 1 \
+            and not value.keywords and keyword(call, "batch_sampler") is None:
+        return last_name(value.func)
+    return None
+
+
 def keyword(call: ast.Call, key: str) -> ast.keyword | None:
     return next((k for k in call.keywords if k.arg == key), None)
 
@@ -491,6 +505,9 @@ class _Scan:
                 own = any(k.arg in ("sampler", "batch_sampler") for k in call.keywords)
                 shuffle = keyword(call, "shuffle")
                 shuffles = None if shuffle is None else not _is_literal(shuffle.value, False, None)
+                kind = plain_sampler(call)
+                if kind is not None:  # RandomSampler(ds) / SequentialSampler(ds): the distributed one replaces it
+                    own, shuffles = False, kind == "RandomSampler" or None
                 self.seen.loaders.append((own, shuffles, targets))
             elif isinstance(call.func, ast.Name) and targets:
                 self.seen.assigned.append((targets, call))

@@ -30,7 +30,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from . import checks
-from .facts import CUDA_INDEX, TRAINER_CONFIGS, CellCode, JobFacts, Statement, is_model_loader_owner, loader_shards
+from .facts import CUDA_INDEX, PLAIN_SAMPLERS, TRAINER_CONFIGS, CellCode, JobFacts, Statement, is_model_loader_owner, loader_shards
 from .lines import align
 
 __all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "Rule", "UnreadableCode", "rewrite"]
@@ -649,7 +649,12 @@ class DistributedSamplerRule(Rule):
         own = has_keyword(updated, "sampler") or has_keyword(updated, "batch_sampler")
         shuffles = None if shuffle is None else not is_name(shuffle.value, "False", "None")
         targets = self._assigned.get(original, [])
+        if (plain := _plain_sampler(updated)) is not None:
+            return self._replace_sampler(original, updated, plain, targets)
         if not loader_shards(own, shuffles, targets, self.facts.train_iterated):
+            if own and loader_shards(False, None, targets, self.facts.train_iterated):
+                self.note(original, "DataLoader: has a sampler of its own, left alone: every rank reads what it "
+                                    "gives (nbddp says so at the first step if the batches are the same)")
             return updated
         # ``shuffle=shuffle`` in a loader factory: a training loader when it shuffles, else whole
         depends = shuffle is not None and _decided_at_run_time(shuffle.value) and not loader_shards(
@@ -683,6 +688,29 @@ class DistributedSamplerRule(Rule):
         else:
             self.note(original, f"DataLoader: DistributedSampler(shuffle={shuffle_code}), each rank reads its own share")
         return new
+
+    def _replace_sampler(self, original: cst.Call, updated: cst.Call, plain, targets: list[str]) -> cst.Call:
+        """``sampler=RandomSampler(ds)`` → the distributed one, shuffling; ``SequentialSampler(ds)`` too, in
+        order, where the loader is a training loader."""
+        kind, dataset = plain
+        shuffles = PLAIN_SAMPLERS[kind]
+        if not shuffles and not loader_shards(False, None, targets, self.facts.train_iterated):
+            return updated
+        given = keyword(updated, "sampler")
+        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffles})")
+        args = [a.with_changes(value=sampler) if a is given else a for a in updated.args]
+        self.note(original, f"DataLoader: {kind} → DistributedSampler(shuffle={shuffles}), each rank reads its own share")
+        return updated.with_changes(args=args)
+
+
+def _plain_sampler(call: cst.Call) -> tuple[str, cst.BaseExpression] | None:
+    """(kind, dataset) for ``sampler=RandomSampler(ds)``/``SequentialSampler(ds)`` (``facts.plain_sampler``)."""
+    given = keyword(call, "sampler")
+    value = given.value if given is not None else None
+    if (isinstance(value, cst.Call) and last_name(value.func) in PLAIN_SAMPLERS and len(value.args) == 1
+            and value.args[0].keyword is None and not value.args[0].star and not has_keyword(call, "batch_sampler")):
+        return last_name(value.func), value.args[0].value
+    return None
 
 
 def _decided_at_run_time(value: cst.BaseExpression) -> bool:
