@@ -327,3 +327,38 @@ def test_a_random_sampler_is_replaced_by_the_distributed_one(tmp_path, notebook)
         a, b = seen[0][epoch], seen[1][epoch]
         assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
     assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+
+
+# ------------------------------------------------- 4. a plain loop and an Accelerate loop in one notebook
+
+PLAIN_THEN_ACCELERATE = [
+    IMPORTS + "\nfrom accelerate import Accelerator, notebook_launcher",
+    DATA,
+    NET + "\nplain = Net()\nplain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.01)",
+    loop("plain", "plain_optimizer", dump("plain", "plain")),
+    "def training_function(lr):\n"
+    "    accelerator = Accelerator()\n"
+    "    model = Net()\n"
+    "    optimizer = torch.optim.SGD(model.parameters(), lr=lr)\n"
+    "    loader = DataLoader(data, batch_size=8, shuffle=True)\n"
+    "    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)\n"
+    "    for epoch in range(2):\n"
+    "        for xb, yb in loader:\n"
+    "            loss = ((model(xb) - yb) ** 2).mean()\n"
+    "            optimizer.zero_grad()\n"
+    "            accelerator.backward(loss)\n"
+    "            optimizer.step()\n"
+    "    with open(f\"accel-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "        json.dump({'processes': accelerator.num_processes,\n"
+    "                   'weights': {k: v.tolist() for k, v in accelerator.unwrap_model(model).named_parameters()}}, fh)",
+    "notebook_launcher(training_function, (0.01,), num_processes=2)",
+]
+
+
+def test_an_accelerate_loop_leaves_the_plain_loops_to_nbddp_and_notebook_launcher_runs_in_each_rank(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(PLAIN_THEN_ACCELERATE))
+    assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
+    assert same_on_both_ranks(tmp_path, "plain")  # the plain loop was wrapped in DDP
+    accel = [json.loads((tmp_path / f"accel-{r}.json").read_text()) for r in (0, 1)]
+    assert accel[0] == accel[1] and accel[0]["processes"] == 2  # one job of 2, not a nested one per rank
+    assert "model = _nbddp.ddp(model)" not in script.text  # Accelerate's own model is left to it

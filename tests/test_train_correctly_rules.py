@@ -199,3 +199,18 @@ def test_a_training_loader_with_another_sampler_is_said_to_be_left_alone(rewrite
     assert code == "train_loader = DataLoader(ds, sampler=WeightedRandomSampler(w, 64))\n"
     assert any("has a sampler of its own, left alone" in m for _, _, m in changes)
     assert not any("DistributedSampler(" in m for _, _, m in changes)  # --explain claims no sampler
+
+
+# ------------------------------------------------------------------ Accelerate beside plain loops
+
+
+def test_an_accelerator_leaves_other_plain_loops_to_nbddp(rewrite):
+    (plain, accel), _ = rewrite(
+        "train_loader = DataLoader(ds, shuffle=True)\nnet = Net()\nopt = SGD(net.parameters())\n"
+        + LOOP.format(loader="train_loader").replace("model", "net").replace("optimizer", "opt"),
+        "accelerator = Accelerator()\nmodel = Net()\noptimizer = SGD(model.parameters())\n"
+        "dl = DataLoader(ds, shuffle=True)\nmodel, optimizer, dl = accelerator.prepare(model, optimizer, dl)\n"
+        "for epoch in range(2):\n    for xb in dl:\n        accelerator.backward(model(xb).sum())\n",
+    )
+    assert "net = _nbddp.ddp(net)" in plain and "distributed_sampler(ds, shuffle=True)" in plain
+    assert "_nbddp" not in accel

@@ -316,8 +316,12 @@ class JobFacts:
     train_iterated: set[str] = field(default_factory=set)
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
     cuda_amp_names: set[str] = field(default_factory=set)
-    #: the notebook distributes itself (Accelerate, its own DistributedDataParallel)
+    #: the notebook distributes itself (its own DistributedDataParallel)
     self_distributed: bool = False
+    #: names bound to ``Accelerator()``, and the names handed to or bound by their ``prepare(…)``: Accelerate
+    #: wraps and shards those; plain loops elsewhere in the notebook are still nbddp's
+    accelerators: set[str] = field(default_factory=set)
+    accelerate_prepared: set[str] = field(default_factory=set)
     #: the notebook trains a PEFT adapter (``get_peft_model``, a trainer's ``peft_config=``, a PEFT loader):
     #: every trainable weight takes part in each step, so DDP need not look for unused ones
     peft: bool = False
@@ -366,6 +370,8 @@ def is_training_call(node: ast.Call, facts: JobFacts) -> bool:
                 return True
             return isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func))
         return False
+    if isinstance(func, ast.Name) and func.id == "notebook_launcher":
+        return _launches(node, facts)
     return isinstance(func, ast.Name) and (func.id == "unsloth_train" or func.id in facts.training_functions)
 
 
@@ -501,6 +507,10 @@ class _Scan:
             callee = last_name(call.func)
             if is_trainer_class(callee) or is_trainer_factory(callee):
                 self.facts.trainer_names.update(targets)
+            if callee == "Accelerator":
+                self.facts.accelerators.update(targets)
+            if callee == "prepare" and isinstance(call.func, ast.Attribute):
+                self.seen.prepared.append((call, [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]))
             if callee == "DataLoader":
                 own = any(k.arg in ("sampler", "batch_sampler") for k in call.keywords)
                 shuffle = keyword(call, "shuffle")
@@ -624,7 +634,7 @@ class _Scan:
                     if isinstance(call, ast.Call) and (model := _model_of_parameters(call)) is not None:
                         self.facts.ddp_models.add(model)
         name = dotted_name(node.func) or ""
-        if name.endswith(("DistributedDataParallel", "Accelerator")) or name == "DDP":
+        if name.endswith("DistributedDataParallel") or name == "DDP":
             self.facts.self_distributed = True
         if _is_peft(node):
             self.facts.peft = True
@@ -664,6 +674,8 @@ class _Seen:
     assigned: list = field(default_factory=list)
     #: ``for … in name``: (name, the loop)
     fors: list = field(default_factory=list)
+    #: ``targets = owner.prepare(…)``: (the call, the names it binds)
+    prepared: list = field(default_factory=list)
 
 
 def loader_name(expr: ast.AST) -> str | None:
@@ -704,13 +716,14 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
                 facts.collective_functions.add(name)
                 changed = True
 
+    _plan_accelerate(seen, facts)
     _plan_loaders(seen, defs, facts)
     trains = [any(is_training_call(c, facts) for c in stmt.calls) for stmt in top]
     facts.training = [s for s, t in zip(top, trains) if t]
     if not facts.training:
         return facts
     facts.plain_loop = not facts.trainer_names and not facts.self_distributed and any(
-        last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions
+        last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions or _launches(c, facts)
         for stmt, t in zip(top, trains) if t for c in stmt.calls
     )
     first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
@@ -733,6 +746,21 @@ def _plan_trainers(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts
             facts.trainer_names.update(targets)
 
 
+def _plan_accelerate(seen: _Seen, facts: JobFacts) -> None:
+    """What an ``Accelerator`` prepares is Accelerate's: no DDP wrap, no sampler from nbddp."""
+    for call, targets in seen.prepared:
+        if isinstance(call.func.value, ast.Name) and call.func.value.id in facts.accelerators:
+            facts.accelerate_prepared.update(targets)
+            facts.accelerate_prepared.update(a.id for a in call.args if isinstance(a, ast.Name))
+    facts.ddp_models -= facts.accelerate_prepared
+
+
+def _launches(call: ast.Call, facts: JobFacts) -> bool:
+    """``notebook_launcher(train_fn, …)`` of a training function: each rank runs it (``runtime.launchers``)."""
+    return (isinstance(call.func, ast.Name) and call.func.id == "notebook_launcher" and bool(call.args)
+            and isinstance(call.args[0], ast.Name) and call.args[0].id in facts.training_functions)
+
+
 def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
     """Which loaders are training loaders: those ``loader_shards`` says so of, and those a function of the
     notebook builds (``get_data_loader(ds, shuffle=…)``) when called with ``shuffle=True`` or for a training
@@ -740,7 +768,7 @@ def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts)
     facts.train_iterated = {name for name, loop in seen.fors
                             if any(isinstance(c, ast.Call) and is_training_call(c, facts) for c in ast.walk(loop))}
     for own, shuffles, targets in seen.loaders:
-        if loader_shards(own, shuffles, targets, facts.train_iterated):
+        if facts.accelerate_prepared.isdisjoint(targets) and loader_shards(own, shuffles, targets, facts.train_iterated):
             facts.sharded_loaders.update(targets)
     factories = {name for name, calls in defs.items() if any(last_name(c.func) == "DataLoader" for c in calls)}
     for targets, call in seen.assigned:

@@ -637,13 +637,25 @@ class DistributedSamplerRule(Rule):
     def __init__(self, facts, chunk):
         super().__init__(facts, chunk)
         self._assigned: dict[cst.Call, list[str]] = {}  # a call assigned to names → those names
+        self._preparing = 0  # inside ``accelerator.prepare(…)``
 
     def visit_Assign(self, node: cst.Assign) -> None:
         if isinstance(node.value, cst.Call):
             self._assigned[node.value] = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
 
+    def visit_Call(self, node: cst.Call) -> None:
+        self._preparing += self._prepares(node)
+
+    def _prepares(self, call: cst.Call) -> bool:
+        """``accelerator.prepare(…)``: Accelerate shards the loaders handed to it."""
+        return is_attribute(call.func, "prepare") and is_name(call.func.value) and (
+            call.func.value.value in self.facts.accelerators)
+
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if last_name(updated.func) != "DataLoader" or not updated.args:
+        self._preparing -= self._prepares(original)
+        if last_name(updated.func) != "DataLoader" or not updated.args or self._preparing:
+            return updated
+        if not self.facts.accelerate_prepared.isdisjoint(self._assigned.get(original, [])):
             return updated
         shuffle = keyword(updated, "shuffle")
         own = has_keyword(updated, "sampler") or has_keyword(updated, "batch_sampler")
@@ -739,6 +751,8 @@ class _Loaders(cst.CSTVisitor):
 
     def visit_For(self, node: cst.For) -> None:
         name = _loader_name(node.iter)
+        if name in self.facts.accelerate_prepared:  # Accelerate sets its loaders' epochs itself
+            return
         if name and (name in self.facts.sharded_loaders or "loader" in name.lower()):
             self._add(name)
 

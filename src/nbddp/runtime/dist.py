@@ -99,10 +99,11 @@ def setup() -> RankInfo:
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
     shims.apply_all(log=lambda line: print0(line, flush=True))
-    from . import divergence, unused_params
+    from . import divergence, launchers, unused_params
 
     divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)
     unused_params.install()  # DDP's "finished reduction" error names the parameters and the fix
+    launchers.install()  # notebook_launcher(fn, args) runs fn(*args) in every rank
     return info
 
 
