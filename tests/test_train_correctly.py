@@ -362,3 +362,28 @@ def test_an_accelerate_loop_leaves_the_plain_loops_to_nbddp_and_notebook_launche
     accel = [json.loads((tmp_path / f"accel-{r}.json").read_text()) for r in (0, 1)]
     assert accel[0] == accel[1] and accel[0]["processes"] == 2  # one job of 2, not a nested one per rank
     assert "model = _nbddp.ddp(model)" not in script.text  # Accelerate's own model is left to it
+
+
+HELPER_LOADER = [
+    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom helpers import create_dataloader",
+    FACTORY_LOADERS[1].split("\ndef ")[0] + "\ntrain_loader = create_dataloader(train_ds, batch_size=8)\n"
+    "test_loader = create_dataloader(test_ds, batch_size=8, shuffle=False)",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(tmp_path, notebook):
+    (tmp_path / "helpers.py").write_text(
+        "from torch.utils.data import DataLoader\n\n"
+        "def create_dataloader(ds, batch_size, shuffle=True):\n"
+        "    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)\n"
+    )
+    script, result, out = run(tmp_path, notebook(HELPER_LOADER))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "evaluated on 32 samples" in out
+    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))

@@ -214,3 +214,15 @@ def test_an_accelerator_leaves_other_plain_loops_to_nbddp(rewrite):
     )
     assert "net = _nbddp.ddp(net)" in plain and "distributed_sampler(ds, shuffle=True)" in plain
     assert "_nbddp" not in accel
+
+
+def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(rewrite):
+    (code, _, _), changes = rewrite(
+        "from helpers import create_dataloader\ntrain_loader = create_dataloader(ds, batch_size=8)\n"
+        "test_loader = create_dataloader(ts, batch_size=8)\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="train_loader"),
+    )
+    assert "train_loader = _nbddp.shard_loader(create_dataloader(ds, batch_size=8), name='train_loader')" in code
+    assert "test_loader = create_dataloader(ts, batch_size=8)\n" in code
+    assert any("a helper's loader, sharded when it runs" in m for _, _, m in changes)

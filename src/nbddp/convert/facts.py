@@ -312,6 +312,8 @@ class JobFacts:
     ddp_models: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
     sharded_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
+    helper_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name
     train_iterated: set[str] = field(default_factory=set)
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
@@ -519,7 +521,7 @@ class _Scan:
                 if kind is not None:  # RandomSampler(ds) / SequentialSampler(ds): the distributed one replaces it
                     own, shuffles = False, kind == "RandomSampler" or None
                 self.seen.loaders.append((own, shuffles, targets))
-            elif isinstance(call.func, ast.Name) and targets:
+            elif targets:
                 self.seen.assigned.append((targets, call))
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
@@ -742,7 +744,7 @@ def _plan_trainers(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts
     (``trainer_x = create_trainer(…)``): their ``.train()`` trains."""
     factories = {name for name, calls in defs.items() if any(is_trainer_class(last_name(c.func)) for c in calls)}
     for targets, call in seen.assigned:
-        if call.func.id in factories:
+        if isinstance(call.func, ast.Name) and call.func.id in factories:
             facts.trainer_names.update(targets)
 
 
@@ -772,11 +774,14 @@ def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts)
             facts.sharded_loaders.update(targets)
     factories = {name for name, calls in defs.items() if any(last_name(c.func) == "DataLoader" for c in calls)}
     for targets, call in seen.assigned:
-        if call.func.id in factories:
+        callee = last_name(call.func) or ""
+        if isinstance(call.func, ast.Name) and callee in factories:
             shuffle = keyword(call, "shuffle")
             shuffles = shuffle is not None and not _is_literal(shuffle.value, False, None)
             if loader_shards(False, shuffles, targets, facts.train_iterated):
                 facts.sharded_loaders.update(targets)
+        elif callee not in defs and "loader" in callee.lower() and loader_shards(False, None, targets, facts.train_iterated):
+            facts.helper_loaders.update(targets)  # a helper's loader: sharded when it runs
 
 
 def _plan_after_training(top: list[Statement], first: int, last: int, facts: JobFacts) -> None:

@@ -653,6 +653,14 @@ class DistributedSamplerRule(Rule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         self._preparing -= self._prepares(original)
+        helper = [t for t in self._assigned.get(original, []) if t in self.facts.helper_loaders]
+        if helper and last_name(updated.func) != "DataLoader":
+            self.note(original, f"{helper[0]}: a helper's loader, sharded when it runs where it is a plain DataLoader "
+                                "(else said then)")
+            name = cst.Arg(cst.SimpleString(repr(helper[0])), keyword=cst.Name("name"), equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
+            first = cst.Arg(updated, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            return cst.Call(func=_expression("_nbddp.shard_loader"), args=[first, name])
         if last_name(updated.func) != "DataLoader" or not updated.args or self._preparing:
             return updated
         if not self.facts.accelerate_prepared.isdisjoint(self._assigned.get(original, [])):

@@ -21,6 +21,7 @@ from .dist import (
     unwrap,
     write_file,
 )
+from .loaders import shard_loader
 from .sync import barrier
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
 
@@ -44,6 +45,7 @@ __all__ = [
     "rank_info",
     "seed_everything",
     "set_epoch",
+    "shard_loader",
     "setup",
     "shell",
     "unwrap",
