@@ -5,7 +5,8 @@ parameter; a model that skips a layer in some step (LayerDrop, an unused head, a
 leaves that wait unfinished, and the next forward raises a ``RuntimeError`` that lists parameter *indices*.
 ``DistributedDataParallel.forward`` is wrapped once: such an error is raised again as
 ``UnusedParameters``, naming the parameters (``module.named_parameters()`` in DDP's own order: trainable
-ones, each once) and saying what to change. Any other error passes through untouched.
+ones, each once) and saying what to change. Any other error, and this one from a wrapper that looks for
+unused parameters or has a static graph (its message is torch's to give), passes through untouched.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _explaining(forward):
         try:
             return forward(self, *args, **kwargs)
         except RuntimeError as exc:
-            if MARKER not in str(exc):
+            # only what find_unused_parameters=False causes; a static graph's errors are its own
+            if MARKER not in str(exc) or getattr(self, "find_unused_parameters", False) or getattr(self, "static_graph", False):
                 raise
             raise UnusedParameters(message(self.module, str(exc))) from exc
 
