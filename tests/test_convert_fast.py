@@ -283,7 +283,7 @@ def test_arguments_and_inner_statements_no_rule_reads_stand_in(after_training, m
 
 def test_the_comparison_catches_a_rule_reading_a_keyword_its_check_does_not_list(monkeypatch):
     """A keyword the rule reads but its check leaves out stands in, and the script differs."""
-    sources = MANY_ARGUMENTS[:1]
+    sources = ["model = get_peft_model(model, config)\n"] + MANY_ARGUMENTS[:1]  # PEFT: the rule reads ddp_find_unused_parameters
     monkeypatch.setattr(checks.TrainerConfig, "keywords", frozenset({"log_on_each_node", "gradient_checkpointing_kwargs",
                                                                      "gradient_checkpointing"}))
     assert _script(sources, True) != _script(sources, False)

@@ -172,9 +172,13 @@ def test_every_mapped_line_is_its_cell_line(converted, name):
 def test_trainer_configs_and_data_preparation(converted, name):
     script = converted[name]
     module = cst.parse_module(script.text)
+    peft = re.search(r"get_peft_model|peft_config\s*=|PeftModel", script.text)
     for call in calls(module):
         if TRAINER_CONFIG.search(dotted(call.func)):
-            assert "ddp_find_unused_parameters=" in module.code_for_node(call)
+            code = module.code_for_node(call)
+            assert "log_on_each_node=" in code
+            # only a PEFT model is known to use every trainable weight in each step
+            assert ("ddp_find_unused_parameters=" in code) == bool(peft) or "ddp_find_unused_parameters=True" in code
     for stmt, code in top_level(script.text):
         if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) or code.startswith("if _nbddp.is_main_process():"):
             continue

@@ -187,8 +187,12 @@ def test_names_imported_from_torch_cuda_amp():
 # ------------------------------------------------------------------------------------------- trainer config
 
 
+#: A cell that makes the notebook a PEFT one: ``ddp_find_unused_parameters=False`` is safe there.
+PEFT = "model = get_peft_model(model, LoraConfig(r=8))\n"
+
+
 def test_trainer_config_gets_ddp_safe_settings_unless_set():
-    (a, b), changes = rewrite('args = SFTConfig(output_dir="o")\n', 'args2 = TrainingArguments("o", ddp_find_unused_parameters=True)\n')
+    (_, a, b), changes = rewrite(PEFT, 'args = SFTConfig(output_dir="o")\n', 'args2 = TrainingArguments("o", ddp_find_unused_parameters=True)\n')
     assert a == 'args = SFTConfig(output_dir="o", ddp_find_unused_parameters=False, log_on_each_node=False)\n'
     assert b == 'args2 = TrainingArguments("o", ddp_find_unused_parameters=True, log_on_each_node=False)\n'
     # the user's value is kept, and the change list says so
@@ -199,7 +203,7 @@ def test_trainer_config_gets_ddp_safe_settings_unless_set():
                                     "GRPOConfig", "ORPOConfig", "KTOConfig", "RewardConfig", "trl.SFTConfig",
                                     "UnslothTrainingArguments"])
 def test_every_trainer_config_is_recognised(config):
-    (code,), _ = rewrite(f"a = {config}(output_dir='o')\n")
+    (_, code), _ = rewrite(PEFT, f"a = {config}(output_dir='o')\n")
     assert "ddp_find_unused_parameters=False" in code
 
 
@@ -211,7 +215,8 @@ def test_gradient_checkpointing_gets_non_reentrant_kwargs():
 
 
 def test_trainer_config_one_argument_per_line():
-    (code,), _ = rewrite(
+    (_, code), _ = rewrite(
+        PEFT,
         """\
         args = SFTConfig(
             output_dir = "outputs",

@@ -77,7 +77,7 @@ def test_lines_map_through_every_kind_of_rewrite():
 def test_changes_are_listed_in_line_order_with_their_cell():
     cells = cells_from_sources([
         'args = SFTConfig(output_dir="o")\nm = AutoModelForCausalLM.from_pretrained("x", device_map="auto")\n'
-        "trainer = SFTTrainer(model=m, args=args)\ntrainer.train()\nm.save_pretrained('o')"
+        "trainer = SFTTrainer(model=m, args=args, peft_config=cfg)\ntrainer.train()\nm.save_pretrained('o')"
     ])
     script = convert_cells(cells)
     assert [(c.cell, c.line, c.rule) for c in script.changes] == [

@@ -188,8 +188,12 @@ class DistributedSampler(Check):
         return facts.plain_loop and super().wanted(cell, facts)
 
     @classmethod
+    def could_change(cls, text, facts) -> bool:
+        return super().could_change(text, facts) or any(name in text for name in facts.helper_loaders)
+
+    @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return any(last_name(c.func) == "DataLoader" for c in _calls(nodes))
+        return any(last_name(c.func) == "DataLoader" for c in _calls(nodes)) or bool(stmt.binds & facts.helper_loaders)
 
 
 class SetEpoch(Check):

@@ -33,6 +33,12 @@ _RANK0_ACTIONS = frozenset(
     "save_pretrained_merged save_pretrained_gguf generate fast_generate print pprint display savefig show "
     "imshow plot to_csv to_json to_parquet save".split()
 )
+#: Calls that write files another rank may read, and calls that read files.
+_WRITES = frozenset("save_pretrained save_model to_csv to_json to_parquet save_to_disk save_file".split())
+_READS = frozenset(
+    "from_pretrained load read_csv read_json read_parquet read_pickle load_from_disk load_dataset load_file "
+    "safe_open open".split()
+)
 #: Trainer methods every rank must call together under DDP.
 _TRAINER_COLLECTIVES = frozenset({"train", "evaluate", "predict", "fit"})
 #: Calls that read or write shared caches and downloads: dataset preparation.
@@ -67,6 +73,14 @@ def is_trainer_class(name: str | None) -> bool:
     return bool(name) and name.endswith("Trainer")
 
 
+#: A helper's name that says it returns a trainer: ``create_trainer``, ``get_trainer``, ``build_sft_trainer``.
+_TRAINER_FACTORY = re.compile(r"^(?:get|create|build|make|setup|set_up|init|prepare|new)_?\w*trainer$", re.I)
+
+
+def is_trainer_factory(name: str | None) -> bool:
+    return bool(name) and _TRAINER_FACTORY.match(name) is not None
+
+
 def is_model_loader_owner(owner: str | None) -> bool:
     """Whether ``owner.from_pretrained(…)`` loads a model (not a tokenizer, processor or config).
 
@@ -78,8 +92,9 @@ def is_model_loader_owner(owner: str | None) -> bool:
     return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))
 
 
-def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str]) -> bool:
-    """Whether a ``DataLoader`` gets a ``DistributedSampler``: it shuffles, or it is named as a training loader.
+def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str], trained: set[str] = frozenset()) -> bool:
+    """Whether a ``DataLoader`` gets a ``DistributedSampler``: it shuffles, it is named as a training loader,
+    or a training loop iterates it (``trained``: ``JobFacts.train_iterated``).
 
     ``own_sampler``: it has a ``sampler``/``batch_sampler`` of its own (left alone). ``shuffles``: None without
     ``shuffle=``, False for ``shuffle=False``/``None``, True for anything else. Loaders that neither shuffle nor
@@ -90,7 +105,7 @@ def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str]) 
         return False
     if shuffles:
         return True
-    return any("train" in t.lower() for t in targets)
+    return any("train" in t.lower() or t in trained for t in targets)
 
 
 # --------------------------------------------------------------------------------------- ast helpers
@@ -122,6 +137,20 @@ def is_dead_if(node: ast.AST) -> bool:
     value = node.test.value
     # ``0`` written as such (libcst's Integer("0")), not ``00`` or ``0x0``
     return value is False or type(value) is int and value == 0 and node.test.end_col_offset - node.test.col_offset == 1
+
+
+#: Samplers a ``DistributedSampler`` stands in for: (shuffles).
+PLAIN_SAMPLERS = {"RandomSampler": True, "SequentialSampler": False}
+
+
+def plain_sampler(call: ast.Call) -> str | None:
+    """``RandomSampler``/``SequentialSampler`` when a DataLoader's ``sampler=`` is ``X(dataset)`` of one."""
+    given = keyword(call, "sampler")
+    value = given.value if given is not None else None
+    if isinstance(value, ast.Call) and last_name(value.func) in PLAIN_SAMPLERS and len(value.args) == 1 \
+            and not value.keywords and keyword(call, "batch_sampler") is None:
+        return last_name(value.func)
+    return None
 
 
 def keyword(call: ast.Call, key: str) -> ast.keyword | None:
@@ -283,10 +312,21 @@ class JobFacts:
     ddp_models: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
     sharded_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
+    helper_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name
+    train_iterated: set[str] = field(default_factory=set)
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
     cuda_amp_names: set[str] = field(default_factory=set)
-    #: the notebook distributes itself (Accelerate, its own DistributedDataParallel)
+    #: the notebook distributes itself (its own DistributedDataParallel)
     self_distributed: bool = False
+    #: names bound to ``Accelerator()``, and the names handed to or bound by their ``prepare(…)``: Accelerate
+    #: wraps and shards those; plain loops elsewhere in the notebook are still nbddp's
+    accelerators: set[str] = field(default_factory=set)
+    accelerate_prepared: set[str] = field(default_factory=set)
+    #: the notebook trains a PEFT adapter (``get_peft_model``, a trainer's ``peft_config=``, a PEFT loader):
+    #: every trainable weight takes part in each step, so DDP need not look for unused ones
+    peft: bool = False
     #: a plain PyTorch loop (backward in the notebook's own code, no HF/TRL/Lightning trainer)
     plain_loop: bool = False
     #: top-level statements that train, in notebook order
@@ -295,6 +335,9 @@ class JobFacts:
     loops: set[Statement] = field(default_factory=set)
     #: top-level statements after the first training call that run on rank 0 only
     rank0: set[Statement] = field(default_factory=set)
+    #: rank-0 statements before the first training call that write files a later statement reads: the other
+    #: ranks wait for them (a barrier after), a subset of ``rank0``
+    shared_saves: set[Statement] = field(default_factory=set)
     #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
     tail: set[Statement] = field(default_factory=set)
     #: statements after training that stay on every rank, with the reason (said in --explain)
@@ -329,6 +372,8 @@ def is_training_call(node: ast.Call, facts: JobFacts) -> bool:
                 return True
             return isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func))
         return False
+    if isinstance(func, ast.Name) and func.id == "notebook_launcher":
+        return _launches(node, facts)
     return isinstance(func, ast.Name) and (func.id == "unsloth_train" or func.id in facts.training_functions)
 
 
@@ -360,6 +405,17 @@ def _is_data_prep(call: ast.Call) -> bool:
     return name in _DATA_PREP or (name or "").startswith("from_") and "Dataset" in (dotted_name(call.func) or "")
 
 
+def _is_peft(call: ast.Call) -> bool:
+    """``get_peft_model(…)``, ``PeftModel.from_pretrained(…)``/``AutoPeftModel….from_pretrained(…)``, or a
+    trainer given ``peft_config=``."""
+    name = last_name(call.func)
+    if name == "get_peft_model":
+        return True
+    if name == "from_pretrained" and isinstance(call.func, ast.Attribute):
+        return (last_name(call.func.value) or "").startswith(("Peft", "AutoPeft"))
+    return is_trainer_class(name) and keyword(call, "peft_config") is not None
+
+
 def _is_optimizer(call: ast.Call) -> bool:
     name = dotted_name(call.func) or ""
     return last_name(call.func) in _OPTIMIZERS or name.startswith(("torch.optim.", "optim."))
@@ -383,8 +439,8 @@ class _Scan:
     notebook distributes itself. One walk per statement: the facts cost one pass over the notebook's ast.
     """
 
-    def __init__(self, facts: JobFacts, defs: dict[str, list[ast.Call]], stmt: Statement):
-        self.facts, self.defs, self.stmt = facts, defs, stmt
+    def __init__(self, facts: JobFacts, defs: dict[str, list[ast.Call]], stmt: Statement, seen: _Seen):
+        self.facts, self.defs, self.stmt, self.seen = facts, defs, stmt, seen
         self.calls: list[tuple[ast.Call, bool]] = []  # (call, inside a class body)
         self.binds, self.reads = stmt.binds, stmt.reads
         self._def_stack: list[str] = []
@@ -451,14 +507,22 @@ class _Scan:
             targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
             call = node.value
             callee = last_name(call.func)
-            if is_trainer_class(callee):
+            if is_trainer_class(callee) or is_trainer_factory(callee):
                 self.facts.trainer_names.update(targets)
+            if callee == "Accelerator":
+                self.facts.accelerators.update(targets)
+            if callee == "prepare" and isinstance(call.func, ast.Attribute):
+                self.seen.prepared.append((call, [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]))
             if callee == "DataLoader":
                 own = any(k.arg in ("sampler", "batch_sampler") for k in call.keywords)
                 shuffle = keyword(call, "shuffle")
                 shuffles = None if shuffle is None else not _is_literal(shuffle.value, False, None)
-                if loader_shards(own, shuffles, targets):
-                    self.facts.sharded_loaders.update(targets)
+                kind = plain_sampler(call)
+                if kind is not None:  # RandomSampler(ds) / SequentialSampler(ds): the distributed one replaces it
+                    own, shuffles = False, kind == "RandomSampler" or None
+                self.seen.loaders.append((own, shuffles, targets))
+            elif targets:
+                self.seen.assigned.append((targets, call))
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
         self.target(node.target)
@@ -472,6 +536,8 @@ class _Scan:
 
     def visit_For(self, node: ast.For) -> None:
         self.target(node.target)
+        if (name := loader_name(node.iter)) is not None:
+            self.seen.fors.append((name, node))
         self.generic(node)
 
     def visit_withitem(self, node: ast.withitem) -> None:
@@ -570,8 +636,10 @@ class _Scan:
                     if isinstance(call, ast.Call) and (model := _model_of_parameters(call)) is not None:
                         self.facts.ddp_models.add(model)
         name = dotted_name(node.func) or ""
-        if name.endswith(("DistributedDataParallel", "Accelerator")) or name == "DDP":
+        if name.endswith("DistributedDataParallel") or name == "DDP":
             self.facts.self_distributed = True
+        if _is_peft(node):
+            self.facts.peft = True
         self.generic(node)
 
 
@@ -598,8 +666,29 @@ def _child_fields(kind: type) -> tuple[str, ...]:
     return () if kind is ast.Constant else tuple(f for f in kind._fields if f not in _NOT_NODES)
 
 
-def _scan(stmt: Statement, facts: JobFacts, defs: dict[str, list[ast.Call]]) -> None:
-    scan = _Scan(facts, defs, stmt)
+@dataclass
+class _Seen:
+    """What the scan met that is judged once the training functions are known."""
+
+    #: ``DataLoader(…)`` assignments: (own sampler, shuffles, target names)
+    loaders: list = field(default_factory=list)
+    #: ``names = function(…)``: (target names, the call)
+    assigned: list = field(default_factory=list)
+    #: ``for … in name``: (name, the loop)
+    fors: list = field(default_factory=list)
+    #: ``targets = owner.prepare(…)``: (the call, the names it binds)
+    prepared: list = field(default_factory=list)
+
+
+def loader_name(expr: ast.AST) -> str | None:
+    """The loader a ``for`` iterates: ``dl`` in ``dl``, ``enumerate(dl)``, ``tqdm(dl, …)``, ``enumerate(tqdm(dl))``."""
+    while isinstance(expr, ast.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
+        expr = expr.args[0]
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def _scan(stmt: Statement, facts: JobFacts, defs: dict[str, list[ast.Call]], seen: _Seen) -> None:
+    scan = _Scan(facts, defs, stmt, seen)
     scan.visit_all(stmt.nodes)
     # in source order, outer calls first (the order a libcst walk meets them)
     scan.calls.sort(key=lambda c: (c[0].lineno, c[0].col_offset, -c[0].end_lineno, -c[0].end_col_offset))
@@ -612,9 +701,11 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     facts = JobFacts()
     defs: dict[str, list[ast.Call]] = {}  # function name → the calls in its body
     top = [stmt for cell in cells for stmt in cell.statements]
+    seen = _Seen()
     for stmt in top:
-        _scan(stmt, facts, defs)
+        _scan(stmt, facts, defs, seen)
     facts.module_names = set().union(*(stmt.binds for stmt in top))
+    _plan_trainers(seen, defs, facts)
     # a function trains if it trains directly or calls one that does; likewise for collectives
     changed = True
     while changed:
@@ -627,22 +718,70 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
                 facts.collective_functions.add(name)
                 changed = True
 
+    _plan_accelerate(seen, facts)
+    _plan_loaders(seen, defs, facts)
     trains = [any(is_training_call(c, facts) for c in stmt.calls) for stmt in top]
     facts.training = [s for s, t in zip(top, trains) if t]
     if not facts.training:
         return facts
     facts.plain_loop = not facts.trainer_names and not facts.self_distributed and any(
-        last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions
+        last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions or _launches(c, facts)
         for stmt, t in zip(top, trains) if t for c in stmt.calls
     )
     first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
     _plan_after_training(top, first, last, facts)
+    _plan_shared_saves(top, first, facts)
     _plan_data_prep(top, facts)
     if facts.plain_loop:
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
         if facts.ddp_models:
             _plan_ddp_wraps(top, first, facts)
     return facts
+
+
+def _plan_trainers(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
+    """Names bound to what a function of the notebook returns when that function builds a trainer
+    (``trainer_x = create_trainer(…)``): their ``.train()`` trains."""
+    factories = {name for name, calls in defs.items() if any(is_trainer_class(last_name(c.func)) for c in calls)}
+    for targets, call in seen.assigned:
+        if isinstance(call.func, ast.Name) and call.func.id in factories:
+            facts.trainer_names.update(targets)
+
+
+def _plan_accelerate(seen: _Seen, facts: JobFacts) -> None:
+    """What an ``Accelerator`` prepares is Accelerate's: no DDP wrap, no sampler from nbddp."""
+    for call, targets in seen.prepared:
+        if isinstance(call.func.value, ast.Name) and call.func.value.id in facts.accelerators:
+            facts.accelerate_prepared.update(targets)
+            facts.accelerate_prepared.update(a.id for a in call.args if isinstance(a, ast.Name))
+    facts.ddp_models -= facts.accelerate_prepared
+
+
+def _launches(call: ast.Call, facts: JobFacts) -> bool:
+    """``notebook_launcher(train_fn, …)`` of a training function: each rank runs it (``runtime.launchers``)."""
+    return (isinstance(call.func, ast.Name) and call.func.id == "notebook_launcher" and bool(call.args)
+            and isinstance(call.args[0], ast.Name) and call.args[0].id in facts.training_functions)
+
+
+def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
+    """Which loaders are training loaders: those ``loader_shards`` says so of, and those a function of the
+    notebook builds (``get_data_loader(ds, shuffle=…)``) when called with ``shuffle=True`` or for a training
+    name. Their epoch loops get ``set_epoch``."""
+    facts.train_iterated = {name for name, loop in seen.fors
+                            if any(isinstance(c, ast.Call) and is_training_call(c, facts) for c in ast.walk(loop))}
+    for own, shuffles, targets in seen.loaders:
+        if facts.accelerate_prepared.isdisjoint(targets) and loader_shards(own, shuffles, targets, facts.train_iterated):
+            facts.sharded_loaders.update(targets)
+    factories = {name for name, calls in defs.items() if any(last_name(c.func) == "DataLoader" for c in calls)}
+    for targets, call in seen.assigned:
+        callee = last_name(call.func) or ""
+        if isinstance(call.func, ast.Name) and callee in factories:
+            shuffle = keyword(call, "shuffle")
+            shuffles = shuffle is not None and not _is_literal(shuffle.value, False, None)
+            if loader_shards(False, shuffles, targets, facts.train_iterated):
+                facts.sharded_loaders.update(targets)
+        elif callee not in defs and "loader" in callee.lower() and loader_shards(False, None, targets, facts.train_iterated):
+            facts.helper_loaders.update(targets)  # a helper's loader: sharded when it runs
 
 
 def _plan_after_training(top: list[Statement], first: int, last: int, facts: JobFacts) -> None:
@@ -672,6 +811,30 @@ def _plan_after_training(top: list[Statement], first: int, last: int, facts: Job
         if k > last:
             facts.all_ranks[stmt] = reason
         needed |= stmt.reads
+
+
+def _plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None:
+    """Saving before training that a later statement reads back (``model.save_pretrained("base")``, then
+    ``from_pretrained("base")``) runs on rank 0, and every rank waits for it: ``save_pretrained`` writes on
+    rank 0 only, so another rank would read before the files exist; a file every rank wrote could be read
+    half written. An expression statement whose files some later statement reads (by any path: the check
+    is by kind of call)."""
+    for k, stmt in enumerate(top[:first]):
+        node = stmt.nodes[0]
+        if len(stmt.nodes) != 1 or not isinstance(node, ast.Expr) or not any(_writes(c) for c in stmt.calls):
+            continue
+        if any(_reads(c) for later in top[k + 1 :] for c in later.calls):
+            facts.shared_saves.add(stmt)
+            facts.rank0.add(stmt)
+
+
+def _writes(call: ast.Call) -> bool:
+    name = dotted_name(call.func) or ""
+    return last_name(call.func) in _WRITES or name in ("torch.save", "np.save", "numpy.save")
+
+
+def _reads(call: ast.Call) -> bool:
+    return last_name(call.func) in _READS
 
 
 def _func_code(cell: CellCode, call: ast.Call) -> str:
@@ -730,12 +893,12 @@ def placement(groups: list[list[ast.stmt]], name: str) -> list[ast.stmt] | None:
 
 def _plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
     """Where a plain PyTorch model is wrapped in DDP: after the last statement that makes or moves it before
-    the first training statement, at the top level and in each block (a function or a fold loop that builds
-    a model and trains it)."""
+    a training statement, at the top level and in each block (a function or a fold loop that builds a model
+    and trains it). A model made after an earlier training (a second model, a PEFT model built on the first)
+    is wrapped before the training that follows it."""
+    training = {id(s) for s in facts.training}
     for name in sorted(facts.ddp_models):
-        at = placement([s.nodes for s in top[:first]], name)
-        if at is not None:
-            stmt = next(s for s in top[:first] if s.nodes is at)
+        for stmt in _last_placements(top, training, name):
             facts.ddp_wrap_after.setdefault(stmt, []).append(name)
     for stmt in top:
         if is_compound(stmt.nodes[0]):
@@ -744,6 +907,19 @@ def _plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
                 _plan_block(block, stmt.cell, facts)
             if len(facts.ddp_wrap_inside) > before:
                 facts.ddp_wraps_inside.add(stmt)
+
+
+def _last_placements(top: list[Statement], training: set[int], name: str) -> list[Statement]:
+    """The top-level statements that make or move ``name`` last before some training statement."""
+    found, last = [], None
+    for stmt in top:
+        if id(stmt) in training:
+            if last is not None:
+                found.append(last)
+            last = None
+        elif not is_compound(stmt.nodes[0]) and _places(stmt.nodes, name):
+            last = stmt
+    return found
 
 
 def _plan_block(block: list[ast.stmt], cell: CellCode, facts: JobFacts) -> None:

@@ -30,7 +30,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from . import checks
-from .facts import CUDA_INDEX, TRAINER_CONFIGS, CellCode, JobFacts, Statement, is_model_loader_owner, loader_shards
+from .facts import CUDA_INDEX, PLAIN_SAMPLERS, TRAINER_CONFIGS, CellCode, JobFacts, Statement, is_model_loader_owner, loader_shards
 from .lines import align
 
 __all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "Rule", "UnreadableCode", "rewrite"]
@@ -250,7 +250,8 @@ def _method(cls: type, name: str):
 def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
     """Set ``key=value`` on a call; return the new call and the old value's source (None when absent).
 
-    A new keyword goes last; in a call written one argument per line it gets a line of its own.
+    A new keyword goes last; in a call written one argument per line it gets a line of its own, and every
+    comment stays on the line it was on (a comment after the last argument does not move to the new one).
     """
     args = list(call.args)
     for i, arg in enumerate(args):
@@ -262,21 +263,46 @@ def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[c
         value=value,
         equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
     )
-    if args and isinstance(args[-1].comma, cst.Comma) and "\n" in code_of(args[-1].comma):
-        # one argument per line with a trailing comma: the new argument takes the last one's line ending,
-        # the last one takes the separator used between arguments.
-        between = args[-2].comma if len(args) > 1 and isinstance(args[-2].comma, cst.Comma) else cst.Comma(
-            whitespace_after=call.whitespace_before_args
-        )
-        new_arg = new_arg.with_changes(comma=args[-1].comma)
-        args[-1] = args[-1].with_changes(comma=between)
-    elif args and isinstance(args[-1].comma, cst.Comma):  # f(a, ): the trailing comma stays last
+    if args and (closing := _closing_line(args[-1])) is not None:
+        return call.with_changes(args=_on_own_line(call, args, new_arg, closing)), None
+    if args and isinstance(args[-1].comma, cst.Comma):  # f(a, ): the trailing comma stays last
         new_arg = new_arg.with_changes(comma=args[-1].comma)
         args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     elif args:
         args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     args.append(new_arg)
     return call.with_changes(args=args), None
+
+
+def _closing_line(last: cst.Arg) -> cst.ParenthesizedWhitespace | None:
+    """What follows a call's last argument when the closing parenthesis is on a line of its own: the rest of
+    the argument's line (a comment), comment lines, the parenthesis' indentation. None otherwise."""
+    after = last.comma.whitespace_after if isinstance(last.comma, cst.Comma) else last.whitespace_after_arg
+    return after if isinstance(after, cst.ParenthesizedWhitespace) else None
+
+
+def _on_own_line(call: cst.Call, args: list[cst.Arg], new_arg: cst.Arg, closing: cst.ParenthesizedWhitespace) -> list:
+    """``args`` with ``new_arg`` on a line of its own after the last: the last argument keeps its line's
+    comment and the comment lines below it; the new one ends its line with what the call's arguments
+    end theirs with (a comma or not) and the parenthesis' indentation."""
+    between = next((a.comma.whitespace_after for a in reversed(args[:-1]) if isinstance(a.comma, cst.Comma)
+                    and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)), None)
+    if between is None:
+        between = call.whitespace_before_args if isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace) else closing
+    last = args[-1]
+    trailing_comma = isinstance(last.comma, cst.Comma)
+    kept = closing.with_changes(indent=between.indent, last_line=between.last_line)  # its comments stay here
+    args[-1] = last.with_changes(
+        comma=cst.Comma(whitespace_before=last.comma.whitespace_before if trailing_comma else cst.SimpleWhitespace(""),
+                        whitespace_after=kept),
+        whitespace_after_arg=last.whitespace_after_arg if trailing_comma else cst.SimpleWhitespace(""),
+    )
+    end = closing.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+    if trailing_comma:
+        new_arg = new_arg.with_changes(comma=cst.Comma(whitespace_after=end))
+    else:
+        new_arg = new_arg.with_changes(whitespace_after_arg=end)
+    return args + [new_arg]
 
 
 def _has_star_kwargs(call: cst.Call) -> bool:
@@ -297,6 +323,10 @@ class _StatementRule(Rule):
     def message(self, run: list[cst.BaseStatement]) -> str:
         raise NotImplementedError
 
+    def after(self, run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        """Statements that follow the block (none unless a rule says)."""
+        return []
+
     def inside(self, run: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
         """The run as a block's body: the block takes the first statement's comments and blank lines above."""
         first = run[0].with_changes(leading_lines=[])
@@ -313,6 +343,7 @@ class _StatementRule(Rule):
         def flush():
             if run:
                 body.append(self.block(run).with_changes(leading_lines=run[0].leading_lines))
+                body.extend(self.after(run))
                 self.note(run[0], self.message(run))
                 run.clear()
 
@@ -397,7 +428,9 @@ class RankZeroRule(_StatementRule):
     collective such as ``trainer.evaluate()`` or a second ``trainer.train()``, and any statement binding a
     name that such code reads. Between two training calls only the statements that save, print, push,
     generate or plot go under the guard. In a plain PyTorch notebook the tail first unwraps the DDP model,
-    since rank 0 alone cannot run a DDP forward (it would wait for the others).
+    since rank 0 alone cannot run a DDP forward (it would wait for the others). Before training, a save
+    whose files a later statement reads (``save_pretrained("base")``, then ``from_pretrained("base")``) goes
+    under the guard too, followed by ``_nbddp.barrier()``: the other ranks read only complete files.
     """
 
     check = checks.RankZero
@@ -418,7 +451,14 @@ class RankZeroRule(_StatementRule):
             unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
         return cst.If(test=_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
 
+    def after(self, run):
+        if any(self.statement(s) in self.facts.shared_saves for s in run):
+            return [_statement("_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")]
+        return []
+
     def message(self, run) -> str:
+        if any(self.statement(s) in self.facts.shared_saves for s in run):
+            return "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)"
         tail = self.statement(run[0]) in self.facts.tail
         return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)")
 
@@ -541,10 +581,12 @@ class AutocastRule(Rule):
 class TrainerConfigRule(Rule):
     """Trainer configurations get DDP-safe settings the user did not set; values the user set are kept.
 
-    - ``ddp_find_unused_parameters=False``: the HF Trainer turns it on for every model that is not a plain
-      ``PreTrainedModel`` (every PEFT model), which costs an extra graph traversal each step and, with
-      reentrant gradient checkpointing, fails with "marked as ready twice". LoRA adapters are all used in
-      every step, so ``False`` is right.
+    - ``ddp_find_unused_parameters=False`` where the notebook trains a PEFT adapter (``JobFacts.peft``): the
+      HF Trainer turns it on for every model that is not a plain ``PreTrainedModel`` (every PEFT model),
+      which costs an extra graph traversal each step and, with reentrant gradient checkpointing, fails with
+      "marked as ready twice". LoRA adapters are all used in every step, so ``False`` is right there. A full
+      fine-tune keeps the Trainer's own choice: its model may skip layers (LayerDrop) or leave heads unused,
+      where ``False`` fails at the first step that skips one.
     - ``log_on_each_node=False``: logs come from global rank 0 only, not once per machine.
     - ``gradient_checkpointing_kwargs={"use_reentrant": False}`` when ``gradient_checkpointing=True``:
       reentrant checkpointing and DDP's reducer do not mix.
@@ -554,19 +596,18 @@ class TrainerConfigRule(Rule):
     """
 
     check = checks.TrainerConfig
-    _SAFE = (
-        ("ddp_find_unused_parameters", "False", "all LoRA weights train each step"),
-        ("log_on_each_node", "False", "logs from rank 0 only"),
-    )
+    _UNUSED = ("ddp_find_unused_parameters", "False", "a PEFT model: every LoRA weight trains each step")
+    _LOGS = ("log_on_each_node", "False", "logs from rank 0 only")
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         config = last_name(updated.func)
         if config not in TRAINER_CONFIGS:
             return updated
         if _has_star_kwargs(updated):
-            self.note(original, f"{config}: has **kwargs, left alone; set ddp_find_unused_parameters=False yourself")
+            advice = "set ddp_find_unused_parameters=False yourself" if self.facts.peft else "set log_on_each_node=False yourself"
+            self.note(original, f"{config}: has **kwargs, left alone; {advice}")
             return updated
-        settings = list(self._SAFE)
+        settings = [self._UNUSED, self._LOGS] if self.facts.peft else [self._LOGS]
         checkpointing = keyword(updated, "gradient_checkpointing")
         if checkpointing is not None and is_name(checkpointing.value, "True"):
             settings.append(("gradient_checkpointing_kwargs", '{"use_reentrant": False}', "DDP needs non-reentrant checkpointing"))
@@ -596,19 +637,48 @@ class DistributedSamplerRule(Rule):
     def __init__(self, facts, chunk):
         super().__init__(facts, chunk)
         self._assigned: dict[cst.Call, list[str]] = {}  # a call assigned to names → those names
+        self._preparing = 0  # inside ``accelerator.prepare(…)``
 
     def visit_Assign(self, node: cst.Assign) -> None:
         if isinstance(node.value, cst.Call):
             self._assigned[node.value] = [t.target.value for t in node.targets if isinstance(t.target, cst.Name)]
 
+    def visit_Call(self, node: cst.Call) -> None:
+        self._preparing += self._prepares(node)
+
+    def _prepares(self, call: cst.Call) -> bool:
+        """``accelerator.prepare(…)``: Accelerate shards the loaders handed to it."""
+        return is_attribute(call.func, "prepare") and is_name(call.func.value) and (
+            call.func.value.value in self.facts.accelerators)
+
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if last_name(updated.func) != "DataLoader" or not updated.args:
+        self._preparing -= self._prepares(original)
+        helper = [t for t in self._assigned.get(original, []) if t in self.facts.helper_loaders]
+        if helper and last_name(updated.func) != "DataLoader":
+            self.note(original, f"{helper[0]}: a helper's loader, sharded when it runs where it is a plain DataLoader "
+                                "(else said then)")
+            name = cst.Arg(cst.SimpleString(repr(helper[0])), keyword=cst.Name("name"), equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
+            first = cst.Arg(updated, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            return cst.Call(func=_expression("_nbddp.shard_loader"), args=[first, name])
+        if last_name(updated.func) != "DataLoader" or not updated.args or self._preparing:
+            return updated
+        if not self.facts.accelerate_prepared.isdisjoint(self._assigned.get(original, [])):
             return updated
         shuffle = keyword(updated, "shuffle")
         own = has_keyword(updated, "sampler") or has_keyword(updated, "batch_sampler")
         shuffles = None if shuffle is None else not is_name(shuffle.value, "False", "None")
-        if not loader_shards(own, shuffles, self._assigned.get(original, [])):
+        targets = self._assigned.get(original, [])
+        if (plain := _plain_sampler(updated)) is not None:
+            return self._replace_sampler(original, updated, plain, targets)
+        if not loader_shards(own, shuffles, targets, self.facts.train_iterated):
+            if own and loader_shards(False, None, targets, self.facts.train_iterated):
+                self.note(original, "DataLoader: has a sampler of its own, left alone: every rank reads what it "
+                                    "gives (nbddp says so at the first step if the batches are the same)")
             return updated
+        # ``shuffle=shuffle`` in a loader factory: a training loader when it shuffles, else whole
+        depends = shuffle is not None and _decided_at_run_time(shuffle.value) and not loader_shards(
+            own, None, targets, self.facts.train_iterated)
         positional = [a for a in updated.args if a.keyword is None and not a.star]
         dataset_arg = keyword(updated, "dataset") or (positional[0] if positional else None)
         if dataset_arg is None or len(positional) > 2:
@@ -625,14 +695,55 @@ class DistributedSamplerRule(Rule):
             dataset = dataset.deep_clone()
         shuffle = keyword(updated, "shuffle")
         shuffle_code = code_of(shuffle.value) if shuffle is not None else "False"
-        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffle_code})")
+        sampler = f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffle_code})"
+        sampler = cst.parse_expression(f"{sampler} if {shuffle_code} else None" if depends else sampler)
         if shuffle is not None:
             args[args.index(shuffle)] = shuffle.with_changes(keyword=cst.Name("sampler"), value=sampler)
             new = updated.with_changes(args=args)
         else:
             new, _ = _set_keyword(updated.with_changes(args=args), "sampler", sampler)
-        self.note(original, f"DataLoader: DistributedSampler(shuffle={shuffle_code}), each rank reads its own share")
+        if depends:
+            self.note(original, f"DataLoader: DistributedSampler when {shuffle_code} (a training loader: each rank "
+                                "reads its own share), the whole data set otherwise")
+        else:
+            self.note(original, f"DataLoader: DistributedSampler(shuffle={shuffle_code}), each rank reads its own share")
         return new
+
+    def _replace_sampler(self, original: cst.Call, updated: cst.Call, plain, targets: list[str]) -> cst.Call:
+        """``sampler=RandomSampler(ds)`` → the distributed one, shuffling; ``SequentialSampler(ds)`` too, in
+        order, where the loader is a training loader."""
+        kind, dataset = plain
+        shuffles = PLAIN_SAMPLERS[kind]
+        if not shuffles and not loader_shards(False, None, targets, self.facts.train_iterated):
+            return updated
+        given = keyword(updated, "sampler")
+        sampler = cst.parse_expression(f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffles})")
+        args = [a.with_changes(value=sampler) if a is given else a for a in updated.args]
+        self.note(original, f"DataLoader: {kind} → DistributedSampler(shuffle={shuffles}), each rank reads its own share")
+        return updated.with_changes(args=args)
+
+
+def _plain_sampler(call: cst.Call) -> tuple[str, cst.BaseExpression] | None:
+    """(kind, dataset) for ``sampler=RandomSampler(ds)``/``SequentialSampler(ds)`` (``facts.plain_sampler``)."""
+    given = keyword(call, "sampler")
+    value = given.value if given is not None else None
+    if (isinstance(value, cst.Call) and last_name(value.func) in PLAIN_SAMPLERS and len(value.args) == 1
+            and value.args[0].keyword is None and not value.args[0].star and not has_keyword(call, "batch_sampler")):
+        return last_name(value.func), value.args[0].value
+    return None
+
+
+def _decided_at_run_time(value: cst.BaseExpression) -> bool:
+    """A ``shuffle=`` value that is neither a literal nor a call: a parameter or a comparison, read twice safely."""
+    if is_name(value, "True", "False", "None") or isinstance(value, (cst.BaseNumber, cst.BaseString)):
+        return False
+    return not any(isinstance(n, cst.Call) for n in _walk(value))
+
+
+def _walk(node: cst.CSTNode):
+    yield node
+    for child in node.children:
+        yield from _walk(child)
 
 
 
@@ -648,6 +759,8 @@ class _Loaders(cst.CSTVisitor):
 
     def visit_For(self, node: cst.For) -> None:
         name = _loader_name(node.iter)
+        if name in self.facts.accelerate_prepared:  # Accelerate sets its loaders' epochs itself
+            return
         if name and (name in self.facts.sharded_loaders or "loader" in name.lower()):
             self._add(name)
 

@@ -17,14 +17,17 @@ from .dist import (
     setup,
     unwrap,
 )
+from .loaders import shard_loader
 from .rich import display
 from .shell_lines import cd, expand, getoutput, shell, shell_cell, write_file
+from .sync import barrier
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
 
 __all__ = [
     "GPUInfo",
     "MultiGPUConfig",
     "RankInfo",
+    "barrier",
     "cd",
     "cleanup",
     "ddp",
@@ -42,6 +45,7 @@ __all__ = [
     "rank_info",
     "seed_everything",
     "set_epoch",
+    "shard_loader",
     "setup",
     "shell",
     "shell_cell",

@@ -100,6 +100,11 @@ def setup() -> RankInfo:
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
     shims.apply_all(log=lambda line: print0(line, flush=True))
+    from . import divergence, launchers, unused_params
+
+    divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)
+    unused_params.install()  # DDP's "finished reduction" error names the parameters and the fix
+    launchers.install()  # notebook_launcher(fn, args) runs fn(*args) in every rank
     return info
 
 
@@ -203,7 +208,20 @@ def ddp(model):
         return model
     info = rank_info()
     ids = [info.local_rank] if info.device.startswith("cuda") else None
-    return _notebook_ddp()(model, device_ids=ids)
+    return _notebook_ddp()(_without_inner_wrappers(model), device_ids=ids)
+
+
+def _without_inner_wrappers(model):
+    """A model built on a wrapped one (``get_peft_model(ddp_model, …)``) holds the first wrapper inside: it
+    gets the plain module back in its place, so the new wrapper alone syncs the gradients (the old one, no
+    longer run forward, expects none)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, DistributedDataParallel):
+                setattr(parent, name, child.module)
+    return model
 
 
 @functools.cache

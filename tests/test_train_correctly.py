@@ -1,0 +1,390 @@
+"""Train correctly or refuse loudly: notebooks that used to train wrong in silence, run on two gloo ranks.
+
+Each notebook is written in the style public notebooks use; the ranks write what they hold at the end
+(weights, what they read) to files named by rank, and the test compares them.
+"""
+
+import json
+import re
+
+import pytest
+
+from nbddp.convert import convert_notebook
+from nbddp.job import run_notebook
+
+pytestmark = pytest.mark.e2e
+
+IMPORTS = (
+    "import json, os\nimport torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, TensorDataset"
+)
+DATA = (
+    "torch.manual_seed(0)\nx = torch.randn(64, 4)\ny = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])\n"
+    "data = TensorDataset(x, y)\ntrain_loader = DataLoader(data, batch_size=8, shuffle=True)"
+)
+NET = (
+    "class Net(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc1 = nn.Linear(4, 8)\n"
+    "        self.fc2 = nn.Linear(8, 1)\n"
+    "    def forward(self, x):\n"
+    "        return self.fc2(torch.relu(self.fc1(x)))"
+)
+
+
+def loop(model: str, optimizer: str, *dumps: str) -> str:
+    """A plain training loop; ``dumps`` run at its end inside it, on every rank (after it, rank 0 only)."""
+    return (
+        "for epoch in range(2):\n"
+        "    for xb, yb in train_loader:\n"
+        f"        loss = ((({model})(xb) - yb) ** 2).mean()\n"
+        f"        {optimizer}.zero_grad()\n"
+        "        loss.backward()\n"
+        f"        {optimizer}.step()\n"
+        "    print(f'epoch {epoch} loss {loss.item():.4f}')"
+    ) + "".join("\n    if epoch == 1:\n" + "".join(f"        {line}\n" for line in d.splitlines()) for d in dumps)
+
+
+def dump(model: str, name: str) -> str:
+    """Each rank writes the model's trainable weights to ``<name>-<rank>.json``."""
+    return (
+        f"with open(f\"{name}-{{os.environ['RANK']}}.json\", 'w') as fh:\n"
+        f"    json.dump({{k: v.tolist() for k, v in {model}.named_parameters() if v.requires_grad}}, fh)"
+    )
+
+
+def run(tmp_path, nb, **env):
+    chunks = []
+    script, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
+                                  timeout_s=500, env=env or None)
+    return script, result, "".join(chunks)
+
+
+def same_on_both_ranks(tmp_path, name):
+    a, b = (json.loads((tmp_path / f"{name}-{r}.json").read_text()) for r in (0, 1))
+    assert a.keys() == b.keys() and a
+    return a == b
+
+
+# ------------------------------------------------------------------------------ 1. a second model
+
+
+SECOND_PEFT_MODEL = [
+    IMPORTS + "\nfrom peft import LoraConfig, get_peft_model",
+    DATA,
+    NET + "\nmodule = Net()\noptimizer = torch.optim.SGD(module.parameters(), lr=0.01)",
+    loop("module", "optimizer"),
+    'config = LoraConfig(r=2, target_modules=["fc1"])\npeft_model = get_peft_model(module, config)\n'
+    "peft_optimizer = torch.optim.SGD(peft_model.parameters(), lr=0.05)",
+    loop("peft_model", "peft_optimizer", dump("peft_model", "lora")),
+]
+
+TWO_MODELS = [
+    IMPORTS,
+    DATA,
+    NET + "\nmodel_1 = Net()\noptimizer_1 = torch.optim.SGD(model_1.parameters(), lr=0.01)",
+    loop("model_1", "optimizer_1"),
+    "model_2 = Net()\noptimizer_2 = torch.optim.SGD(model_2.parameters(), lr=0.01)",
+    loop("model_2", "optimizer_2", dump("model_1", "m1"), dump("model_2", "m2")),
+]
+
+
+def test_a_peft_model_trained_after_a_wrapped_loop_is_wrapped_too(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(SECOND_PEFT_MODEL))
+    assert result.ok, (out[-3000:], result.failure)
+    assert same_on_both_ranks(tmp_path, "lora")
+    assert "peft_model = _nbddp.ddp(peft_model)" in script.text
+
+
+def test_models_trained_one_after_another_are_each_wrapped(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(TWO_MODELS))
+    assert result.ok, (out[-3000:], result.failure)
+    assert same_on_both_ranks(tmp_path, "m1") and same_on_both_ranks(tmp_path, "m2")
+
+
+# ------------------------------------------------------------------------------------ the safety net
+
+HIDDEN_MODEL = [
+    IMPORTS,
+    DATA,
+    NET + "\nmodel = Net()\nparams = list(model.parameters())\noptimizer = torch.optim.SGD(params, lr=0.01)",
+    loop("model", "optimizer", dump("model", "hidden")),
+]
+
+
+def test_replicas_that_diverge_stop_the_job_with_the_cell_the_model_and_the_fix(tmp_path, notebook):
+    """The converter cannot see which model ``params`` holds: the net stops the job at the first step."""
+    script, result, out = run(tmp_path, notebook(HIDDEN_MODEL))
+    assert "_nbddp.ddp(model)" not in script.text  # the converter did not see it
+    assert not result.ok and result.failure is not None
+    message = result.failure.message
+    assert "ReplicasDiverged" in message and "copies of model diverged after optimizer step 1" in message
+    assert "cell 4, line 6" in message and "model = _nbddp.ddp(model)" in message
+    assert "NBDDP_ALLOW_DIVERGENCE=1" in message
+    assert (result.failure.cell, result.failure.line) == (4, 6)
+
+
+def test_allow_divergence_lets_ranks_train_apart(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(HIDDEN_MODEL), NBDDP_ALLOW_DIVERGENCE="1")
+    assert result.ok, (out[-3000:], result.failure)
+    assert not same_on_both_ranks(tmp_path, "hidden")  # what the net stops otherwise
+
+
+UNSHARDED = [
+    IMPORTS,
+    DATA.replace("shuffle=True", "sampler=torch.utils.data.WeightedRandomSampler([1.0] * 64, 64, generator="
+                 "torch.Generator().manual_seed(0))"),
+    NET + "\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
+    loop("model", "optimizer"),
+]
+
+
+def test_a_training_loader_that_is_the_same_on_every_rank_is_reported_once(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(UNSHARDED))
+    assert result.ok, (out[-3000:], result.failure)
+    assert out.count("the training batches are the same on every rank (optimizer step at cell 4, line 6)") == 1
+    assert "the training batches are the same" not in result.rank_log(1).read_text()
+
+
+def test_the_net_checks_stay_quiet_for_a_converted_loop(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook([IMPORTS, DATA, NET + "\nmodel = Net()\n"
+                                                  "optimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
+                                                  loop("model", "optimizer")]))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "nbddp: warning" not in out
+
+
+# ------------------------------------------------------------------------- 6. parameters DDP never sees used
+
+LAYER_DROP = [
+    IMPORTS,
+    DATA,
+    "class Skipping(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc1 = nn.Linear(4, 8)\n"
+    "        self.extra = nn.Linear(8, 8)\n"
+    "        self.fc2 = nn.Linear(8, 1)\n"
+    "        self.calls = 0\n"
+    "    def forward(self, x):\n"
+    "        self.calls += 1\n"
+    "        h = torch.relu(self.fc1(x))\n"
+    "        if self.calls % 2 == 0:  # a layer skipped every other step, as LayerDrop does at random\n"
+    "            h = self.extra(h)\n"
+    "        return self.fc2(h)\n"
+    "model = Skipping()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
+    loop("model", "optimizer"),
+]
+
+
+def test_a_model_that_skips_a_layer_fails_with_the_parameters_and_the_fix(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(LAYER_DROP))
+    assert not result.ok and result.failure is not None
+    message = result.failure.message
+    assert "UnusedParameters" in message
+    assert re.search(r"got no gradient in the last step \(rank [01]\): extra\.weight, extra\.bias\.", message)
+    assert "ddp_find_unused_parameters=True" in message and "find_unused_parameters=True" in message
+    assert (result.failure.cell, result.failure.line) == (4, 3)
+
+
+AUDIO_LAYER_DROP = [
+    "import torch\nfrom datasets import Dataset\n"
+    "from transformers import Trainer, TrainingArguments, Wav2Vec2Config, Wav2Vec2ForSequenceClassification",
+    "config = Wav2Vec2Config(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,\n"
+    "                        conv_dim=(8, 8), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,\n"
+    "                        num_conv_pos_embedding_groups=2, layerdrop=0.5, mask_time_prob=0.0, num_labels=2)\n"
+    "model = Wav2Vec2ForSequenceClassification(config)",
+    "g = torch.Generator().manual_seed(0)\n"
+    "data = Dataset.from_dict({'input_values': torch.randn(48, 400, generator=g).tolist(),\n"
+    "                          'labels': [i % 2 for i in range(48)]})",
+    "args = TrainingArguments(\n"
+    "    output_dir='audio-out',\n"
+    "    per_device_train_batch_size=4,\n"
+    "    max_steps=10,\n"
+    "    logging_steps=1,\n"
+    "    save_strategy='no',\n"
+    "    report_to='none',  # no trackers offline\n"
+    ")\n"
+    "trainer = Trainer(model=model, args=args, train_dataset=data)\n"
+    "trainer.train()",
+]
+
+
+def test_a_full_fine_tune_with_layer_drop_trains_with_the_trainers_own_ddp_setting(tmp_path, notebook):
+    """wav2vec2 skips layers at random (LayerDrop): the Trainer looks for unused parameters by itself."""
+    script, result, out = run(tmp_path, notebook(AUDIO_LAYER_DROP))
+    assert "ddp_find_unused_parameters" not in script.text
+    assert "report_to='none',  # no trackers offline\n    log_on_each_node=False,\n" in script.text
+    assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
+    assert "'train_runtime'" in out or "train_runtime" in out
+
+
+# ----------------------------------------------------------------- 2. loaders from one factory function
+
+FACTORY_LOADERS = [
+    IMPORTS,
+    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "def get_data_loader(ds, shuffle):\n"
+    "    return DataLoader(ds, batch_size=8, shuffle=shuffle)\n"
+    "train_dl = get_data_loader(train_ds, shuffle=True)\n"
+    "test_dl = get_data_loader(test_ds, shuffle=False)",
+    "model = nn.Linear(1, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=1e-4)",
+    "seen = {}\n"
+    "for epoch in range(2):\n"
+    "    seen[epoch] = []\n"
+    "    for xb, yb in train_dl:\n"
+    "        seen[epoch] += xb.flatten().int().tolist()\n"
+    "        loss = ((model(xb) - yb) ** 2).mean()\n"
+    "        optimizer.zero_grad()\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "    with open(f\"seen-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "        json.dump(seen, fh)",
+    "count = sum(len(xb) for xb, yb in test_dl)\nprint(f'evaluated on {count} samples')",
+]
+
+
+def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_epoch(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(FACTORY_LOADERS))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "evaluated on 32 samples" in out  # the whole test set, not rank 0's half
+    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+    assert "_nbddp.set_epoch(train_dl, epoch)" in script.text
+
+
+# ----------------------------------------------------------------------- 5. a trainer built by a helper
+
+HELPER_TRAINER = [
+    "import os\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+    "from trl import SFTConfig, SFTTrainer\nfrom nbddp import demo",
+    "name = demo.tiny_model()\ntokenizer = AutoTokenizer.from_pretrained(name)\n"
+    "model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)\ndata = demo.arithmetic_dataset(32)",
+    "def create_trainer(model, out):\n"
+    "    args = SFTConfig(output_dir=out, max_steps=2, per_device_train_batch_size=4, max_length=32,\n"
+    "                     save_strategy='no', report_to='none', bf16=False)\n"
+    "    return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)",
+    "trainer_x = create_trainer(model, 'o1')\ntrainer_x.train()",
+    "with open(f\"after-{os.environ['RANK']}.txt\", 'w') as fh:\n    fh.write('written once')\n"
+    "trainer_x.save_model('final')",
+]
+
+
+def test_after_a_trainer_built_by_a_helper_trains_saving_runs_once(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(HELPER_TRAINER))
+    assert result.ok, (out[-3000:], result.failure)
+    assert (tmp_path / "after-0.txt").exists() and not (tmp_path / "after-1.txt").exists()
+    assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------ 7. save, then load, before training
+
+SAVE_THEN_LOAD = [
+    "import os\nimport pandas as pd\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+    "from trl import SFTConfig, SFTTrainer\nfrom nbddp import demo",
+    "name = demo.tiny_model()\ntokenizer = AutoTokenizer.from_pretrained(name)\n"
+    "model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)\n"
+    "model.save_pretrained('base')",
+    "model = AutoModelForCausalLM.from_pretrained('base', dtype=torch.float32)",
+    "pd.DataFrame({'a': range(5000)}).to_csv('table.csv')",
+    "assert len(pd.read_csv('table.csv')) == 5000",
+    "args = SFTConfig(output_dir='o', max_steps=2, per_device_train_batch_size=4, max_length=32,\n"
+    "                 save_strategy='no', report_to='none', bf16=False)\n"
+    "trainer = SFTTrainer(model=model, args=args, train_dataset=demo.arithmetic_dataset(32), processing_class=tokenizer)\n"
+    "trainer.train()",
+]
+
+
+def test_files_saved_before_training_are_complete_before_any_rank_reads_them(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(SAVE_THEN_LOAD))
+    assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
+    assert script.text.count("_nbddp.barrier()") == 2
+
+
+# ------------------------------------------------------------- 3. loaders with a RandomSampler of their own
+
+RANDOM_SAMPLER = [
+    IMPORTS + "\nfrom torch.utils.data import RandomSampler, SequentialSampler",
+    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "train_loader = DataLoader(train_ds, batch_size=8, sampler=RandomSampler(train_ds))\n"
+    "test_loader = DataLoader(test_ds, batch_size=8, sampler=SequentialSampler(test_ds))",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+def test_a_random_sampler_is_replaced_by_the_distributed_one(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(RANDOM_SAMPLER))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "evaluated on 32 samples" in out
+    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+
+
+# ------------------------------------------------- 4. a plain loop and an Accelerate loop in one notebook
+
+PLAIN_THEN_ACCELERATE = [
+    IMPORTS + "\nfrom accelerate import Accelerator, notebook_launcher",
+    DATA,
+    NET + "\nplain = Net()\nplain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.01)",
+    loop("plain", "plain_optimizer", dump("plain", "plain")),
+    "def training_function(lr):\n"
+    "    accelerator = Accelerator()\n"
+    "    model = Net()\n"
+    "    optimizer = torch.optim.SGD(model.parameters(), lr=lr)\n"
+    "    loader = DataLoader(data, batch_size=8, shuffle=True)\n"
+    "    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)\n"
+    "    for epoch in range(2):\n"
+    "        for xb, yb in loader:\n"
+    "            loss = ((model(xb) - yb) ** 2).mean()\n"
+    "            optimizer.zero_grad()\n"
+    "            accelerator.backward(loss)\n"
+    "            optimizer.step()\n"
+    "    with open(f\"accel-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "        json.dump({'processes': accelerator.num_processes,\n"
+    "                   'weights': {k: v.tolist() for k, v in accelerator.unwrap_model(model).named_parameters()}}, fh)",
+    "notebook_launcher(training_function, (0.01,), num_processes=2)",
+]
+
+
+def test_an_accelerate_loop_leaves_the_plain_loops_to_nbddp_and_notebook_launcher_runs_in_each_rank(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(PLAIN_THEN_ACCELERATE))
+    assert result.ok, (out[-3000:], result.failure and result.failure.message[-2000:])
+    assert same_on_both_ranks(tmp_path, "plain")  # the plain loop was wrapped in DDP
+    accel = [json.loads((tmp_path / f"accel-{r}.json").read_text()) for r in (0, 1)]
+    assert accel[0] == accel[1] and accel[0]["processes"] == 2  # one job of 2, not a nested one per rank
+    assert "model = _nbddp.ddp(model)" not in script.text  # Accelerate's own model is left to it
+
+
+HELPER_LOADER = [
+    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom helpers import create_dataloader",
+    FACTORY_LOADERS[1].split("\ndef ")[0] + "\ntrain_loader = create_dataloader(train_ds, batch_size=8)\n"
+    "test_loader = create_dataloader(test_ds, batch_size=8, shuffle=False)",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(tmp_path, notebook):
+    (tmp_path / "helpers.py").write_text(
+        "from torch.utils.data import DataLoader\n\n"
+        "def create_dataloader(ds, batch_size, shuffle=True):\n"
+        "    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)\n"
+    )
+    script, result, out = run(tmp_path, notebook(HELPER_LOADER))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "evaluated on 32 samples" in out
+    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))

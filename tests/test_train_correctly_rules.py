@@ -1,0 +1,228 @@
+"""What the converter writes for the notebooks of "train correctly or refuse loudly", cell by cell (no ranks)."""
+
+import textwrap
+
+import pytest
+
+from nbddp.convert.checks import plan_cell
+from nbddp.convert.facts import CellCode, gather_facts
+from nbddp.convert.rules import rewrite as rewrite_cell
+
+
+@pytest.fixture(params=["checks", "every statement"])
+def rewrite(request):
+    """Cells (dedented) through the rules, with the checks and over every statement: the new sources and the
+    ``(rule, line, message)`` changes."""
+
+    def run(*cells):
+        codes = [CellCode.read(textwrap.dedent(c), position=i) for i, c in enumerate(cells)]
+        facts = gather_facts(codes)
+        out, changes = [], []
+        for code in codes:
+            plan = plan_cell(code, facts, every_statement=request.param != "checks")
+            new, ch = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
+            out.append(new)
+            changes += ch
+        return out, changes
+
+    return run
+
+
+# ------------------------------------------------------------------ inserted keywords keep the comments
+
+
+def test_a_comment_after_the_last_argument_stays_on_its_line(rewrite):
+    (code,), _ = rewrite(
+        """\
+        args = TrainingArguments(
+            output_dir="out",
+            push_to_hub=True  # Automatically push the trained model
+        )
+        """
+    )
+    assert code == textwrap.dedent(
+        """\
+        args = TrainingArguments(
+            output_dir="out",
+            push_to_hub=True,  # Automatically push the trained model
+            log_on_each_node=False
+        )
+        """
+    )
+
+
+def test_comments_of_arguments_and_below_them_stay_where_they_were(rewrite):
+    (code,), _ = rewrite(
+        """\
+        args = TrainingArguments(
+            output_dir="out",  # where
+            push_to_hub=True,  # Automatically push the trained model
+
+            # report_to="wandb",
+        )
+        """
+    )
+    assert code == textwrap.dedent(
+        """\
+        args = TrainingArguments(
+            output_dir="out",  # where
+            push_to_hub=True,  # Automatically push the trained model
+
+            # report_to="wandb",
+            log_on_each_node=False,
+        )
+        """
+    )
+
+
+def test_a_single_argument_call_on_its_own_lines(rewrite):
+    (code,), _ = rewrite('args = TrainingArguments(\n    "out"  # the folder\n)\n')
+    assert code == 'args = TrainingArguments(\n    "out",  # the folder\n    log_on_each_node=False\n)\n'
+
+
+# ------------------------------------------------------------------ ddp_find_unused_parameters
+
+
+def test_a_full_fine_tune_keeps_the_trainers_own_choice_of_unused_parameters(rewrite):
+    (_, code), changes = rewrite(
+        "model = AutoModelForAudioClassification.from_pretrained('facebook/wav2vec2-base')\n",
+        "args = TrainingArguments('out', learning_rate=3e-5)\n",
+    )
+    assert "ddp_find_unused_parameters" not in code and "log_on_each_node=False" in code
+    assert not any("LoRA" in message or "PEFT" in message for _, _, message in changes)
+
+
+@pytest.mark.parametrize("peft", [
+    "model = get_peft_model(model, LoraConfig(r=8))\n",
+    "model = FastLanguageModel.get_peft_model(model, r=16)\n",
+    "model = PeftModel.from_pretrained(base, 'adapter')\n",
+    "trainer = SFTTrainer(model=model, args=args, peft_config=LoraConfig(r=8))\n",
+])
+def test_a_peft_model_gets_find_unused_parameters_off(rewrite, peft):
+    (code, _), changes = rewrite("args = SFTConfig('out')\n", peft)
+    assert "ddp_find_unused_parameters=False" in code
+    assert ("trainer_config", 1, "SFTConfig: ddp_find_unused_parameters=False (a PEFT model: every LoRA weight "
+            "trains each step)") in changes
+
+
+# ------------------------------------------------------------------ which loaders are training loaders
+
+LOOP = """\
+for epoch in range(3):
+    for xb, yb in {loader}:
+        loss = model(xb).sum()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def test_a_loader_a_training_loop_iterates_is_sharded_whatever_its_name(rewrite):
+    (code, _, loop), _ = rewrite(
+        "dl = DataLoader(ds, batch_size=8)\nval = DataLoader(vs, batch_size=8)\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="dl"),
+    )
+    assert "dl = DataLoader(ds, batch_size=8, sampler=_nbddp.distributed_sampler(ds, shuffle=False))" in code
+    assert "val = DataLoader(vs, batch_size=8)\n" in code
+    assert "_nbddp.set_epoch(dl, epoch)" in loop
+
+
+def test_a_loader_factory_shards_when_asked_to_shuffle(rewrite):
+    (code, _, loop), changes = rewrite(
+        "def make(ds, shuffle):\n    return DataLoader(ds, batch_size=8, shuffle=shuffle)\n"
+        "train_dl = make(a, shuffle=True)\neval_dl = make(b, shuffle=False)\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="train_dl"),
+    )
+    assert "sampler=_nbddp.distributed_sampler(ds, shuffle=shuffle) if shuffle else None)" in code
+    assert "_nbddp.set_epoch(train_dl, epoch)" in loop and "eval_dl" not in loop
+    assert any("whole data set otherwise" in m for _, _, m in changes)
+
+
+# ------------------------------------------------------------------ trainers built by a helper
+
+
+@pytest.mark.parametrize("build", [
+    "def create_trainer(m):\n    return SFTTrainer(model=m, args=args)\n",
+    "from helpers import create_trainer\n",
+])
+def test_a_trainer_built_by_a_helper_trains(rewrite, build):
+    (_, _, tail), changes = rewrite(build, "trainer_x = create_trainer(model)\ntrainer_x.train()\n",
+                                    "trainer_x.save_model('final')\n")
+    assert tail.startswith("if _nbddp.is_main_process():\n    trainer_x.save_model('final')")
+
+
+# ------------------------------------------------------------------ saves read back before training
+
+
+def test_a_save_read_back_before_training_runs_on_rank_0_and_every_rank_waits(rewrite):
+    (save, load, _, _), changes = rewrite(
+        "model.save_pretrained('base')\ntorch.save(head, 'head.pt')\n",
+        "model = AutoModel.from_pretrained('base')\nhead = torch.load('head.pt')\n",
+        "trainer = Trainer(model=model)\ntrainer.train()\n",
+        "model.save_pretrained('final')\n",
+    )
+    assert save == ("if _nbddp.is_main_process():\n    model.save_pretrained('base')\n    torch.save(head, 'head.pt')\n"
+                    "_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")
+    assert ("rank0", 1, "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)") in changes
+
+
+def test_a_save_nothing_reads_back_is_left_to_every_rank(rewrite):
+    (save, _), _ = rewrite("model.save_pretrained('base')\n", "trainer = Trainer(model=model)\ntrainer.train()\n")
+    assert save == "model.save_pretrained('base')\n"
+
+
+# ------------------------------------------------------------------ loaders with a sampler of their own
+
+
+def test_a_random_sampler_becomes_the_distributed_one_and_a_sequential_test_loader_stays_whole(rewrite):
+    (code, _, _), changes = rewrite(
+        "train_loader = DataLoader(ds, batch_size=8, sampler=RandomSampler(ds))\n"
+        "test_loader = DataLoader(ts, batch_size=8, sampler=SequentialSampler(ts))\n"
+        "dl = DataLoader(ds, sampler=SequentialSampler(ds))\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="dl"),
+    )
+    assert "train_loader = DataLoader(ds, batch_size=8, sampler=_nbddp.distributed_sampler(ds, shuffle=True))" in code
+    assert "test_loader = DataLoader(ts, batch_size=8, sampler=SequentialSampler(ts))" in code
+    assert "dl = DataLoader(ds, sampler=_nbddp.distributed_sampler(ds, shuffle=False))" in code
+    assert ("sampler", 1, "DataLoader: RandomSampler → DistributedSampler(shuffle=True), each rank reads its own "
+            "share") in changes
+
+
+def test_a_training_loader_with_another_sampler_is_said_to_be_left_alone(rewrite):
+    (code, _, _), changes = rewrite(
+        "train_loader = DataLoader(ds, sampler=WeightedRandomSampler(w, 64))\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="train_loader"),
+    )
+    assert code == "train_loader = DataLoader(ds, sampler=WeightedRandomSampler(w, 64))\n"
+    assert any("has a sampler of its own, left alone" in m for _, _, m in changes)
+    assert not any("DistributedSampler(" in m for _, _, m in changes)  # --explain claims no sampler
+
+
+# ------------------------------------------------------------------ Accelerate beside plain loops
+
+
+def test_an_accelerator_leaves_other_plain_loops_to_nbddp(rewrite):
+    (plain, accel), _ = rewrite(
+        "train_loader = DataLoader(ds, shuffle=True)\nnet = Net()\nopt = SGD(net.parameters())\n"
+        + LOOP.format(loader="train_loader").replace("model", "net").replace("optimizer", "opt"),
+        "accelerator = Accelerator()\nmodel = Net()\noptimizer = SGD(model.parameters())\n"
+        "dl = DataLoader(ds, shuffle=True)\nmodel, optimizer, dl = accelerator.prepare(model, optimizer, dl)\n"
+        "for epoch in range(2):\n    for xb in dl:\n        accelerator.backward(model(xb).sum())\n",
+    )
+    assert "net = _nbddp.ddp(net)" in plain and "distributed_sampler(ds, shuffle=True)" in plain
+    assert "_nbddp" not in accel
+
+
+def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(rewrite):
+    (code, _, _), changes = rewrite(
+        "from helpers import create_dataloader\ntrain_loader = create_dataloader(ds, batch_size=8)\n"
+        "test_loader = create_dataloader(ts, batch_size=8)\n",
+        "optimizer = SGD(model.parameters())\n",
+        LOOP.format(loader="train_loader"),
+    )
+    assert "train_loader = _nbddp.shard_loader(create_dataloader(ds, batch_size=8), name='train_loader')" in code
+    assert "test_loader = create_dataloader(ts, batch_size=8)\n" in code
+    assert any("a helper's loader, sharded when it runs" in m for _, _, m in changes)
