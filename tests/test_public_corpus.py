@@ -60,8 +60,6 @@ XFAIL = {
         I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
     "hf_notebooks/course_chapter3_section4.ipynb":
         I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-    "hf_cookbook/prompt_tuning_peft.ipynb":
-        I15.format(5) + "trainers built by a helper (create_trainer) are not recognised",
     **dict.fromkeys([
         "peft/LoRA.ipynb", "peft/IA3.ipynb", "peft/prefix_tuning.ipynb", "peft/P_Tuning.ipynb",
         "peft/Prompt_Tuning.ipynb", "peft/peft_prompt_tuning_clm.ipynb", "peft/peft_lora_seq2seq.ipynb",
@@ -73,11 +71,8 @@ XFAIL = {
     "peft/peft_lora_token_cls.ipynb":
         I15.format(3) + "DataLoader(ds, sampler=RandomSampler(ds)) stays unsharded while --explain claims a "
         "DistributedSampler",
-    "pytorch_dl/01_pytorch_workflow.ipynb": I15.format(1) + "model_1, trained after model_0, is not wrapped",
-    "pytorch_dl/02_pytorch_classification.ipynb": I15.format(1) + "model_1…model_4 are not wrapped",
     "pytorch_dl/03_pytorch_computer_vision.ipynb":
         I15.format(1) + "model_1, model_2 are not wrapped; set_epoch on the unsharded test loader",
-    "pytorch_dl/04_pytorch_custom_datasets.ipynb": I15.format(1) + "model_1, trained after model_0, is not wrapped",
     "pytorch_dl/06_pytorch_transfer_learning.ipynb":
         I15.format(5) + "training through an imported helper (engine.train) is not recognised",
     "pytorch_dl/07_pytorch_experiment_tracking.ipynb":
