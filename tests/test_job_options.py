@@ -21,3 +21,13 @@ def test_shim_env():
 def test_split_torchrun_args():
     assert split_torchrun_args(["--nproc", "2"]) == (["--nproc", "2"], [])
     assert split_torchrun_args(["--dry-run", "--", "--nnodes=2", "--", "x"]) == (["--dry-run"], ["--nnodes=2", "--", "x"])
+
+
+def test_allow_divergence_reaches_the_ranks_from_the_cli_and_the_magic():
+    from nbddp.cli import _parser
+    from nbddp.magics import NbddpMagics
+
+    args = _parser().parse_args(["run", "nb.ipynb", "--allow-divergence"])
+    assert shim_env(allow_divergence=args.allow_divergence) == {"NBDDP_ALLOW_DIVERGENCE": "1"}
+    assert shim_env() == {}
+    assert "--allow-divergence" in NbddpMagics.ddp_train.__doc__

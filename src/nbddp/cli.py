@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-shim", action="append", default=[], metavar="NAME", help="force a compatibility shim off")
     r.add_argument("--no-checkpointing", action="store_true",
                    help="run every gradient checkpoint as a plain call (more memory; NBDDP_DISABLE_CHECKPOINTING=1)")
+    r.add_argument("--allow-divergence", action="store_true",
+                   help="let ranks train apart on purpose: no check that replicas stay in sync (NBDDP_ALLOW_DIVERGENCE=1)")
     r.epilog = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
 
     e = sub.add_parser("export", help="write a self-launching Kaggle Script kernel and its kernel-metadata.json")
@@ -113,7 +115,8 @@ def _run(args) -> int:
     script, result = run_notebook(
         args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
         runs_dir=args.runs_dir, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
-        resume=args.resume, env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing),
+        resume=args.resume, env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing,
+                                     allow_divergence=args.allow_divergence),
         torchrun_args=torchrun_args,
         sink=view.sink, on_metrics=view.on_metrics,
     )

@@ -150,13 +150,17 @@ def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:at], argv[at + 1 :]
 
 
-def shim_env(on: Iterable[str] = (), off: Iterable[str] = (), no_checkpointing: bool = False) -> dict[str, str]:
+def shim_env(on: Iterable[str] = (), off: Iterable[str] = (), no_checkpointing: bool = False,
+             allow_divergence: bool = False) -> dict[str, str]:
     """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read;
-    ``--no-checkpointing`` as ``NBDDP_DISABLE_CHECKPOINTING=1``."""
+    ``--no-checkpointing`` as ``NBDDP_DISABLE_CHECKPOINTING=1``; ``--allow-divergence`` (ranks meant to train
+    apart: the safety net of ``runtime/divergence.py`` off) as ``NBDDP_ALLOW_DIVERGENCE=1``."""
     env = {f"NBDDP_SHIM_{n.upper()}": "1" for n in on}
     env.update({f"NBDDP_SHIM_{n.upper()}": "0" for n in off})
     if no_checkpointing:
         env["NBDDP_DISABLE_CHECKPOINTING"] = "1"
+    if allow_divergence:
+        env["NBDDP_ALLOW_DIVERGENCE"] = "1"
     return env
 
 

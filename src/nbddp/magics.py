@@ -94,6 +94,7 @@ class NbddpMagics(Magics):
     @argument("--no-shim", action="append", default=[], metavar="NAME",
               help="force a compatibility shim off; NAME is one of " + ", ".join(SHIM_NAMES))
     @argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off everywhere (more memory)")
+    @argument("--allow-divergence", action="store_true", help="let ranks train apart on purpose (no replica check)")
     @argument("--env", action="append", default=[], metavar="K=V", help="an environment variable for the ranks")
     @argument("--save", metavar="PATH", help="also write the script (and PATH.map.json) to PATH")
     @argument("--out", default="_ddp", metavar="VAR", help="the variable that gets the result (default: _ddp)")
@@ -121,7 +122,8 @@ class NbddpMagics(Magics):
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
         nproc = None if args.nproc == "auto" else _positive_int(args.nproc)
         check_job_options(nproc=nproc, timeout_s=args.timeout, torchrun_args=torchrun_args)
-        env = {**parse_env(args.env), **shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing)}
+        env = {**parse_env(args.env), **shim_env(
+            on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing, allow_divergence=args.allow_divergence)}
         if cell is None:
             script = convert_notebook(args.notebook)
             cwd, name, label = Path(args.notebook).resolve().parent, Path(args.notebook).stem, None
