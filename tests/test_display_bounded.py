@@ -105,7 +105,7 @@ def simulate(tmp_path, monkeypatch, last_step=STEPS, **result):
     cell, clock = Cell_(), Clock()
     monkeypatch.setattr("sys.stdout", Capture(cell, "stdout"))
     monkeypatch.setattr("sys.stderr", Capture(cell, "stderr"))
-    print("nbddp: 3 cells from %%ddp_setup cells (registered): In [2], In [3], In [4]")
+    print("nbddp: 2 cells from %%ddp_setup cells (registered) and this cell: In [2], In [3], In [4]")
     panel = LivePanel(2, clock=clock, show=cell.show, plot_interval_s=30.0)
     panel.on_run_dir(tmp_path / "r1")
     history = []

@@ -25,7 +25,7 @@ def test_the_example_notebook_trains_with_a_live_panel_and_leaves_its_result(tmp
 
     # the job: the registered cells plus the magic cell, numbered as the kernel numbers them
     out = stream(train, "stdout")
-    assert "3 cells from %%ddp_setup cells (registered): In [2], In [3], In [4]" in out
+    assert "2 cells from %%ddp_setup cells (registered) and this cell: In [2], In [3], In [4]" in out
     panel, log = displays(train)
     assert "nbddp: 2 process(es), backend gloo" in log  # rank 0's output: in the log view
     assert re.search(r"finished in [\d.]+ s · 30 steps · [\d.]+ steps/s · [\d.]+ samples/s · loss [\d.]+ → [\d.]+", out)
@@ -158,6 +158,6 @@ def test_history_source_doctor_and_usage_errors(tmp_path):
     text = stream(listed, "stdout")
     assert "here: False 2" in text
     assert "2 cell(s) registered for the job\n  In [10]: hidden = 1\n  In [11]: shared = 2" in text
-    assert "3 cells from %%ddp_setup cells (registered): In [10], In [11], In [13]" in stream(registered, "stdout")
+    assert "2 cells from %%ddp_setup cells (registered) and this cell: In [10], In [11], In [13]" in stream(registered, "stdout")
     assert "hidden = 1" in stream(registered, "stdout") and "x = 1" not in stream(registered, "stdout")
     assert "0 cell(s) registered" in stream(cleared, "stdout")

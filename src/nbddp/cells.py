@@ -145,6 +145,9 @@ class Selection:
     def describe(self) -> str:
         """One line a person checks before training: which cells, from where."""
         taken = ", ".join(self.label(c.index) for c in self.cells)
+        if self.source == "registered":  # the last one is the magic's own cell, not a %%ddp_setup cell
+            setup = len(self.cells) - 1
+            return f"nbddp: {setup} cell{'s' * (setup != 1)} from {self.origin} ({self.source}) and this cell: {taken}"
         return f"nbddp: {len(self.cells)} cells from {self.origin} ({self.source}): {taken}"
 
 
