@@ -28,8 +28,9 @@ def execute(kc, code, timeout=300, until=None):
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            text += content["text"]
+        if kind == "stream" or kind in ("display_data", "update_display_data"):
+            # rank 0's lines are in the cell's log view, a display updated in place: its text as it is now
+            text += content["text"] if kind == "stream" else content["data"].get("text/plain", "") + "\n"
             if until and until(text):
                 return msg_id, text, errors
         elif kind == "error":
