@@ -154,3 +154,44 @@ def test_distributed_sampler_helper_balances_unless_told_not_to(monkeypatch):
     assert type(balance.sampler_for([{"input_ids": [0] * 8}] * 64, 2, 0, shuffle=True)) is DistributedSampler
     monkeypatch.setenv("NBDDP_BALANCE", "0")
     assert type(balance.sampler_for(data, 2, 0, shuffle=True)) is DistributedSampler
+
+
+def run_trainer_job(tmp_path, name: str, **env):
+    """tests/jobs/balance_trainer.py on 2 gloo ranks under torchrun; each rank's record and rank 0's output."""
+    import json
+    from pathlib import Path
+
+    from nbddp.launch import launch, new_run_dir, plan
+
+    out = tmp_path / name
+    out.mkdir()
+    env = {"OUT": str(out), **{k: str(v) for k, v in env.items()}}
+    chunks = []
+    job = Path(__file__).resolve().parent / "jobs" / "balance_trainer.py"
+    result = launch(plan(job, new_run_dir(tmp_path / "runs", name), nproc=2, cwd=tmp_path, env=env, timeout_s=500),
+                    sink=lambda stream, text: chunks.append(text))
+    text = "".join(chunks)
+    assert result.ok, (result.failure and result.failure.message[:2000]) or text[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], text
+
+
+def pair_imbalance(records) -> float:
+    """Mean over micro-steps of |tokens on rank 0 − tokens on rank 1| / their mean."""
+    pairs = list(zip(records[0]["tokens"], records[1]["tokens"]))
+    return statistics.mean(abs(a - b) / ((a + b) / 2) for a, b in pairs)
+
+
+@pytest.mark.e2e
+def test_a_trainer_job_under_torchrun_trains_on_token_balanced_shards(tmp_path):
+    balanced, out = run_trainer_job(tmp_path, "balanced", N=96, BATCH=2, EPOCHS=2)
+    assert "nbddp: token-balanced shards: every rank gets micro-batches of nearly equal token count" in out
+    assert out.count("token-balanced shards") == 1
+    plain, plain_out = run_trainer_job(tmp_path, "plain", N=96, BATCH=2, EPOCHS=2, NBDDP_BALANCE=0)
+    assert "token-balanced" not in plain_out
+    assert balanced[0]["sampler"] == "BalancedGlobalSampler" and plain[0]["sampler"] == "RandomSampler"
+    for records in (balanced, plain):
+        for epoch in ("0", "1"):
+            both = records[0]["seen"][epoch] + records[1]["seen"][epoch]
+            assert sorted(both) == list(range(96))  # every sample once per epoch, across the two ranks
+    assert balanced[0]["seen"]["0"] != balanced[0]["seen"]["1"]  # a new order each epoch
+    assert pair_imbalance(balanced) < pair_imbalance(plain) / 4, (pair_imbalance(balanced), pair_imbalance(plain))
