@@ -195,3 +195,29 @@ def test_a_trainer_job_under_torchrun_trains_on_token_balanced_shards(tmp_path):
             assert sorted(both) == list(range(96))  # every sample once per epoch, across the two ranks
     assert balanced[0]["seen"]["0"] != balanced[0]["seen"]["1"]  # a new order each epoch
     assert pair_imbalance(balanced) < pair_imbalance(plain) / 4, (pair_imbalance(balanced), pair_imbalance(plain))
+
+
+def test_the_trainers_own_choices_keep_their_sampler(tmp_path):
+    """group_by_length and other strategies, TRL's packing, an IterableDataset, a sampler of the Trainer's own."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+    from transformers import TrainingArguments
+    from trl import SFTConfig
+
+    def why(args, dataset=(), sampler=RandomSampler(range(4))):
+        return balance._why_not(args, dataset, sampler, IterableDataset, RandomSampler)
+
+    plain = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert why(plain) is None
+    grouped = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                train_sampling_strategy="group_by_length")
+    assert "group_by_length" in why(grouped)
+    packed = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", packing=True)
+    assert "packing" in why(packed)
+    assert why(SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", padding_free=True)) is None
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": [1]}
+
+    assert "IterableDataset" in why(plain, Stream())
+    assert "SequentialSampler" in why(plain, sampler=SequentialSampler(range(4)))

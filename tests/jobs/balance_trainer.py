@@ -1,7 +1,7 @@
 """The HF Trainer with LoRA on the tiny Llama over variable-length rows (1 to 7 sums each, a long tail), for
 token-balanced shards. Each rank writes ``rank<N>.json`` into ``$OUT``: the sample ids it trained on per
 epoch and the real tokens of each of its micro-batches; rank 0 adds the loss of every step.
-Environment: N (rows), BATCH (per device), ACCUM, EPOCHS, DATA_SEED; NBDDP_BALANCE as the runtime reads it.
+Environment: N (rows), BATCH (per device), ACCUM, EPOCHS, LR, DATA_SEED; NBDDP_BALANCE as the runtime reads it.
 """
 
 import json
@@ -62,7 +62,7 @@ def collate(features):
 
 args = TrainingArguments(
     output_dir="out", num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
-    gradient_accumulation_steps=ACCUM, learning_rate=2e-3, logging_steps=1, save_strategy="no",
+    gradient_accumulation_steps=ACCUM, learning_rate=float(env("LR", "2e-3")), logging_steps=1, save_strategy="no",
     report_to="none", remove_unused_columns=False, data_seed=int(env("DATA_SEED", "0")),
     use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
 )

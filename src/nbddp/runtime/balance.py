@@ -255,7 +255,8 @@ def _patch_trainer(hf_trainer) -> None:
 def _balanced_train_sampler(original):
     def _get_train_sampler(self, train_dataset=None, *args, **kwargs):
         dataset = self.train_dataset if train_dataset is None else train_dataset
-        sampler = original(self, train_dataset, *args, **kwargs)
+        given = () if train_dataset is None else (train_dataset,)  # transformers 4 takes no dataset here
+        sampler = original(self, *given, *args, **kwargs)
         balanced = trainer_sampler(self, dataset, sampler)
         return sampler if balanced is None else balanced
 
@@ -282,7 +283,8 @@ def trainer_sampler(trainer, dataset, sampler):
         return None
     _say_active(len(lengths), lengths)
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-    return BalancedGlobalSampler(lengths, args.world_size, trainer._train_batch_size,
+    batch = getattr(trainer, "_train_batch_size", None) or args.per_device_train_batch_size
+    return BalancedGlobalSampler(lengths, args.world_size, batch,
                                  args.gradient_accumulation_steps, seed=seed)
 
 
