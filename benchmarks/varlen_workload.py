@@ -244,8 +244,9 @@ def write_record(seconds: float, losses, wait_ms) -> None:
     path = os.environ.get("BENCH_OUT")
     if rank != 0 or not path:
         return
-    real = [sum(step) for step in zip(*(r["real"] for r in ranks))]
-    spread = [(max(s) - min(s)) / (sum(s) / len(s)) for s in zip(*(r["real"] for r in ranks))] if len(ranks) > 1 else [0]
+    steps = list(zip(*(r["real"] for r in ranks)))  # each timed step: every rank's real tokens
+    real = [sum(step) for step in steps]
+    spread = [(max(s) - min(s)) / (sum(s) / len(s)) for s in steps] or [0.0]
     waits = [r["wait_ms"] for r in ranks if r["wait_ms"] is not None]
     out = {
         "rank": 0, "world_size": len(ranks), "seconds": seconds,

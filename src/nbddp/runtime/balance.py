@@ -15,7 +15,9 @@ dealt largest first to the rank with the fewest tokens so far. So:
   micro-batch, whatever the loader's batch size) carries nearly equal tokens and nearly equal padding.
 
 A micro-batch's samples are still a random draw of lengths (groups go to positions at random), not grouped by
-length as ``group_by_length`` does, so the padding within a batch and the loss's statistics stay as they were.
+length as ``group_by_length`` does, so the padding within a batch stays as it was. The ranks' rows at one
+position being neighbours in length, a step holds fewer independent lengths than a random draw: its logged
+loss is a little noisier, the loss reached the same (``benchmarks/results/balance_equivalence.md``).
 
 Two routes install it: ``_nbddp.distributed_sampler(ds, shuffle=True)`` in plain loops
 (``TokenBalancedSampler``, a ``DistributedSampler``), and the HF ``Trainer``'s ``_get_train_sampler``
