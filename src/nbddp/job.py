@@ -142,39 +142,6 @@ def check_job_options(
     _launch.check_master_port(list(torchrun_args))
 
 
-def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``[ours…, "--", torchrun's…]`` → ``(ours, torchrun's)``: after ``--`` everything goes to torchrun."""
-    if "--" not in argv:
-        return list(argv), []
-    at = argv.index("--")
-    return argv[:at], argv[at + 1 :]
-
-
-def shim_env(on: Iterable[str] = (), off: Iterable[str] = (), no_checkpointing: bool = False,
-             allow_divergence: bool = False) -> dict[str, str]:
-    """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read;
-    ``--no-checkpointing`` as ``NBDDP_DISABLE_CHECKPOINTING=1``; ``--allow-divergence`` (ranks meant to train
-    apart: the safety net of ``runtime/divergence.py`` off) as ``NBDDP_ALLOW_DIVERGENCE=1``."""
-    env = {f"NBDDP_SHIM_{n.upper()}": "1" for n in on}
-    env.update({f"NBDDP_SHIM_{n.upper()}": "0" for n in off})
-    if no_checkpointing:
-        env["NBDDP_DISABLE_CHECKPOINTING"] = "1"
-    if allow_divergence:
-        env["NBDDP_ALLOW_DIVERGENCE"] = "1"
-    return env
-
-
-def parse_env(pairs: Iterable[str]) -> dict[str, str]:
-    """``["K=V", …]`` as a dict; raises ``NbddpError`` for an item without ``=`` or a name."""
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise NbddpError(f"--env expects NAME=VALUE, got {pair!r}")
-        env[key.strip()] = value
-    return env
-
-
 #: Keys nbddp adds to each Trainer log record (``runtime/metrics.py``); the rest is the Trainer's own.
 _RECORD_KEYS = frozenset({"event", "max_steps", "time", "output_dir"})
 #: Folders never searched for adapters a run wrote.
