@@ -2,6 +2,7 @@
 ``run_job`` as the same keywords."""
 
 import argparse
+import inspect
 
 import pytest
 
@@ -47,6 +48,7 @@ def test_both_are_built_from_the_table():
     lambda argv: NbddpMagics.ddp_train.parser.parse_args(argv),
 ], ids=["cli", "magic"])
 def test_parsed_options_become_the_same_run_job_keywords(parse):
+    from nbddp.job import run_job
     from nbddp.options import run_options
 
     args = parse(["--nproc", "auto", "--timeout", "30", "--collective-timeout", "60", "--resume", "--shim", "unsloth",
@@ -57,4 +59,5 @@ def test_parsed_options_become_the_same_run_job_keywords(parse):
         runs_dir=None, env={"A": "1", "NBDDP_SHIM_UNSLOTH": "1", "NBDDP_DISABLE_CHECKPOINTING": "1"},
         torchrun_args=["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=host:29400", "--max-restarts=0"],
     )
+    assert set(keywords) <= set(inspect.signature(run_job).parameters)  # every option reaches run_job by name
     assert run_options(parse(["--nproc", "3"]))["nproc"] == 3

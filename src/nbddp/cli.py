@@ -90,21 +90,21 @@ def _convert(args) -> int:
 
 def _run(args) -> int:
     from .display import TerminalView, failure_report, summary
-    from .job import JobResult, run_notebook
+    from .job import run_job
     from .launch import where_ranks_were
     from .options import run_options
 
     options = run_options(args, args.torchrun_args)
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
-    script, result = run_notebook(args.notebook, **options, sink=view.sink, on_metrics=view.on_metrics)
+    job = run_job(args.notebook, **options, sink=view.sink, on_metrics=view.on_metrics)
     view.end_line()
-    for w in script.warnings:
+    for w in job.script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
+    result = job.run
     if result.failure:
         sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result), hidden=[result.script]))
     elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
-    job = JobResult.from_run(result, args.notebook.resolve().parent)
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP)
         print(summary(job), file=sys.stderr)
     if result.stopped_by:

@@ -19,12 +19,11 @@ from IPython.utils.process import arg_split
 
 from . import doctor
 from .cells import SOURCES, Registry, find_notebook, select_cells
-from .convert import convert_cells, convert_notebook
 from .display import LivePanel, cell_label, outcome_error
 from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
-from .job import JobResult, run_script
+from .job import prepare_job, run_job
 from .launch import default_nproc
 from .options import RUN_OPTIONS, run_options, split_torchrun_args
 
@@ -114,17 +113,32 @@ class NbddpMagics(Magics):
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
         options = run_options(args, torchrun_args)
         if cell is None:
-            script = convert_notebook(args.notebook, skip_bad_cells=args.skip_bad_cells)
-            cwd, name, label = Path(args.notebook).resolve().parent, Path(args.notebook).stem, None
+            prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
         else:
             selection = select_cells(
                 line, cell, source=args.source, registered=self.registry.cells, history=self.shell.history_manager.input_hist_raw,
                 notebook=find_notebook(self.shell.user_ns, os.environ, Path.cwd()),
             )
             print("\n".join([selection.describe(), *(f"nbddp: note: {n}" for n in selection.notes)]))
-            script = convert_cells(list(selection.cells), origin=selection.origin, skip_bad_cells=args.skip_bad_cells)
-            name = Path(selection.origin).stem if selection.source == "notebook" else "kernel"
-            cwd, label = Path.cwd(), cell_label(selection.cells, selection.numbering)
+            prepared, label = prepare_job(selection, skip_bad_cells=args.skip_bad_cells), cell_label(selection.cells, selection.numbering)
+        self._show_script(prepared.script, args)
+        if args.dry_run:
+            return
+        warning = doctor.kernel_memory_warning()
+        if warning:
+            print(f"nbddp: warning: {warning}", file=sys.stderr)
+        panel = LivePanel(options["nproc"] or default_nproc())
+        job = run_job(prepared, **{**options, "env": {**options["env"], **panel.rich_env()}},
+                      sink=panel.sink, on_metrics=panel.on_metrics, on_run_dir=panel.on_run_dir)
+        self.shell.user_ns[args.out] = job
+        panel.close(job)
+        error = outcome_error(job, label)
+        if error:
+            raise error
+
+    @staticmethod
+    def _show_script(script, args) -> None:
+        """The script's warnings, and what --save, --dry-run, --show-script and --diff ask for, before training."""
         for warning in script.warnings:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
         if args.save:
@@ -133,23 +147,6 @@ class NbddpMagics(Magics):
             print(script.text)
         if args.diff:
             print(script.diff())
-        if args.dry_run:
-            return
-        warning = doctor.kernel_memory_warning()
-        if warning:
-            print(f"nbddp: warning: {warning}", file=sys.stderr)
-        panel = LivePanel(options["nproc"] or default_nproc())
-        del options["skip_bad_cells"]  # used by the conversion above
-        run = run_script(
-            script, name=name, cwd=cwd, **{**options, "env": {**options["env"], **panel.rich_env()}},
-            sink=panel.sink, on_metrics=panel.on_metrics, on_run_dir=panel.on_run_dir,
-        )
-        job = JobResult.from_run(run, cwd)
-        self.shell.user_ns[args.out] = job
-        panel.close(job)
-        error = outcome_error(job, label)
-        if error:
-            raise error
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)
