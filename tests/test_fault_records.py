@@ -16,7 +16,7 @@ from nbddp.agent import failure_record
 from nbddp.convert.script import SourceMap, map_path
 from nbddp.errors import LaunchError
 from nbddp.launch import new_run_dir, node_args, plan, port_is_free, read_failure, read_stacks
-from nbddp.runtime.dist import write_error_file
+from nbddp.runtime.lifecycle import write_error_file
 from nbddp.runtime.resume import last_complete_checkpoint
 from nbddp.runtime.saves import atomic_writer
 

@@ -27,7 +27,7 @@ import psutil
 
 from .convert.script import Script
 from .errors import LaunchError
-from .launch import RankFailure
+from .launch.postmortem import RankFailure
 from .runtime.io import atomic_write_text
 
 #: Calls whose ``output_dir`` keyword names a folder the Trainer writes checkpoints into.
