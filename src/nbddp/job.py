@@ -17,6 +17,7 @@ from .cells import Cell, Selection, notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
 from .launch import RankFailure, RunResult, Sink
+from .runtime.records import Event
 
 #: Where run directories go unless told otherwise (``NBDDP_RUNS``).
 DEFAULT_RUNS = "nbddp_runs"
@@ -124,7 +125,7 @@ def _run_script(
     )
     with outputs.claimed(folders, run_dir) as shared:
         for warning in shared:
-            (sink or _launch._stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
+            (sink or _launch.stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
         result = _launch.launch(plan, sink=sink, on_metrics=on_metrics)
     failure = outputs.explain_no_space(result.failure, plan.cwd, list(result.log_history))
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
@@ -221,7 +222,7 @@ class JobResult:
     def from_run(cls, run: RunResult, cwd: str | os.PathLike, script: Script | None = None) -> "JobResult":
         """The result of ``run`` of ``script``, whose ranks started in ``cwd``: looks for what the run wrote there."""
         cwd = Path(cwd).resolve()
-        begin = next((r for r in run.log_history if r.get("event") == "begin" and r.get("output_dir")), None)
+        begin = next((r for r in run.log_history if r.get("event") == Event.BEGIN and r.get("output_dir")), None)
         output_dir = (cwd / begin["output_dir"]).resolve() if begin else None
         since = time.time() - run.duration_s - 1.0
         roots = [p for p in (output_dir, cwd) if p is not None and p.is_dir()]
@@ -264,7 +265,7 @@ class JobResult:
     def log_history(self) -> list[dict]:
         """The Trainer's ``state.log_history`` as rank 0 logged it: one dict per ``on_log``."""
         return [
-            {k: v for k, v in r.items() if k not in _RECORD_KEYS} for r in self.run.log_history if r.get("event") == "log"
+            {k: v for k, v in r.items() if k not in _RECORD_KEYS} for r in self.run.log_history if r.get("event") == Event.LOG
         ]
 
     @property
