@@ -100,6 +100,9 @@ def setup() -> RankInfo:
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
     shims.apply_all(log=lambda line: print0(line, flush=True))
+    from . import strategy
+
+    strategy.install(log=lambda line: print0(line, flush=True))  # fsdp, split, deepspeed (NBDDP_STRATEGY)
     from . import divergence, launchers, unused_params
 
     divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)
@@ -182,8 +185,13 @@ def main_process_first(local: bool = True):
             wait_for_every_rank(rank_info().device)
 
 
-def device_map() -> dict:
-    """A ``from_pretrained`` device map putting the whole model on this rank's device."""
+def device_map() -> dict | str:
+    """A ``from_pretrained`` device map putting the whole model on this rank's device; ``"balanced"``
+    (accelerate spreads the layers over every GPU) when the job runs split (``NBDDP_STRATEGY=split``)."""
+    from . import strategy
+
+    if strategy.current() == "split":
+        return "balanced"
     info = rank_info()
     return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
 
@@ -199,13 +207,18 @@ def ddp(model):
     """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is).
 
     The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
-    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods).
+    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods). Under
+    ``NBDDP_STRATEGY=fsdp`` the model is sharded with FSDP2's ``fully_shard`` instead (``strategy.shard``).
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from . import strategy
+
     if isinstance(model, DistributedDataParallel) or not (dist.is_available() and dist.is_initialized()):
         return model
+    if strategy.current() == "fsdp":
+        return strategy.shard(_without_inner_wrappers(model))
     info = rank_info()
     ids = [info.local_rank] if info.device.startswith("cuda") else None
     return _notebook_ddp()(_without_inner_wrappers(model), device_ids=ids)
