@@ -118,6 +118,16 @@ def test_the_ranks_get_a_zero_config_the_trainer_fills_in():
     assert "stage3_gather_16bit_weights_on_model_save" not in deepspeed_config(2)["zero_optimization"]
 
 
+def test_split_launches_one_process_and_tells_the_ranks(llama_8b):
+    from nbddp.job import strategy_launch
+
+    said = []
+    converted = convert_cells(cells_from_sources([NOTEBOOK.format(four_bit=False)]))
+    nproc, env = strategy_launch(converted, llama_8b, "split", 2, {"A": "1"}, lambda stream, text: said.append(text))
+    assert nproc == 1 and env == {"A": "1", "NBDDP_STRATEGY": "split"}
+    assert "strategy split" in said[0] and "slower than one GPU" in said[0]
+
+
 # ---- in the ranks ----------------------------------------------------------------------------------------
 
 
