@@ -190,3 +190,22 @@ def test_split_trains_in_one_process(tmp_path):
     assert result.rank_log(1) is None  # one process
     loss = losses(out)
     assert loss[-1] < loss[0] - 0.1, loss
+
+
+def test_the_doctor_shows_the_estimate_for_the_notebook_at_hand(llama_8b, monkeypatch, capsys):
+    import nbformat
+
+    from nbddp import cli, doctor
+
+    t4s = [{"name": "Tesla T4", "local_rank": i, "capability": "7.5", "total_bytes": 15 * GiB,
+            "free_bytes": int(14.6 * GiB), "bf16": False} for i in range(2)]
+    check = doctor.memory_check(script(NOTEBOOK.format(four_bit=False)), llama_8b, t4s)
+    assert check.name == "memory" and check.status == "info"
+    assert check.detail.startswith("strategy fsdp (auto chose it)") and "ddp 18." in check.detail
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK.format(four_bit=True))])
+    nbformat.write(nb, llama_8b / "nb.ipynb")
+    probe = doctor.Probe(t4s, doctor.Check("all-reduce", "ok", "fine"))
+    monkeypatch.setattr(doctor, "all_reduce_probe", lambda **kwargs: probe)
+    assert cli.main(["doctor", str(llama_8b / "nb.ipynb")]) == 0
+    out = capsys.readouterr().out
+    assert "memory" in out and "strategy ddp (auto chose it): a whole replica" in out

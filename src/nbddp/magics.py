@@ -189,14 +189,33 @@ class NbddpMagics(Magics):
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)
+    @argument("notebook", nargs="?", help="the notebook whose memory to estimate (default: the %%%%ddp_setup "
+              "cells, else the notebook this kernel runs, as last saved)")
     @argument("--nproc", type=int, help="processes for the all-reduce (default: one per GPU, 2 without GPUs)")
     @argument("--timeout", type=float, default=doctor.DEFAULT_TIMEOUT_S, metavar="S", help="give up the all-reduce after S seconds")
     @line_magic
     def ddp_doctor(self, line: str):
         """Pre-flight checks: GPUs and precisions, GPU memory this kernel holds, /dev/shm, an all-reduce across
-        every GPU (gloo on CPU), and the DataParallel trap of training in a kernel that sees several GPUs."""
+        every GPU (gloo on CPU), the DataParallel trap of training in a kernel that sees several GPUs, and
+        the memory one rank of this notebook needs with the strategy --strategy auto would pick."""
         args = parse_argstring(self.ddp_doctor, line)
-        doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout, show=lambda text: print(text, flush=True))
+        script, cwd = self._script_at_hand(args.notebook)
+        doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout, show=lambda text: print(text, flush=True),
+                   script_text=script.text if script else None, cwd=cwd)
+
+    def _script_at_hand(self, notebook: str | None):
+        """The converted script of the notebook at hand and its folder: the file given, else the registered
+        ``%%ddp_setup`` cells, else the saved notebook this kernel runs; (None, None) where there is none."""
+        try:
+            if notebook:
+                return convert_notebook(Path(notebook)), Path(notebook).resolve().parent
+            if len(self.registry):
+                return convert_cells(list(self.registry.cells), origin="%%ddp_setup cells"), Path.cwd()
+            path = find_notebook(self.shell.user_ns, os.environ, Path.cwd())
+            return (convert_notebook(path), path.resolve().parent) if path else (None, None)
+        except NbddpError as exc:
+            print(f"nbddp: warning: no memory estimate: {exc}", file=sys.stderr)
+            return None, None
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)
