@@ -209,3 +209,10 @@ def test_the_doctor_shows_the_estimate_for_the_notebook_at_hand(llama_8b, monkey
     assert cli.main(["doctor", str(llama_8b / "nb.ipynb")]) == 0
     out = capsys.readouterr().out
     assert "memory" in out and "strategy ddp (auto chose it): a whole replica" in out
+
+
+def test_a_memory_cap_makes_auto_choose_as_on_a_smaller_gpu(monkeypatch):
+    monkeypatch.setattr(strategy, "_ask_gpus", lambda timeout_s: (140 * GiB, 140 * GiB))
+    assert strategy.gpu_free_bytes() == (140 * GiB, 140 * GiB)
+    monkeypatch.setenv("NBDDP_GPU_MEMORY_GIB", "15")
+    assert strategy.gpu_free_bytes() == (15 * GiB, 15 * GiB)

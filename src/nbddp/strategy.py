@@ -344,7 +344,14 @@ _PROBE = ("import json, torch\n"
 
 def gpu_free_bytes(timeout_s: float = 60.0) -> tuple[int, ...]:
     """Free bytes on each visible GPU, asked of a child process (this one never initialises CUDA); () when
-    there is none or torch cannot say."""
+    there is none or torch cannot say. ``NBDDP_GPU_MEMORY_GIB`` caps each GPU's share, to choose as on a
+    smaller GPU (a Kaggle T4's 15 GiB on a larger card, with the ranks capped to match)."""
+    free = _ask_gpus(timeout_s)
+    cap = os.environ.get("NBDDP_GPU_MEMORY_GIB", "").strip()
+    return tuple(min(n, int(float(cap) * GiB)) for n in free) if cap else free
+
+
+def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
     try:
         import torch
     except ImportError:
