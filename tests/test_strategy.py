@@ -166,13 +166,17 @@ def test_fsdp_trains_lora_with_the_trainer_and_saves_the_adapter_once(tmp_path):
     assert_half_the_weights_on_each_rank(result)
     loss = losses(out)
     assert loss[-1] < loss[0] - 0.1, loss
+    # rank 0 alone saves, after training, as the converter leaves it: the weights were gathered as train() ended
     saves = [m.group(0) for found in rank_lines(result, 2, r"SAVED by rank \d: .*") for m in found]
-    assert saves == ["SAVED by rank 0: adapter/adapter_model.safetensors"]
+    assert saves == ["SAVED by rank 0: adapter/adapter_model.safetensors",
+                     "SAVED by rank 0: adapter_direct/adapter_model.safetensors"]
     from safetensors.torch import load_file
 
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert adapter and all(type(t).__name__ == "Tensor" for t in adapter.values())
+    direct = load_file(tmp_path / "adapter_direct" / "adapter_model.safetensors")
+    assert len(adapter) == 8 and adapter.keys() == direct.keys()  # lora_A and lora_B of q, v in 2 layers
     assert {tuple(t.shape) for k, t in adapter.items() if "lora_A" in k} == {(4, 64)}  # whole, not a shard
+    assert all(adapter[k].equal(direct[k]) and adapter[k].abs().sum() > 0 for k in adapter)
 
 
 @pytest.mark.e2e
@@ -216,3 +220,12 @@ def test_a_memory_cap_makes_auto_choose_as_on_a_smaller_gpu(monkeypatch):
     assert strategy.gpu_free_bytes() == (140 * GiB, 140 * GiB)
     monkeypatch.setenv("NBDDP_GPU_MEMORY_GIB", "15")
     assert strategy.gpu_free_bytes() == (15 * GiB, 15 * GiB)
+
+
+@pytest.mark.parametrize("name, expected", [("ddp", {"": "cpu"}), ("split", "balanced"), ("fsdp", None)])
+def test_the_device_map_a_loader_gets_under_each_strategy(monkeypatch, name, expected):
+    from nbddp.runtime import dist
+
+    monkeypatch.setenv("NBDDP_STRATEGY", name)
+    monkeypatch.setattr(dist, "_info", None)
+    assert dist.device_map() == expected

@@ -47,8 +47,10 @@ trainer = Trainer(
 trainer.train()
 held, total = local_numel(trainer.model_wrapped)
 print(f"rank {rank} holds {held} of {total} elements ({type(trainer.model_wrapped).__name__})", flush=True)
-trainer.save_model("adapter")
-losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-rt.print0(f"losses {losses}", flush=True)
+if rt.is_main_process():  # as the converter leaves saving after training: rank 0 alone
+    trainer.save_model("adapter")
+    model.save_pretrained("adapter_direct")
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    print(f"losses {losses}", flush=True)
 rt.print0("JOB OK", flush=True)
 rt.cleanup()

@@ -185,13 +185,16 @@ def main_process_first(local: bool = True):
             wait_for_every_rank(rank_info().device)
 
 
-def device_map() -> dict | str:
+def device_map() -> dict | str | None:
     """A ``from_pretrained`` device map putting the whole model on this rank's device; ``"balanced"``
-    (accelerate spreads the layers over every GPU) when the job runs split (``NBDDP_STRATEGY=split``)."""
+    (accelerate spreads the layers over every GPU) when the job runs split (``NBDDP_STRATEGY=split``);
+    None under FSDP: a 16-bit model loads on the CPU and ``fully_shard`` moves each rank's shards to its GPU
+    (a whole replica on the GPU first is what does not fit), a 4-bit one onto this rank's GPU, where
+    bitsandbytes quantizes it."""
     from . import strategy
 
-    if strategy.current() == "split":
-        return "balanced"
+    if strategy.current() in ("split", "fsdp"):
+        return "balanced" if strategy.current() == "split" else None
     info = rank_info()
     return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
 

@@ -44,6 +44,11 @@ def install(log: Callable[[str], None] = print) -> None:
         when_imported("transformers.training_args", lambda m: wrap(m.TrainingArguments, "__post_init__", _with_fsdp))
         when_imported("transformers.utils.quantization_config", _store_4bit_in_compute_dtype)
         when_imported("accelerate.state", _fsdp_on_cpu_too)
+        when_imported("transformers.trainer", lambda m: wrap(m.Trainer, "train", _gathering_after_training))
+        when_imported("accelerate.accelerator", lambda m: wrap(m.Accelerator, "get_state_dict", _gathered_state_dict))
+        when_imported("transformers.modeling_utils",
+                      lambda m: wrap(m.PreTrainedModel, "save_pretrained", _saving_the_gathered_state_dict))
+        when_imported("peft.peft_model", lambda m: wrap(m.PeftModel, "save_pretrained", _saving_the_gathered_state_dict))
         log("nbddp: strategy fsdp: the Trainer shards each layer with FSDP2 (fsdp_config version 2), "
             "_nbddp.ddp(model) with fully_shard; saving gathers a full state dict on rank 0")
     elif strategy == "deepspeed":
@@ -99,6 +104,61 @@ def _fsdp_on_cpu_too(module) -> bool:
         return __init__
 
     return wrap(module.AcceleratorState, "__init__", make)
+
+
+#: Where a model keeps the whole state dict gathered when its training ended (rank 0; empty elsewhere).
+GATHERED = "_nbddp_gathered_state_dict"
+
+
+def _gathering_after_training(train):
+    """Saving comes after training on rank 0 alone (the converter puts it there), but gathering a sharded
+    model's state dict is a collective every rank must join: so every rank gathers it as ``train()`` ends,
+    while all are still there, and rank 0 keeps it on the CPU for the saves that follow (trainable weights
+    only where some are frozen: a LoRA adapter, not the base model)."""
+
+    def wrapper(self, *args, **kwargs):
+        model = getattr(self, "model", None)
+        if model is not None:
+            model.__dict__.pop(GATHERED, None)  # a second training makes new weights
+        result = train(self, *args, **kwargs)
+        if getattr(self, "is_fsdp_enabled", False) and _is_sharded(self.model):
+            self.model.__dict__[GATHERED] = gather(self.model)
+        return result
+
+    return wrapper
+
+
+def gather(model) -> dict:
+    """The model's whole state dict on rank 0 (CPU), {} on the others; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
+    return get_model_state_dict(model, options=options)
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _gathered_state_dict(get_state_dict):
+    def wrapper(self, model, *args, **kwargs):
+        gathered = getattr(model, "__dict__", {}).get(GATHERED)
+        return gathered if gathered is not None else get_state_dict(self, model, *args, **kwargs)
+
+    return wrapper
+
+
+def _saving_the_gathered_state_dict(save_pretrained):
+    def wrapper(self, *args, **kwargs):
+        gathered = self.__dict__.get(GATHERED)
+        if gathered is not None and kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = gathered
+        return save_pretrained(self, *args, **kwargs)
+
+    return wrapper
 
 
 def shard(model):
