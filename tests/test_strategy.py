@@ -192,6 +192,7 @@ def test_split_trains_in_one_process(tmp_path):
     result, out = run_job(tmp_path, "split_trainer.py", 1, NBDDP_STRATEGY="split")
     assert "device_map 'balanced', world size 1" in out
     assert result.rank_log(1) is None  # one process
+    assert "process group: False" in out  # not a distributed job to accelerate: a model over several GPUs trains
     loss = losses(out)
     assert loss[-1] < loss[0] - 0.1, loss
 

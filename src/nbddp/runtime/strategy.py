@@ -55,8 +55,23 @@ def install(log: Callable[[str], None] = print) -> None:
         when_imported("transformers.training_args", lambda m: wrap(m.TrainingArguments, "__post_init__", _with_deepspeed))
         log(f"nbddp: strategy deepspeed: the Trainer runs ZeRO stage {deepspeed_stage()} from a generated config")
     elif strategy == "split":
+        _one_plain_process()
         log("nbddp: strategy split: one process, the model spread over every GPU (device_map='balanced'); "
             "layers run one GPU after another")
+
+
+#: torchrun's variables that make accelerate (and so the Trainer) take one process for a distributed job.
+TORCHRUN_RANK_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                           "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+
+
+def _one_plain_process() -> None:
+    """Split mode's single process, started by torchrun, is not a distributed job: with torchrun's
+    ``LOCAL_RANK`` accelerate would call it one, and refuse a model spread over several GPUs ("You can't
+    train a model that has been loaded with device_map='auto' in any distributed mode"). The rank is already
+    known (``dist.rank_info``); the variables go."""
+    for name in TORCHRUN_RANK_VARIABLES:
+        os.environ.pop(name, None)
 
 
 # ---- fsdp ------------------------------------------------------------------------------------------------
