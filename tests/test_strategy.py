@@ -230,3 +230,24 @@ def test_the_device_map_a_loader_gets_under_each_strategy(monkeypatch, name, exp
     monkeypatch.setenv("NBDDP_STRATEGY", name)
     monkeypatch.setattr(dist, "_info", None)
     assert dist.device_map() == expected
+
+
+@pytest.mark.parametrize("name", ["sft_lora", "qlora_4bit", "torch_classifier"])
+def test_a_templates_strategy_parameter_reaches_the_job(name, monkeypatch):
+    import nbformat
+
+    import nbddp.display
+    import nbddp.job
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "templates" / f"{name}.ipynb", as_version=4)
+    (parameters,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert 'strategy: str = "auto"' in parameters.source
+    asked = {}
+
+    class Done:
+        ok = True
+
+    monkeypatch.setattr(nbddp.job, "run_template", lambda path, ns, **kwargs: (asked.update(kwargs), Done()))
+    monkeypatch.setattr(nbddp.display, "summary", lambda result: "")
+    exec(nb.cells[-1].source, {"nproc": 0, "strategy": "split"})
+    assert asked == {"nproc": None, "strategy": "split"}
