@@ -90,11 +90,12 @@ def setup() -> RankInfo:
         dist.init_process_group(backend=info.backend, timeout=timeout)
         _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
     _info = info
-    from . import metrics, resume, rich, shims
+    from . import balance, metrics, resume, rich, shims
     from .report import get_multi_gpu_config
 
     seed = seed_everything()
     metrics.attach()
+    balance.attach()  # the Trainer's training sampler token-balanced (NBDDP_BALANCE=0: off)
     rich.install()
     resume.attach(log=lambda line: print0(line, flush=True))
     if info.is_main:
@@ -267,11 +268,12 @@ def unwrap(model):
 
 
 def distributed_sampler(dataset, shuffle: bool = False):
-    """A ``DistributedSampler`` giving this rank its own share of ``dataset`` (all of it in a single process)."""
-    from torch.utils.data import DistributedSampler
+    """A ``DistributedSampler`` giving this rank its own share of ``dataset`` (all of it in a single process);
+    token-balanced when shuffled and lengths vary (``balance``; ``NBDDP_BALANCE=0``: off)."""
+    from .balance import sampler_for
 
     info = rank_info()
-    return DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=bool(shuffle))
+    return sampler_for(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=bool(shuffle))
 
 
 def set_epoch(loader, epoch: int) -> None:
