@@ -32,7 +32,7 @@ OVERHEAD_BYTES = int(0.9 * GiB)
 #: The share of a GPU's free memory the estimate may fill: estimates are rough, out-of-memory is costly.
 HEADROOM = 0.9
 
-#: Loader classes whose ``from_pretrained`` loads a model (not a tokenizer or config).
+#: Unsloth's loader classes: FSDP cannot shard what they build.
 _UNSLOTH = ("FastLanguageModel", "FastModel", "FastVisionModel", "FastTextModel")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
 #: Optimizers whose two states take 2 bytes a parameter instead of 8.
