@@ -270,3 +270,24 @@ def test_the_kaggle_export_decides_for_kaggles_gpus_and_tells_the_launcher(llama
     cpu = export_kaggle(llama_8b / "big.ipynb", llama_8b / "cpu", kernel_id="me/big-model", accelerator="none")
     assert "NBDDP_STRATEGY\", 'ddp')" in next((llama_8b / "cpu").glob("*.py")).read_text()
     assert not [w for w in cpu.warnings if w.startswith("strategy")]  # plain DDP, chosen: nothing to say
+
+
+def test_strategy_reaches_the_job_from_the_cli_and_the_magic(monkeypatch, tmp_path):
+    import nbddp.job
+    from nbddp import cli
+    from nbddp.magics import NbddpMagics
+    from nbddp.options import run_options
+
+    asked = {}
+
+    def run_job(source, **kwargs):
+        asked.update(kwargs)
+        raise NbddpError("stop here")
+
+    monkeypatch.setattr(nbddp.job, "run_job", run_job)
+    assert cli.main(["run", str(tmp_path / "nb.ipynb"), "--strategy", "fsdp"]) == 2
+    assert asked["strategy"] == "fsdp"
+    assert cli._parser().parse_args(["run", "nb.ipynb"]).strategy == "auto"
+    magic = NbddpMagics.ddp_train.parser.parse_args(["--strategy", "split"])
+    assert run_options(magic)["strategy"] == "split"
+    assert "--strategy" in NbddpMagics.ddp_train.__doc__
