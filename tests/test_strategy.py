@@ -291,3 +291,42 @@ def test_strategy_reaches_the_job_from_the_cli_and_the_magic(monkeypatch, tmp_pa
     magic = NbddpMagics.ddp_train.parser.parse_args(["--strategy", "split"])
     assert run_options(magic)["strategy"] == "split"
     assert "--strategy" in NbddpMagics.ddp_train.__doc__
+
+
+TINY_NOTEBOOK = [
+    """import torch
+from nbddp import demo
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+path = demo.tiny_model()
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))""",
+    """data = demo.arithmetic_dataset(64).map(
+    lambda row: tokenizer(row["text"], padding="max_length", max_length=16, truncation=True), remove_columns=["text"])
+args = TrainingArguments(output_dir="out", max_steps=8, per_device_train_batch_size=4, learning_rate=3e-3,
+                         logging_steps=2, save_strategy="no", report_to="none")
+trainer = Trainer(model=model, args=args, train_dataset=data,
+                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+trainer.train()""",
+    """trainer.save_model("adapter")
+print("adapter saved", type(trainer.model_wrapped).__name__)""",
+]
+
+
+@pytest.mark.e2e
+def test_a_notebook_trains_under_fsdp_through_run_job(tmp_path):
+    import nbformat
+
+    from nbddp.job import run_job
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in TINY_NOTEBOOK])
+    nbformat.write(nb, tmp_path / "tiny.ipynb")
+    chunks = []
+    job = run_job(tmp_path / "tiny.ipynb", strategy="fsdp", runs_dir=tmp_path / "runs", timeout_s=600,
+                  sink=lambda stream, text: chunks.append(text))
+    out = "".join(chunks)
+    assert job.ok, (job.failure and job.failure.message[-3000:]) or out[-3000:]
+    assert "nbddp: strategy fsdp: asked for with --strategy" in out
+    assert "adapter saved FSDPPeftModelForCausalLM" in out  # saved by rank 0 alone, as converted
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
