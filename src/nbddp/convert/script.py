@@ -61,13 +61,6 @@ class Script:
     changes: tuple[Change, ...] = ()
     warnings: tuple[str, ...] = ()
 
-    def cell_source_line(self, cell: int, line: int) -> str:
-        for c in self.cells:
-            if c.index == cell:
-                lines = c.source.splitlines()
-                return lines[line - 1] if 0 < line <= len(lines) else ""
-        return ""
-
     def diff(self) -> str:
         """A unified diff from the notebook's code cells to the script."""
         before = []
