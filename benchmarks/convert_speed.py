@@ -39,7 +39,8 @@ from nbddp.cells import read_notebook  # noqa: E402
 from nbddp.convert import convert_cells, convert_notebook  # noqa: E402
 from nbddp.convert.checks import plan_cell  # noqa: E402
 from nbddp.convert.clean import clean_cell  # noqa: E402
-from nbddp.convert.facts import CellCode, gather_facts  # noqa: E402
+from nbddp.convert.code import CellCode  # noqa: E402
+from nbddp.convert.facts import gather_facts  # noqa: E402
 
 CORPUS = ROOT / "tests" / "corpus"
 ORDER = ("unsloth_kaggle_sft", "hf_trainer_text_classification", "pytorch_image_cnn", "kaggle_magics",

@@ -17,7 +17,7 @@ import pytest
 from nbddp.cells import Cell, cells_from_sources, read_notebook
 from nbddp.convert import checks, clean, convert_cells
 from nbddp.convert.clean import clean_cell
-from nbddp.convert.facts import CellCode
+from nbddp.convert.code import CellCode
 from test_script import ODD_CELLS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,8 @@ import textwrap
 import pytest
 
 from nbddp.convert.checks import plan_cell
-from nbddp.convert.facts import CellCode, gather_facts
+from nbddp.convert.code import CellCode
+from nbddp.convert.facts import gather_facts
 from nbddp.convert.rules import rewrite as rewrite_cell
 
 

@@ -21,19 +21,9 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from .facts import (
-    CUDA_INDEX,
-    TRAINER_CONFIGS,
-    CellCode,
-    JobFacts,
-    Statement,
-    compound_bodies,
-    dotted_name,
-    group_lines,
-    is_compound,
-    is_model_loader_owner,
-    last_name,
-)
+from .ast_helpers import calls, compound_bodies, dotted_name, is_compound, last_name
+from .code import CellCode, Statement, group_lines
+from .facts import CUDA_INDEX, TRAINER_CONFIGS, JobFacts, is_model_loader_owner
 
 
 class Check:
@@ -58,10 +48,6 @@ class Check:
     def touches(cls, stmt: Statement, facts: JobFacts, nodes: list[ast.AST]) -> bool:
         """Whether the rule may rewrite or note something in ``stmt`` (``nodes``: every node in it)."""
         return True
-
-
-def _calls(nodes: list[ast.AST]):
-    return (n for n in nodes if isinstance(n, ast.Call))
 
 
 # ----------------------------------------------------------------------------------- statement rules
@@ -116,7 +102,7 @@ class DeviceMap(Check):
         return any(
             isinstance(c.func, ast.Attribute) and c.func.attr == "from_pretrained"
             and is_model_loader_owner(last_name(c.func.value))
-            for c in _calls(nodes)
+            for c in calls(nodes)
         )
 
 
@@ -176,7 +162,7 @@ class TrainerConfig(Check):
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return any(last_name(c.func) in TRAINER_CONFIGS for c in _calls(nodes))
+        return any(last_name(c.func) in TRAINER_CONFIGS for c in calls(nodes))
 
 
 class DistributedSampler(Check):
@@ -193,7 +179,7 @@ class DistributedSampler(Check):
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return any(last_name(c.func) == "DataLoader" for c in _calls(nodes)) or bool(stmt.binds & facts.helper_loaders)
+        return any(last_name(c.func) == "DataLoader" for c in calls(nodes)) or bool(stmt.binds & facts.helper_loaders)
 
 
 class SetEpoch(Check):
@@ -226,7 +212,7 @@ class Unwrap(Check):
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
         models = facts.ddp_models
-        for call in _calls(nodes):
+        for call in calls(nodes):
             func = call.func
             if isinstance(func, ast.Attribute) and func.attr in ("state_dict", "load_state_dict"):
                 if isinstance(func.value, ast.Name) and func.value.id in models:
@@ -255,7 +241,7 @@ class LoopOutput(Check):
         )
         return trains and any(
             isinstance(c.func, ast.Name) and c.func.id == "print" or dotted_name(c.func) == "torch.save"
-            for c in _calls(nodes)
+            for c in calls(nodes)
         )
 
 

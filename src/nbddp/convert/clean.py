@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from ..cells import Cell
 from ..errors import CellError
-from .facts import CellCode, compound_bodies, group_lines, is_compound, is_dead_if
+from .ast_helpers import compound_bodies, is_compound, is_dead_if
+from .code import CellCode, CodeError, group_lines
 from .lines import align
 from .newer_python import newer_python
 
@@ -140,10 +141,7 @@ def clean_cell(cell: Cell) -> CleanCell:
     magics = Magics(transformed.splitlines())
     try:
         new_code, new_tree = _ipython_calls(transformed, tree, magics)
-    except UnreadablePython as exc:
-        src_line = _body_line(t_map, exc.line, offset)
-        raise CellError(f"not valid Python: {exc.message}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
-    except MagicError as exc:  # raised at a line of the transformed code: point at the cell's line
+    except CodeError as exc:  # raised at a line of the transformed code: point at the cell's line
         src_line = _body_line(t_map, exc.line, offset)
         raise CellError(exc.message, cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
     # Every replacement is one line for one line, so new line k is transformed line k.
@@ -159,8 +157,8 @@ def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> tuple[str, as
     line) is rewritten as text; any other goes through libcst (``ipycalls.py``), parsed on its own and put
     back at its indentation. Either way ``Magics`` decides what it becomes, and the rest of the cell stays as
     it is. A cell with such a call where no statement can be taken alone (a loop's header, a decorator) is
-    parsed whole. Raises ``UnreadablePython`` where libcst cannot parse the code, ``MagicError`` for a magic with
-    no meaning in a script.
+    parsed whole. Raises ``CodeError`` where libcst cannot parse the code, and for a magic with no meaning in a
+    script.
     """
     cell = CellCode.read(code, tree)
     found = _ipython_statements(cell.tree.body, cell, False)
@@ -250,14 +248,6 @@ def _interactive_calls(tree: ast.Module) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-class MagicError(Exception):
-    """A magic that cannot be converted, at a line of the transformed cell (``clean_cell`` maps it back)."""
-
-    def __init__(self, message: str, line: int):
-        super().__init__(message)
-        self.message, self.line = message, line
-
-
 class Magics:
     """What each ``get_ipython()`` statement of a cell becomes, and the installs and notes that go with it.
 
@@ -318,7 +308,7 @@ class Magics:
             try:
                 stmt = cst.parse_statement(arg + "\n")
             except cst.ParserSyntaxError:
-                raise MagicError(f"%{name} wraps code that is not valid Python", line) from None
+                raise CodeError(f"%{name} wraps code that is not valid Python", line) from None
             self.notes.append((line, f"%{name} dropped; its statement is kept"))
             return "statement", cst.Module([]).code_for_node(stmt).rstrip("\n")
         if name == "env":
@@ -333,15 +323,7 @@ class Magics:
         if name in DROPPED_LINE_MAGICS or name is None:
             self.notes.append((line, f"%{name} dropped (notebook-only)"))
             return "dropped", f"%{name} {arg}".rstrip() + " dropped (notebook-only)"
-        raise MagicError(f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train", line)
-
-
-class UnreadablePython(Exception):
-    """Code that libcst (or, after a rewrite, Python) cannot read, at a line of that code."""
-
-    def __init__(self, message: str, line: int):
-        super().__init__(message)
-        self.message, self.line = message, line
+        raise CodeError(f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train", line)
 
 
 def _ipython_statements(body: list[ast.stmt], cell: CellCode, dead: bool):
@@ -495,7 +477,7 @@ def _finish(code: str) -> tuple[str, ast.Module]:
     try:
         return code, ast.parse(code)
     except SyntaxError as exc:
-        raise UnreadablePython(exc.msg, exc.lineno or 1) from None
+        raise CodeError(f"not valid Python: {exc.msg}", exc.lineno or 1) from None
 
 
 def _line_at(lines: list[str], line: int) -> str:

@@ -21,7 +21,9 @@ import ast
 import functools
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
+
+from .ast_helpers import DEFS, compound_bodies, dotted_name, is_compound, is_dead_if, is_literal, keyword, last_name
+from .code import CellCode, Statement, group_lines
 
 _OPTIMIZERS = frozenset(
     "SGD Adam AdamW RMSprop Adagrad Adadelta Adamax NAdam RAdam LBFGS SparseAdam ASGD Rprop Lion Adafactor "
@@ -59,10 +61,6 @@ TRAINER_CONFIGS = frozenset(
 )
 #: An explicit GPU: ``"cuda:0"``.
 CUDA_INDEX = re.compile(r"^cuda:\d+$")
-
-_COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.TryStar, ast.With, ast.AsyncWith,
-             ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Match)
-_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 # ------------------------------------------------------------------------------------ name decisions
@@ -108,37 +106,6 @@ def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str], 
     return any("train" in t.lower() or t in trained for t in targets)
 
 
-# --------------------------------------------------------------------------------------- ast helpers
-
-
-def dotted_name(node: ast.AST) -> str | None:
-    """``a.b.C`` for a Name/Attribute chain, else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = dotted_name(node.value)
-        return f"{base}.{node.attr}" if base else None
-    return None
-
-
-def last_name(node: ast.AST) -> str | None:
-    """The last part of a call's name: ``AutoModel`` for ``transformers.AutoModel``, ``train`` for ``t.train``."""
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    if isinstance(node, ast.Name):
-        return node.id
-    return None
-
-
-def is_dead_if(node: ast.AST) -> bool:
-    """``if False:`` / ``if 0:``: code a notebook keeps switched off."""
-    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Constant):
-        return False
-    value = node.test.value
-    # ``0`` written as such (libcst's Integer("0")), not ``00`` or ``0x0``
-    return value is False or type(value) is int and value == 0 and node.test.end_col_offset - node.test.col_offset == 1
-
-
 #: Samplers a ``DistributedSampler`` stands in for: (shuffles).
 PLAIN_SAMPLERS = {"RandomSampler": True, "SequentialSampler": False}
 
@@ -151,149 +118,6 @@ def plain_sampler(call: ast.Call) -> str | None:
             and not value.keywords and keyword(call, "batch_sampler") is None:
         return last_name(value.func)
     return None
-
-
-def keyword(call: ast.Call, key: str) -> ast.keyword | None:
-    return next((k for k in call.keywords if k.arg == key), None)
-
-
-def is_compound(node: ast.stmt) -> bool:
-    return isinstance(node, _COMPOUND)
-
-
-def _is_literal(node: ast.AST, *values) -> bool:
-    return isinstance(node, ast.Constant) and any(node.value is v for v in values)
-
-
-# ------------------------------------------------------------------------------------ cells, statements
-
-
-@dataclass(eq=False)
-class Statement:
-    """One top-level statement of a cleaned cell, as libcst counts statements.
-
-    ``nodes`` are its ast statements (several for ``a = 1; b = 2``), ``first`` its first line in the cell (a
-    decorator's line for a decorated definition). The rest is filled in by ``gather_facts``.
-    """
-
-    cell: CellCode
-    index: int
-    nodes: list[ast.stmt]
-    first: int
-    #: the calls it makes itself (outside function bodies, lambdas and ``if False:``), in source order
-    calls: list[ast.Call] = field(default_factory=list)
-    #: those of ``calls`` that are not inside a class body either
-    plain_calls: list[ast.Call] = field(default_factory=list)
-    #: names it binds at the notebook's top level, and names it reads (attributes and keywords are not reads)
-    binds: set[str] = field(default_factory=set)
-    reads: set[str] = field(default_factory=set)
-
-    @cached_property
-    def text(self) -> str:
-        """Its source, with the comments and blank lines up to the next statement."""
-        statements = self.cell.statements
-        end = statements[self.index + 1].first - 1 if self.index + 1 < len(statements) else len(self.cell.lines)
-        return "".join(self.cell.lines[self.first - 1 : end])
-
-    def __repr__(self) -> str:
-        return f"<Statement {self.index} of cell {self.cell.position}, line {self.first}>"
-
-
-@dataclass(eq=False)
-class CellCode:
-    """A cleaned cell's code, its ast and its top-level statements: what the facts and the rules work on."""
-
-    code: str
-    tree: ast.Module
-    #: the cell's place among the converted cells (0-based)
-    position: int = 0
-    statements: list[Statement] = field(default_factory=list)
-
-    @classmethod
-    def read(cls, code: str, tree: ast.Module | None = None, position: int = 0) -> CellCode:
-        """Read cleaned code (already parsed into ``tree`` when the caller has it)."""
-        cell = cls(code, tree if tree is not None else ast.parse(code), position)
-        cell.statements = [
-            Statement(cell, i, group, _first_line(group[0])) for i, group in enumerate(group_lines(cell.tree.body, cell))
-        ]
-        return cell
-
-    @cached_property
-    def lines(self) -> list[str]:
-        return self.code.splitlines(keepends=True)
-
-    @cached_property
-    def default_indent(self) -> str:
-        """The indentation of the cell's first indented block, as libcst detects it ("    " without one).
-
-        A statement parsed on its own with libcst would otherwise guess its own, and a block a rule adds would
-        be indented differently from the rest of the cell.
-        """
-        first = None  # the first line that starts an indented block: a statement's, or a ``case``'s
-        for node in _statements(self.tree.body):
-            if isinstance(node, ast.Match):
-                line, col = node.cases[0].pattern.lineno, None
-            elif node.col_offset:
-                line, col = node.lineno, node.col_offset
-            else:
-                continue
-            if first is None or line < first:
-                text = self.lines[line - 1]
-                if col is None or len(text.encode()) - len(text.lstrip().encode()) == col:
-                    first = line
-        if first is None:
-            return "    "
-        text = self.lines[first - 1]
-        return text[: len(text) - len(text.lstrip())]
-
-    def source(self, node: ast.AST) -> str:
-        if node.lineno == node.end_lineno:  # ast's own way splits the whole cell into lines each time
-            return self.line_bytes(node.lineno)[node.col_offset : node.end_col_offset].decode()
-        return ast.get_source_segment(self.code, node) or ""
-
-    def line_bytes(self, line: int) -> bytes:
-        return self.lines[line - 1].encode()
-
-
-def compound_bodies(node: ast.stmt) -> list[list[ast.stmt]]:
-    """The statement lists of a compound statement: its body, ``else``, ``finally``, handlers and cases."""
-    bodies = [getattr(node, name, None) or [] for name in ("body", "orelse", "finalbody")]
-    return bodies + [h.body for h in getattr(node, "handlers", ())] + [c.body for c in getattr(node, "cases", ())]
-
-
-def _statements(body: list[ast.stmt]):
-    """Every statement in a block, nested ones included (not those inside expressions: there are none)."""
-    for node in body:
-        yield node
-        if is_compound(node):
-            for inner in compound_bodies(node):
-                yield from _statements(inner)
-
-
-def _first_line(node: ast.stmt) -> int:
-    decorators = getattr(node, "decorator_list", None)
-    return decorators[0].lineno if decorators else node.lineno
-
-
-def group_lines(body: list[ast.stmt], cell: CellCode) -> list[list[ast.stmt]]:
-    """The statements of a block as libcst counts them: simple statements on one logical line are one."""
-    groups: list[list[ast.stmt]] = []
-    for node in body:
-        if groups and not is_compound(node) and not is_compound(groups[-1][-1]) and _same_line(groups[-1][-1], node, cell):
-            groups[-1].append(node)
-        else:
-            groups.append([node])
-    return groups
-
-
-def _same_line(before: ast.stmt, after: ast.stmt, cell: CellCode) -> bool:
-    """Whether ``after`` follows ``before`` on its logical line (``a = 1; b = 2``)."""
-    if after.lineno != before.end_lineno and not cell.lines[before.end_lineno - 1].rstrip().endswith("\\"):
-        return False
-    between = b"".join(cell.line_bytes(n) for n in range(before.end_lineno, after.lineno + 1))
-    start = before.end_col_offset
-    end = len(between) - len(cell.line_bytes(after.lineno)) + after.col_offset
-    return b";" in re.sub(rb"#[^\n]*", b"", between[start:end])
 
 
 # ------------------------------------------------------------------------------------------- facts
@@ -516,7 +340,7 @@ class _Scan:
             if callee == "DataLoader":
                 own = any(k.arg in ("sampler", "batch_sampler") for k in call.keywords)
                 shuffle = keyword(call, "shuffle")
-                shuffles = None if shuffle is None else not _is_literal(shuffle.value, False, None)
+                shuffles = None if shuffle is None else not is_literal(shuffle.value, False, None)
                 kind = plain_sampler(call)
                 if kind is not None:  # RandomSampler(ds) / SequentialSampler(ds): the distributed one replaces it
                     own, shuffles = False, kind == "RandomSampler" or None
@@ -777,7 +601,7 @@ def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts)
         callee = last_name(call.func) or ""
         if isinstance(call.func, ast.Name) and callee in factories:
             shuffle = keyword(call, "shuffle")
-            shuffles = shuffle is not None and not _is_literal(shuffle.value, False, None)
+            shuffles = shuffle is not None and not is_literal(shuffle.value, False, None)
             if loader_shards(False, shuffles, targets, facts.train_iterated):
                 facts.sharded_loaders.update(targets)
         elif callee not in defs and "loader" in callee.lower() and loader_shards(False, None, targets, facts.train_iterated):
@@ -866,7 +690,7 @@ def _plan_data_prep(top: list[Statement], facts: JobFacts) -> None:
     """Dataset preparation on every rank goes under ``main_process_first`` (cache files are not raced)."""
     training = set(facts.training)
     for stmt in top:
-        if stmt in facts.rank0 or stmt in training or isinstance(stmt.nodes[0], _DEFS):
+        if stmt in facts.rank0 or stmt in training or isinstance(stmt.nodes[0], DEFS):
             continue
         if is_dead_if(stmt.nodes[0]):
             continue
@@ -961,7 +785,7 @@ def calls_in(nodes: list[ast.stmt]) -> list[ast.Call]:
     todo: list[ast.AST] = list(nodes)
     while todo:
         node = todo.pop()
-        if isinstance(node, (*_DEFS, ast.Lambda)) or is_dead_if(node):
+        if isinstance(node, (*DEFS, ast.Lambda)) or is_dead_if(node):
             continue
         if isinstance(node, ast.Call):
             found.append(node)

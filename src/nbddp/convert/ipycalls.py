@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from .clean import PLACEHOLDER, Magics, UnreadablePython
-from .rules import is_attribute, is_dead_if, is_name
+from .clean import PLACEHOLDER, Magics
+from .code import CodeError
+from .cst_helpers import is_attribute, is_dead_if, is_name
 
 
 def rewrite_statement(text: str, magics: Magics, dead: bool, line: int) -> str:
@@ -20,7 +21,7 @@ def rewrite_statement(text: str, magics: Magics, dead: bool, line: int) -> str:
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        raise UnreadablePython(exc.message, line + exc.raw_line - 1) from None
+        raise CodeError(f"not valid Python: {exc.message}", line + exc.raw_line - 1) from None
     return module.visit(IPythonCalls(magics, dead)).code
 
 
@@ -29,7 +30,7 @@ def rewrite_module(code: str, magics: Magics) -> str:
     try:
         module = cst.parse_module(code)
     except cst.ParserSyntaxError as exc:
-        raise UnreadablePython(exc.message, exc.raw_line) from None
+        raise CodeError(f"not valid Python: {exc.message}", exc.raw_line) from None
     return module.visit(IPythonCalls(magics)).code
 
 

@@ -30,10 +30,27 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from . import checks
-from .facts import CUDA_INDEX, PLAIN_SAMPLERS, TRAINER_CONFIGS, CellCode, JobFacts, Statement, is_model_loader_owner, loader_shards
+from .code import CellCode, CodeError, Statement
+from .cst_helpers import (
+    code_of,
+    dotted_name,
+    fixed_expression,
+    fixed_statement,
+    has_keyword,
+    has_star_kwargs,
+    is_attribute,
+    is_dead_if,
+    is_name,
+    keyword,
+    last_name,
+    set_keyword,
+    string_value,
+    walk,
+)
+from .facts import CUDA_INDEX, PLAIN_SAMPLERS, TRAINER_CONFIGS, JobFacts, is_model_loader_owner, loader_shards
 from .lines import align
 
-__all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "Rule", "UnreadableCode", "rewrite"]
+__all__ = ["EXPRESSION_RULES", "RULES", "STATEMENT_RULES", "Rule", "rewrite"]
 
 #: The runtime call that gives each rank its own device as a ``device_map``.
 DEVICE_MAP_EXPR = "_nbddp.device_map()"
@@ -69,76 +86,9 @@ _TRIVIA = _subclasses(
 _LEAVES = frozenset({cst.Name, cst.Integer, cst.Float, cst.Imaginary, cst.SimpleString, cst.Ellipsis})
 
 
-@functools.cache
-def _expression(code: str) -> cst.BaseExpression:
-    """One of the fixed expressions the rules write, parsed once (libcst nodes are immutable)."""
-    return cst.parse_expression(code)
-
-
-@functools.cache
-def _statement(code: str) -> cst.BaseStatement:
-    """A fixed statement the rules write, parsed once."""
-    return cst.parse_statement(code)
-
-
-def dotted_name(node: cst.BaseExpression) -> str | None:
-    """``a.b.C`` for a Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = dotted_name(node.value)
-        return f"{base}.{node.attr.value}" if base else None
-    return None
-
-
-def last_name(node: cst.BaseExpression) -> str | None:
-    """The last part of a call's name: ``AutoModel`` for ``transformers.AutoModel``, ``train`` for ``t.train``."""
-    if isinstance(node, cst.Attribute):
-        return node.attr.value
-    if isinstance(node, cst.Name):
-        return node.value
-    return None
-
-
-def is_name(node: cst.CSTNode | None, *values: str) -> bool:
-    """A ``Name`` node, with one of ``values`` when given."""
-    return isinstance(node, cst.Name) and (not values or node.value in values)
-
-
-def is_attribute(node: cst.CSTNode | None, *attrs: str) -> bool:
-    """An ``owner.attr`` node, with ``attr`` one of ``attrs`` when given."""
-    return isinstance(node, cst.Attribute) and (not attrs or node.attr.value in attrs)
-
-
-def is_dead_if(node: cst.CSTNode) -> bool:
-    """``if False:`` / ``if 0:``: code a notebook keeps switched off."""
-    if not isinstance(node, cst.If):
-        return False
-    return is_name(node.test, "False") or isinstance(node.test, cst.Integer) and node.test.value == "0"
-
-
-def keyword(call: cst.Call, key: str) -> cst.Arg | None:
-    return next((a for a in call.args if a.keyword is not None and a.keyword.value == key), None)
-
-
-def has_keyword(call: cst.Call, key: str) -> bool:
-    return keyword(call, key) is not None
-
-
-def code_of(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
-
-
 def is_model_loader(call: cst.Call) -> bool:
     """``X.from_pretrained(...)`` where X names a model class (``facts.is_model_loader_owner``)."""
     return is_attribute(call.func, "from_pretrained") and is_model_loader_owner(last_name(call.func.value))
-
-
-def _string_value(node: cst.BaseExpression) -> str | None:
-    if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) else None
-    return None
 
 
 def _environ_key(small: cst.BaseSmallStatement) -> str | None:
@@ -151,7 +101,7 @@ def _environ_key(small: cst.BaseSmallStatement) -> str | None:
     if not (is_attribute(target.value, "environ") and is_name(target.value.value, "os")):
         return None
     index = target.slice[0].slice
-    return _string_value(index.value) if isinstance(index, cst.Index) else None
+    return string_value(index.value) if isinstance(index, cst.Index) else None
 
 
 def _is_torch_save(small: cst.BaseSmallStatement) -> bool:
@@ -245,68 +195,6 @@ def _method(cls: type, name: str):
         if name in vars(klass):
             return vars(klass)[name]
     return None
-
-
-def _set_keyword(call: cst.Call, key: str, value: cst.BaseExpression) -> tuple[cst.Call, str | None]:
-    """Set ``key=value`` on a call; return the new call and the old value's source (None when absent).
-
-    A new keyword goes last; in a call written one argument per line it gets a line of its own, and every
-    comment stays on the line it was on (a comment after the last argument does not move to the new one).
-    """
-    args = list(call.args)
-    for i, arg in enumerate(args):
-        if arg.keyword is not None and arg.keyword.value == key:
-            args[i] = arg.with_changes(value=value)
-            return call.with_changes(args=args), code_of(arg.value)
-    new_arg = cst.Arg(
-        keyword=cst.Name(key),
-        value=value,
-        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
-    )
-    if args and (closing := _closing_line(args[-1])) is not None:
-        return call.with_changes(args=_on_own_line(call, args, new_arg, closing)), None
-    if args and isinstance(args[-1].comma, cst.Comma):  # f(a, ): the trailing comma stays last
-        new_arg = new_arg.with_changes(comma=args[-1].comma)
-        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-    elif args:
-        args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-    args.append(new_arg)
-    return call.with_changes(args=args), None
-
-
-def _closing_line(last: cst.Arg) -> cst.ParenthesizedWhitespace | None:
-    """What follows a call's last argument when the closing parenthesis is on a line of its own: the rest of
-    the argument's line (a comment), comment lines, the parenthesis' indentation. None otherwise."""
-    after = last.comma.whitespace_after if isinstance(last.comma, cst.Comma) else last.whitespace_after_arg
-    return after if isinstance(after, cst.ParenthesizedWhitespace) else None
-
-
-def _on_own_line(call: cst.Call, args: list[cst.Arg], new_arg: cst.Arg, closing: cst.ParenthesizedWhitespace) -> list:
-    """``args`` with ``new_arg`` on a line of its own after the last: the last argument keeps its line's
-    comment and the comment lines below it; the new one ends its line with what the call's arguments
-    end theirs with (a comma or not) and the parenthesis' indentation."""
-    between = next((a.comma.whitespace_after for a in reversed(args[:-1]) if isinstance(a.comma, cst.Comma)
-                    and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)), None)
-    if between is None:
-        between = call.whitespace_before_args if isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace) else closing
-    last = args[-1]
-    trailing_comma = isinstance(last.comma, cst.Comma)
-    kept = closing.with_changes(indent=between.indent, last_line=between.last_line)  # its comments stay here
-    args[-1] = last.with_changes(
-        comma=cst.Comma(whitespace_before=last.comma.whitespace_before if trailing_comma else cst.SimpleWhitespace(""),
-                        whitespace_after=kept),
-        whitespace_after_arg=last.whitespace_after_arg if trailing_comma else cst.SimpleWhitespace(""),
-    )
-    end = closing.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
-    if trailing_comma:
-        new_arg = new_arg.with_changes(comma=cst.Comma(whitespace_after=end))
-    else:
-        new_arg = new_arg.with_changes(whitespace_after_arg=end)
-    return args + [new_arg]
-
-
-def _has_star_kwargs(call: cst.Call) -> bool:
-    return any(arg.star == "**" for arg in call.args)
 
 
 class _StatementRule(Rule):
@@ -413,7 +301,7 @@ class MainProcessFirstRule(_StatementRule):
         return stmt in self.facts.main_first
 
     def block(self, run):
-        return cst.With(items=[cst.WithItem(_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=self.inside(run)))
+        return cst.With(items=[cst.WithItem(fixed_expression(MAIN_FIRST_EXPR))], body=cst.IndentedBlock(body=self.inside(run)))
 
     def message(self, run) -> str:
         return "dataset preparation: the first process of each machine runs it first, the others read its cache"
@@ -449,11 +337,11 @@ class RankZeroRule(_StatementRule):
         if self.facts.plain_loop and self.statement(run[0]) in self.facts.tail:
             models = sorted(self.facts.ddp_models & self.facts.module_names)
             unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
-        return cst.If(test=_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
+        return cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
 
     def after(self, run):
         if any(self.statement(s) in self.facts.shared_saves for s in run):
-            return [_statement("_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")]
+            return [fixed_statement("_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")]
         return []
 
     def message(self, run) -> str:
@@ -480,10 +368,10 @@ class DeviceMapRule(Rule):
         if not is_model_loader(updated):
             return updated
         loader = dotted_name(updated.func) or "from_pretrained"
-        if _has_star_kwargs(updated) and not has_keyword(updated, "device_map"):
+        if has_star_kwargs(updated) and not has_keyword(updated, "device_map"):
             self.note(original, f"{loader}: has **kwargs, left alone; pass device_map=_nbddp.device_map() yourself")
             return updated
-        new, old = _set_keyword(updated, "device_map", _expression(DEVICE_MAP_EXPR))
+        new, old = set_keyword(updated, "device_map", fixed_expression(DEVICE_MAP_EXPR))
         was = f"device_map={old}" if old is not None else "no device_map"
         self.note(original, f"{loader}: {was} → this rank's device")
         return new
@@ -513,11 +401,11 @@ class DeviceRule(Rule):
         return updated
 
     def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.BaseExpression:
-        value = _string_value(updated)
+        value = string_value(updated)
         if self._in_device_map or value is None or not CUDA_INDEX.match(value):
             return updated
         self.note(original, f"{value!r} → this rank's device")
-        return _expression(DEVICE_EXPR)
+        return fixed_expression(DEVICE_EXPR)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         name = dotted_name(updated.func) or ""
@@ -526,13 +414,13 @@ class DeviceRule(Rule):
             updated.args[0].value, cst.Integer
         ):
             self.note(original, f"{code_of(original)} → this rank's device")
-            return updated.with_changes(args=[updated.args[0].with_changes(value=_expression(DEVICE_EXPR))])
+            return updated.with_changes(args=[updated.args[0].with_changes(value=fixed_expression(DEVICE_EXPR))])
         return updated
 
     def leave_SimpleStatementLine(self, original, updated):
         if len(updated.body) == 1 and _environ_key(updated.body[0]) == "CUDA_VISIBLE_DEVICES":
             self.note(original, "CUDA_VISIBLE_DEVICES dropped: torchrun gives each rank its GPU")
-            return _statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
+            return fixed_statement("pass  # nbddp: CUDA_VISIBLE_DEVICES left to torchrun\n").with_changes(
                 leading_lines=updated.leading_lines
             )
         return updated
@@ -561,7 +449,7 @@ class AutocastRule(Rule):
             ]
         cuda = cst.Arg(cst.SimpleString('"cuda"'), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")) if args else cst.MaybeSentinel.DEFAULT)
         self.note(original, f"torch.cuda.amp.{kind}(…) → torch.amp.{kind}(\"cuda\", …)")
-        func = updated.func if isinstance(updated.func, cst.Name) else _expression(f"torch.amp.{kind}")
+        func = updated.func if isinstance(updated.func, cst.Name) else fixed_expression(f"torch.amp.{kind}")
         return updated.with_changes(func=func, args=[cuda] + args)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
@@ -574,7 +462,7 @@ class AutocastRule(Rule):
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
         if updated.module is not None and dotted_name(updated.module) == "torch.cuda.amp":
             self.note(original, "from torch.cuda.amp → from torch.amp")
-            return updated.with_changes(module=_expression("torch.amp"))
+            return updated.with_changes(module=fixed_expression("torch.amp"))
         return updated
 
 
@@ -603,7 +491,7 @@ class TrainerConfigRule(Rule):
         config = last_name(updated.func)
         if config not in TRAINER_CONFIGS:
             return updated
-        if _has_star_kwargs(updated):
+        if has_star_kwargs(updated):
             advice = "set ddp_find_unused_parameters=False yourself" if self.facts.peft else "set log_on_each_node=False yourself"
             self.note(original, f"{config}: has **kwargs, left alone; {advice}")
             return updated
@@ -614,7 +502,7 @@ class TrainerConfigRule(Rule):
         for key, value, why in settings:
             given = keyword(updated, key)
             if given is None:
-                updated, _ = _set_keyword(updated, key, _expression(value))
+                updated, _ = set_keyword(updated, key, fixed_expression(value))
                 self.note(original, f"{config}: {key}={value} ({why})")
             elif code_of(given.value) != value:
                 self.note(original, f"{config}: kept {key}={code_of(given.value)} as written (DDP-safe: {value})")
@@ -660,7 +548,7 @@ class DistributedSamplerRule(Rule):
             name = cst.Arg(cst.SimpleString(repr(helper[0])), keyword=cst.Name("name"), equal=cst.AssignEqual(
                 whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
             first = cst.Arg(updated, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-            return cst.Call(func=_expression("_nbddp.shard_loader"), args=[first, name])
+            return cst.Call(func=fixed_expression("_nbddp.shard_loader"), args=[first, name])
         if last_name(updated.func) != "DataLoader" or not updated.args or self._preparing:
             return updated
         if not self.facts.accelerate_prepared.isdisjoint(self._assigned.get(original, [])):
@@ -701,7 +589,7 @@ class DistributedSamplerRule(Rule):
             args[args.index(shuffle)] = shuffle.with_changes(keyword=cst.Name("sampler"), value=sampler)
             new = updated.with_changes(args=args)
         else:
-            new, _ = _set_keyword(updated.with_changes(args=args), "sampler", sampler)
+            new, _ = set_keyword(updated.with_changes(args=args), "sampler", sampler)
         if depends:
             self.note(original, f"DataLoader: DistributedSampler when {shuffle_code} (a training loader: each rank "
                                 "reads its own share), the whole data set otherwise")
@@ -737,14 +625,7 @@ def _decided_at_run_time(value: cst.BaseExpression) -> bool:
     """A ``shuffle=`` value that is neither a literal nor a call: a parameter or a comparison, read twice safely."""
     if is_name(value, "True", "False", "None") or isinstance(value, (cst.BaseNumber, cst.BaseString)):
         return False
-    return not any(isinstance(n, cst.Call) for n in _walk(value))
-
-
-def _walk(node: cst.CSTNode):
-    yield node
-    for child in node.children:
-        yield from _walk(child)
-
+    return not any(isinstance(n, cst.Call) for n in walk(value))
 
 
 class _Loaders(cst.CSTVisitor):
@@ -882,14 +763,14 @@ class LoopOutputRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if self._depth and is_name(updated.func, "print"):
             self.note(original, "print → _nbddp.print0 (rank 0 prints)")
-            return updated.with_changes(func=_expression("_nbddp.print0"))
+            return updated.with_changes(func=fixed_expression("_nbddp.print0"))
         return updated
 
     def leave_SimpleStatementLine(self, original, updated):
         if self._depth and len(updated.body) == 1 and _is_torch_save(updated.body[0]):
             self.note(original, "torch.save in the training loop: rank 0 saves")
             return cst.If(
-                test=_expression(MAIN_PROCESS_EXPR),
+                test=fixed_expression(MAIN_PROCESS_EXPR),
                 body=cst.SimpleStatementSuite(body=list(updated.body), trailing_whitespace=updated.trailing_whitespace),
                 leading_lines=updated.leading_lines,
             )
@@ -957,14 +838,6 @@ class _Together(cst.CSTTransformer):
         pass
 
 
-class UnreadableCode(Exception):
-    """libcst cannot parse statements that Python's parser read: at a line of the cleaned cell."""
-
-    def __init__(self, message: str, line: int):
-        super().__init__(message)
-        self.message, self.line = message, line
-
-
 class _Chunk:
     """Consecutive top-level statements of a cell, parsed with libcst together, as the rules leave them.
 
@@ -985,7 +858,7 @@ class _Chunk:
         try:
             module = cst.parse_module(read)
         except cst.ParserSyntaxError as exc:
-            raise UnreadableCode(exc.message, self.first + exc.raw_line - 1) from None
+            raise CodeError(f"the rewriter cannot read this Python: {exc.message}", self.first + exc.raw_line - 1) from None
         if len(module.body) != len(statements):  # grouping statements by line went wrong: a bug, say so
             raise AssertionError(f"libcst read {len(module.body)} statements where ast read {len(statements)}")
         # a block a rule adds takes the cell's indentation, not whatever this piece of it would suggest
@@ -1124,7 +997,7 @@ def rewrite(cell: CellCode, plan: checks.Plan, facts: JobFacts) -> tuple[str, li
     Only the plan's chunks are parsed with libcst; the lines between them stay as they are. The statement
     rules run one by one, then the expression rules together (``_Together``), each step on every chunk of
     the cell as the steps before it left them. A step that notes nothing leaves the cell as it was. Raises
-    ``UnreadableCode`` where libcst cannot parse a chunk.
+    ``CodeError`` where libcst cannot parse a chunk.
     """
     chunks = [_Chunk(cell, stmts, facts, plan) for stmts in plan.chunks]
     changes: list[tuple[str, int, str]] = []

@@ -14,7 +14,8 @@ from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError
 from .checks import plan_cell
 from .clean import CleanCell, Install, clean_cell
-from .facts import CellCode, JobFacts, gather_facts
+from .code import CellCode, CodeError
+from .facts import JobFacts, gather_facts
 from .lines import align
 
 
@@ -212,16 +213,16 @@ def _rewrite(
     plan = plan_cell(code, facts, every_statement=not precheck)
     if plan is None:
         return clean.code, []
-    from .rules import UnreadableCode, rewrite
+    from .rules import rewrite
 
     try:
         return rewrite(code, plan, facts)
-    except UnreadableCode as exc:
+    except CodeError as exc:
         j = exc.line - 1
         line = clean.line_map[j] if 0 <= j < len(clean.line_map) and clean.line_map[j] else None
         lines = clean.cell.source.splitlines()
         source = lines[line - 1] if line and line <= len(lines) else ""
-        error = CellError(f"the rewriter cannot read this Python: {exc.message}", cell=clean.cell.index, line=line,
+        error = CellError(exc.message, cell=clean.cell.index, line=line,
                           source=source)
         if not skip_bad_cells:
             raise error from None
