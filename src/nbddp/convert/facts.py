@@ -49,18 +49,6 @@ _DATA_PREP = frozenset(
 )
 #: Runtime calls with barriers inside: they must run on every rank.
 _RUNTIME_COLLECTIVES = frozenset({"shell", "shell_cell", "write_file", "main_process_first"})
-#: Words in a ``from_pretrained`` owner that say it is not a model.
-_NOT_MODELS = ("Tokenizer", "Processor", "Config", "FeatureExtractor", "ImageProcessor", "Dataset")
-#: Trainer configurations ``TrainerConfigRule`` completes.
-TRAINER_CONFIGS = frozenset(
-    {"TrainingArguments", "Seq2SeqTrainingArguments", "UnslothTrainingArguments"}
-    | {
-        f"{p}Config"
-        for p in "SFT DPO GRPO ORPO KTO CPO BCO PPO RLOO Reward PRM GKD OnlineDPO XPO Nash Unsloth".split()
-    }
-)
-#: An explicit GPU: ``"cuda:0"``.
-CUDA_INDEX = re.compile(r"^cuda:\d+$")
 
 
 # ------------------------------------------------------------------------------------ name decisions
@@ -77,17 +65,6 @@ _TRAINER_FACTORY = re.compile(r"^(?:get|create|build|make|setup|set_up|init|prep
 
 def is_trainer_factory(name: str | None) -> bool:
     return bool(name) and _TRAINER_FACTORY.match(name) is not None
-
-
-def is_model_loader_owner(owner: str | None) -> bool:
-    """Whether ``owner.from_pretrained(…)`` loads a model (not a tokenizer, processor or config).
-
-    Covers ``AutoModel*``, ``*For*`` (``LlamaForCausalLM``), ``AutoPeftModel*``, ``PeftModel`` and Unsloth's
-    ``FastLanguageModel``/``FastModel``/``FastVisionModel``.
-    """
-    if not owner or any(word in owner for word in _NOT_MODELS):
-        return False
-    return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))
 
 
 def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str], trained: set[str] = frozenset()) -> bool:

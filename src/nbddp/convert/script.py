@@ -12,11 +12,12 @@ from pathlib import Path
 from .. import __version__
 from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError
-from .checks import plan_cell
 from .clean import CleanCell, Install, clean_cell
 from .code import CellCode, CodeError
+from .engine.plan import plan_cell
 from .facts import JobFacts, gather_facts
 from .lines import align
+from .rules import RULES
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def convert_cells(
 
     Raises ``NotebookError`` when there is no code at all, ``CellError`` for a cell that does not parse
     (unless ``skip_bad_cells``). The rules run only on the statements their checks say they may change
-    (``checks.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
+    (``engine.plan.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
     in instead, which gives the same script more slowly (what the checks are tested against). ``notes``:
     warnings from reading the notebook, listed first.
     """
@@ -207,13 +208,13 @@ def _rewrite(
 ) -> tuple[str, list[tuple[str, int, str]]]:
     """The cell's code after the rewrite rules, and their ``(rule, line, message)`` changes.
 
-    libcst (in ``rules.py``) is imported only for a cell some rule has work in. Python that libcst cannot
+    libcst (in ``engine/rewrite.py``) is imported only for a cell some rule has work in. Python that libcst cannot
     read is the cell's error, not ours; with ``skip_bad_cells`` the cell is kept as cleaned, with a warning.
     """
-    plan = plan_cell(code, facts, every_statement=not precheck)
+    plan = plan_cell(code, facts, RULES, every_statement=not precheck)
     if plan is None:
         return clean.code, []
-    from .rules import rewrite
+    from .engine.rewrite import rewrite
 
     try:
         return rewrite(code, plan, facts)
