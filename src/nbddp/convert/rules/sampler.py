@@ -18,7 +18,7 @@ from ..cst_helpers import (
     walk,
 )
 from ..engine.rule import Rule
-from ..facts import PLAIN_SAMPLERS, loader_shards
+from ..facts.loaders import PLAIN_SAMPLERS, loader_shards
 
 
 class DistributedSamplerRule(Rule):
