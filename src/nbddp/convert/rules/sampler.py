@@ -72,12 +72,7 @@ class DistributedSamplerRule(Rule):
         self._preparing -= self._prepares(original)
         helper = [t for t in self._assigned.get(original, []) if t in self.facts.helper_loaders]
         if helper and last_name(updated.func) != "DataLoader":
-            self.note(original, f"{helper[0]}: a helper's loader, sharded when it runs where it is a plain DataLoader "
-                                "(else said then)")
-            name = cst.Arg(cst.SimpleString(repr(helper[0])), keyword=cst.Name("name"), equal=cst.AssignEqual(
-                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
-            first = cst.Arg(updated, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-            return cst.Call(func=fixed_expression("_nbddp.shard_loader"), args=[first, name])
+            return self._helper_loader(original, updated, helper[0])
         if last_name(updated.func) != "DataLoader" or not updated.args or self._preparing:
             return updated
         if not self.facts.accelerate_prepared.isdisjoint(self._assigned.get(original, [])):
@@ -96,6 +91,20 @@ class DistributedSamplerRule(Rule):
         # ``shuffle=shuffle`` in a loader factory: a training loader when it shuffles, else whole
         depends = shuffle is not None and _decided_at_run_time(shuffle.value) and not loader_shards(
             own, None, targets, self.facts.train_iterated)
+        return self._shard(original, updated, depends)
+
+    def _helper_loader(self, original: cst.Call, updated: cst.Call, name: str) -> cst.Call:
+        """``name = create_dataloader(…)``: the loader goes through ``_nbddp.shard_loader`` when it runs."""
+        self.note(original, f"{name}: a helper's loader, sharded when it runs where it is a plain DataLoader "
+                            "(else said then)")
+        named = cst.Arg(cst.SimpleString(repr(name)), keyword=cst.Name("name"), equal=cst.AssignEqual(
+            whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
+        first = cst.Arg(updated, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        return cst.Call(func=fixed_expression("_nbddp.shard_loader"), args=[first, named])
+
+    def _shard(self, original: cst.Call, updated: cst.Call, depends: bool) -> cst.Call:
+        """A training loader with a ``DistributedSampler`` over its dataset, ``shuffle`` moved into it (only
+        when ``shuffle`` is true where that is ``depends``: decided at run time)."""
         positional = [a for a in updated.args if a.keyword is None and not a.star]
         dataset_arg = keyword(updated, "dataset") or (positional[0] if positional else None)
         if dataset_arg is None or len(positional) > 2:
