@@ -41,7 +41,8 @@ class Chunk:
         try:
             module = cst.parse_module(read)
         except cst.ParserSyntaxError as exc:
-            raise CodeError(f"the rewriter cannot read this Python: {exc.message}", self.first + exc.raw_line - 1) from None
+            message = f"the rewriter cannot read this Python: {exc.message}"
+            raise CodeError(message, self.first + exc.raw_line - 1) from None
         if len(module.body) != len(statements):  # grouping statements by line went wrong: a bug, say so
             raise AssertionError(f"libcst read {len(module.body)} statements where ast read {len(statements)}")
         # a block a rule adds takes the cell's indentation, not whatever this piece of it would suggest
