@@ -39,7 +39,6 @@ from ..cst_helpers import cst, is_dead_if
 if TYPE_CHECKING:
     from ..code import CellCode, Statement
     from ..facts import JobFacts
-    from .chunk import Chunk
 
 
 class Rule:
@@ -86,7 +85,9 @@ class Rule:
 
     # -- the rewrite
 
-    def __init__(self, facts: JobFacts, chunk: Chunk):
+    def __init__(self, facts: JobFacts, chunk):
+        """``chunk``: the ``chunk.Chunk`` the rule runs on (not named here: ``chunk.py`` imports ``plan.py``, which
+        names the rules)."""
         self.facts, self.chunk = facts, chunk
         #: (node, index of the top-level statement holding it, message)
         self.changes: list[tuple[cst.CSTNode, int | None, str]] = []

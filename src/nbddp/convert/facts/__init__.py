@@ -19,11 +19,11 @@ from __future__ import annotations
 import ast
 
 from ..code import CellCode, Statement
-from .job_facts import JobFacts
+from .job_facts import JobFacts, Seen
 from .loaders import plan_loaders
 from .models import plan_accelerate, plan_ddp_wraps
 from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves
-from .scan import Seen, scan
+from .scan import scan
 from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
 
 __all__ = ["JobFacts", "gather_facts"]

@@ -1,4 +1,4 @@
-"""``JobFacts``: what the rules need to know about the whole notebook."""
+"""``JobFacts``: what the rules need to know about the whole notebook; ``Seen``: what the scan met on the way."""
 
 from __future__ import annotations
 
@@ -65,3 +65,17 @@ class JobFacts:
     @property
     def last_training(self) -> Statement | None:
         return self.training[-1] if self.training else None
+
+
+@dataclass
+class Seen:
+    """What the scan met that is judged once the training functions are known."""
+
+    #: ``DataLoader(…)`` assignments: (own sampler, shuffles, target names)
+    loaders: list = field(default_factory=list)
+    #: ``names = function(…)``: (target names, the call)
+    assigned: list = field(default_factory=list)
+    #: ``for … in name``: (name, the loop)
+    fors: list = field(default_factory=list)
+    #: ``targets = owner.prepare(…)``: (the call, the names it binds)
+    prepared: list = field(default_factory=list)

@@ -9,8 +9,7 @@ from ..ast_helpers import is_literal, keyword, last_name
 from .training import is_training_call
 
 if TYPE_CHECKING:
-    from .job_facts import JobFacts
-    from .scan import Seen
+    from .job_facts import JobFacts, Seen
 
 
 #: Samplers a ``DistributedSampler`` stands in for: (shuffles).

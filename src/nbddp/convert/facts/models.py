@@ -12,8 +12,7 @@ from .training import is_trainer_class, is_training_call
 
 if TYPE_CHECKING:
     from ..code import CellCode, Statement
-    from .job_facts import JobFacts
-    from .scan import Seen
+    from .job_facts import JobFacts, Seen
 
 
 _OPTIMIZERS = frozenset(

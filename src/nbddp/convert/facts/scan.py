@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import functools
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import dotted_name, is_dead_if, is_literal, keyword, last_name
@@ -12,23 +11,11 @@ from .loaders import loader_name, plain_sampler
 from .models import is_optimizer, is_peft, model_of_parameters
 from .training import is_trainer_class, is_trainer_factory
 
+from .job_facts import Seen
+
 if TYPE_CHECKING:
     from ..code import Statement
     from .job_facts import JobFacts
-
-
-@dataclass
-class Seen:
-    """What the scan met that is judged once the training functions are known."""
-
-    #: ``DataLoader(…)`` assignments: (own sampler, shuffles, target names)
-    loaders: list = field(default_factory=list)
-    #: ``names = function(…)``: (target names, the call)
-    assigned: list = field(default_factory=list)
-    #: ``for … in name``: (name, the loop)
-    fors: list = field(default_factory=list)
-    #: ``targets = owner.prepare(…)``: (the call, the names it binds)
-    prepared: list = field(default_factory=list)
 
 
 def scan(stmt: Statement, facts: JobFacts, defs: dict[str, list[ast.Call]], seen: Seen) -> None:

@@ -11,8 +11,7 @@ from ..ast_helpers import dotted_name, last_name
 
 if TYPE_CHECKING:
     from ..code import Statement
-    from .job_facts import JobFacts
-    from .scan import Seen
+    from .job_facts import JobFacts, Seen
 
 
 #: Trainer methods every rank must call together under DDP.
