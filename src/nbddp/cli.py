@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         e.add_argument(*flags, **options)
 
     d = sub.add_parser("doctor", help="pre-flight checks: GPUs, precision, /dev/shm, an all-reduce across every GPU")
+    d.add_argument("notebook", type=Path, nargs="?", help="also estimate the memory one rank of this notebook needs")
     d.add_argument("--nproc", type=int, default=None, help="processes for the all-reduce (default: one per GPU; 2 without GPUs)")
     d.add_argument("--timeout", type=float, default=90.0, help="give up the all-reduce after this many seconds")
     return p
@@ -125,7 +126,13 @@ def _export(args) -> int:
 def _doctor(args) -> int:
     from .doctor import run
 
-    report = run(nproc=args.nproc, timeout_s=args.timeout)
+    script = None
+    if args.notebook:
+        from .convert import convert_notebook
+
+        script = convert_notebook(args.notebook).text
+    cwd = args.notebook.resolve().parent if args.notebook else None
+    report = run(nproc=args.nproc, timeout_s=args.timeout, script_text=script, cwd=cwd)
     print(report.text())
     return 0 if report.ok else 1
 

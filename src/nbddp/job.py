@@ -65,6 +65,7 @@ def run_job(
     timeout_s: float | None = None,
     collective_timeout_s: float | None = None,
     resume: bool = False,
+    strategy: str = "auto",
     sink: Sink | None = None,
     on_metrics: Callable[[dict], None] | None = None,
     on_run_dir: Callable[[Path], None] | None = None,
@@ -77,12 +78,14 @@ def run_job(
     event, ``on_run_dir`` the run directory once it is made (a notebook's log view names it while the job
     runs). Run directories go under ``runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``; ``timeout_s`` bounds
     the job, ``collective_timeout_s`` each collective; ``resume`` continues ``trainer.train()`` from the
-    last checkpoint (see ``launch.plan``).
+    last checkpoint (see ``launch.plan``). ``strategy`` (``auto``, ``ddp``, ``fsdp``, ``split``,
+    ``deepspeed``) is decided before launch (``strategy_launch``).
     """
     check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                       torchrun_args=torchrun_args)
     job = prepare_job(source, skip_bad_cells=skip_bad_cells)
     cwd = Path(cwd) if cwd is not None else job.cwd
+    nproc, env = strategy_launch(job.script, cwd, strategy, nproc, env, sink)
     run = _run_script(
         job.script, name=job.name, nproc=nproc, cwd=cwd, runs_dir=runs_dir, torchrun_args=torchrun_args, env=env,
         skip_installs=skip_installs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, resume=resume,
@@ -194,6 +197,22 @@ def check_job_options(
         if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
             raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
     _launch.check_master_port(list(torchrun_args))
+
+
+def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,
+                    sink: Sink | None) -> tuple[int | None, dict[str, str]]:
+    """The processes and environment of the strategy the job runs with; its decision said on the sink
+    (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed).
+
+    Split mode is one process driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``.
+    """
+    from . import strategy
+
+    decision = strategy.decide(script.text, cwd, requested)
+    if requested != "auto" or decision.gpu_free:
+        (sink or _launch._stdout_sink)("stdout", decision.summary() + "\n")
+    env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
+    return (1 if decision.strategy == "split" else nproc), env
 
 
 #: Keys nbddp adds to each Trainer log record (``runtime/metrics.py``); the rest is the Trainer's own.

@@ -174,14 +174,33 @@ class NbddpMagics(Magics):
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)
+    @argument("notebook", nargs="?", help="the notebook whose memory to estimate (default: the %%%%ddp_setup "
+              "cells, else the notebook this kernel runs, as last saved)")
     @argument("--nproc", type=int, help="processes for the all-reduce (default: one per GPU, 2 without GPUs)")
     @argument("--timeout", type=float, default=doctor.DEFAULT_TIMEOUT_S, metavar="S", help="give up the all-reduce after S seconds")
     @line_magic
     def ddp_doctor(self, line: str):
         """Pre-flight checks: GPUs and precisions, GPU memory this kernel holds, /dev/shm, an all-reduce across
-        every GPU (gloo on CPU), and the DataParallel trap of training in a kernel that sees several GPUs."""
+        every GPU (gloo on CPU), the DataParallel trap of training in a kernel that sees several GPUs, and
+        the memory one rank of this notebook needs with the strategy --strategy auto would pick."""
         args = parse_argstring(self.ddp_doctor, line)
-        doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout, show=lambda text: print(text, flush=True))
+        job = self._job_at_hand(args.notebook)
+        doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout, show=lambda text: print(text, flush=True),
+                   script_text=job.script.text if job else None, cwd=job.cwd if job else None)
+
+    def _job_at_hand(self, notebook: str | None):
+        """The notebook at hand, converted (``prepare_job``): the file given, else the registered
+        ``%%ddp_setup`` cells, else the saved notebook this kernel runs; None where there is none."""
+        try:
+            if notebook:
+                return prepare_job(Path(notebook))
+            if len(self.registry):
+                return prepare_job(self.registry.cells)
+            path = find_notebook(self.shell.user_ns, os.environ, Path.cwd())
+            return prepare_job(path) if path else None
+        except NbddpError as exc:
+            print(f"nbddp: warning: no memory estimate: {exc}", file=sys.stderr)
+            return None
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)

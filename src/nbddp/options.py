@@ -50,6 +50,9 @@ RUN_OPTIONS: tuple[Option, ...] = (
                                    "(more memory; NBDDP_DISABLE_CHECKPOINTING=1)")),
     (("--allow-divergence",), dict(action="store_true", help="let ranks train apart on purpose: no check that "
                                    "replicas stay in sync (NBDDP_ALLOW_DIVERGENCE=1)")),
+    (("--strategy",), dict(default="auto", choices=("auto", "ddp", "fsdp", "split", "deepspeed"),
+                           help="how the model is spread over the GPUs: auto (ddp where a replica fits the smallest "
+                                "GPU, else fsdp, else split; the estimate is printed), ddp, fsdp, split or deepspeed")),
     (("--env",), dict(action="append", default=[], metavar="K=V", help="an environment variable for the ranks (repeatable)")),
     (("--skip-installs",), dict(action="store_true", help="do not run the notebook's pip installs before launch")),
     (("--skip-bad-cells",), dict(action="store_true", help="leave out cells that do not parse, with a warning")),

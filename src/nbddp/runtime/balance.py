@@ -30,7 +30,7 @@ fixed-length data keeps the plain order, which is then exactly ``DistributedSamp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from torch.utils.data import DistributedSampler, Sampler
 
@@ -52,13 +52,16 @@ def enabled() -> bool:
     return os.environ.get("NBDDP_BALANCE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+#: How a line reaches rank 0's output: ``attach(log=…)`` passes the set-up's printer (this module does not
+#: import ``dist``, which imports it for ``distributed_sampler``).
+_log: Callable[[str], None] = print
+
+
 def say_once(key: str, line: str) -> None:
     """One line on rank 0, once per process for each ``key``."""
-    from .dist import print0
-
     if key not in _said:
         _said.add(key)
-        print0(line, flush=True)
+        _log(line)
 
 
 # ---- lengths ---------------------------------------------------------------------------------------------
@@ -240,9 +243,13 @@ def _say_active(n: int, lengths: Sequence[int]) -> None:
                        "NBDDP_BALANCE=0 turns this off)")
 
 
-def attach() -> None:
-    """Balance the Trainer's training sampler once the notebook imports ``transformers.trainer``."""
+def attach(log: Callable[[str], None] = print) -> None:
+    """Balance the Trainer's training sampler once the notebook imports ``transformers.trainer``; say what
+    is balanced, once, through ``log``."""
+    global _log
     from .patching import installed, when_imported
+
+    _log = log
 
     if enabled() and installed("transformers"):
         when_imported("transformers.trainer", _patch_trainer)

@@ -138,8 +138,16 @@ def barrier() -> None:
         wait_for_every_rank(rank_info().device)
 
 
-def device_map() -> dict:
-    """A ``from_pretrained`` device map putting the whole model on this rank's device."""
+def device_map() -> dict | str | None:
+    """A ``from_pretrained`` device map putting the whole model on this rank's device; ``"balanced"``
+    (accelerate spreads the layers over every GPU) when the job runs split (``NBDDP_STRATEGY=split``);
+    None under FSDP: a 16-bit model loads on the CPU and ``fully_shard`` moves each rank's shards to its GPU
+    (a whole replica on the GPU first is what does not fit), a 4-bit one onto this rank's GPU, where
+    bitsandbytes quantizes it."""
+    from . import strategy
+
+    if strategy.current() in ("split", "fsdp"):
+        return "balanced" if strategy.current() == "split" else None
     info = rank_info()
     return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
 
@@ -155,13 +163,18 @@ def ddp(model):
     """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is).
 
     The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
-    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods).
+    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods). Under
+    ``NBDDP_STRATEGY=fsdp`` the model is sharded with FSDP2's ``fully_shard`` instead (``strategy.shard``).
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from . import strategy
+
     if isinstance(model, DistributedDataParallel) or not (dist.is_available() and dist.is_initialized()):
         return model
+    if strategy.current() == "fsdp":
+        return strategy.shard(_without_inner_wrappers(model))
     info = rank_info()
     ids = [info.local_rank] if info.device.startswith("cuda") else None
     return _notebook_ddp()(_without_inner_wrappers(model), device_ids=ids)

@@ -54,12 +54,15 @@ def setup() -> RankInfo:
 
     seed = seed_everything()
     metrics.attach()
-    balance.attach()  # the Trainer's training sampler token-balanced (NBDDP_BALANCE=0: off)
+    balance.attach(log=lambda line: print0(line, flush=True))  # the Trainer's training sampler token-balanced (NBDDP_BALANCE=0: off)
     rich.install()
     resume.attach(log=lambda line: print0(line, flush=True))
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
     shims.apply_all(log=lambda line: print0(line, flush=True))
+    from . import strategy
+
+    strategy.install(log=lambda line: print0(line, flush=True))  # fsdp, split, deepspeed (NBDDP_STRATEGY)
     from . import divergence, launchers, unused_params
 
     divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)
