@@ -37,9 +37,11 @@ sys.path.insert(0, str(ROOT / "src"))
 from nbddp import __version__  # noqa: E402
 from nbddp.cells import read_notebook  # noqa: E402
 from nbddp.convert import convert_cells, convert_notebook  # noqa: E402
-from nbddp.convert.checks import plan_cell  # noqa: E402
 from nbddp.convert.clean import clean_cell  # noqa: E402
-from nbddp.convert.facts import CellCode, gather_facts  # noqa: E402
+from nbddp.convert.code import CellCode  # noqa: E402
+from nbddp.convert.engine.plan import plan_cell  # noqa: E402
+from nbddp.convert.facts import gather_facts  # noqa: E402
+from nbddp.convert.rules import RULES  # noqa: E402
 
 CORPUS = ROOT / "tests" / "corpus"
 ORDER = ("unsloth_kaggle_sft", "hf_trainer_text_classification", "pytorch_image_cnn", "kaggle_magics",
@@ -80,7 +82,7 @@ def timed(fn, repeats: int) -> tuple[list[float], list[float]]:
 
 def stages(path: Path) -> dict[str, float]:
     """One conversion, stage by stage, in milliseconds (what the script's assembly adds is not timed)."""
-    from nbddp.convert.rules import rewrite
+    from nbddp.convert.engine.rewrite import rewrite
 
     clock = time.process_time
     t0 = clock()
@@ -91,7 +93,7 @@ def stages(path: Path) -> dict[str, float]:
     codes = [CellCode.read(c.code, c.tree, i) for i, c in enumerate(cleaned)]
     facts = gather_facts(codes)
     t3 = clock()
-    plans = [plan_cell(code, facts) for code in codes]
+    plans = [plan_cell(code, facts, RULES) for code in codes]
     t4 = clock()
     for code, plan in zip(codes, plans):
         if plan is not None:
@@ -109,11 +111,11 @@ def libcst_share(path: Path) -> dict[str, int]:
 
     codes = [CellCode.read(c.code, c.tree, i) for i, c in enumerate(clean_cell(c) for c in read_notebook(path))]
     facts = gather_facts(codes)
-    plans = [plan_cell(code, facts) for code in codes]
+    plans = [plan_cell(code, facts, RULES) for code in codes]
     read, real = [], cst.parse_module
     cst.parse_module = lambda code, *a, **k: read.append(len(code)) or real(code, *a, **k)
     try:
-        from nbddp.convert.rules import rewrite
+        from nbddp.convert.engine.rewrite import rewrite
 
         for code, plan in zip(codes, plans):
             if plan is not None:

@@ -1,7 +1,8 @@
 import pytest
 
 from nbddp.cells import Cell
-from nbddp.convert.clean import clean_cell, is_install
+from nbddp.convert.clean import clean_cell
+from nbddp.convert.ipython import is_install
 from nbddp.errors import CellError
 
 

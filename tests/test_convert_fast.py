@@ -1,6 +1,6 @@
 """The converter's fast paths give exactly what the slow, plain ways give.
 
-Conversion parses with libcst only the statements a rule's check (``convert/checks.py``) says the rule may
+Conversion parses with libcst only the statements a rule's check (``convert/engine/rule.py``) says the rule may
 change, and the cleaner rewrites the magic lines IPython writes as text. Both are only worth having if they
 change nothing: here every notebook of the corpus, the examples and the templates, and variants of them
 (comments everywhere, other indentations, cells run together), are converted both ways and compared.
@@ -15,9 +15,12 @@ import nbformat
 import pytest
 
 from nbddp.cells import Cell, cells_from_sources, read_notebook
-from nbddp.convert import checks, clean, convert_cells
+from nbddp.convert import clean, convert_cells
 from nbddp.convert.clean import clean_cell
-from nbddp.convert.facts import CellCode
+from nbddp.convert.code import CellCode
+from nbddp.convert.engine import plan
+from nbddp.convert.rules.device_map import DeviceMapRule
+from nbddp.convert.rules.trainer_config import TrainerConfigRule
 from test_script import ODD_CELLS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +101,7 @@ def test_checks_change_nothing(name):
 def test_the_comparison_catches_a_check_that_misses_its_rule(monkeypatch):
     """A check saying "nothing here" where its rule would change something shows up as a different script."""
     sources = _sources(ROOT / "tests" / "corpus" / "hf_trainer_text_classification.ipynb")
-    monkeypatch.setattr(checks.DeviceMap, "touches", classmethod(lambda cls, stmt, facts, nodes: False))
+    monkeypatch.setattr(DeviceMapRule, "touches", classmethod(lambda cls, stmt, facts, nodes: False))
     assert _script(sources, True) != _script(sources, False)
 
 
@@ -207,11 +210,11 @@ def test_statements_stood_in_come_back_as_libcst_indents_them(indent, monkeypatc
     train = f"trainer = Trainer(model=m)\nif x:\n{indent}trainer.train()\n"
     sources = [train] + STOOD_IN
     stood_in = []
-    real = checks.plan_cell
-    monkeypatch.setattr(checks, "plan_cell", lambda *a, **k: (p := real(*a, **k)) and stood_in.extend(p.stand_ins) or p)
+    real = plan.plan_cell
     from nbddp.convert import script as script_module
 
-    monkeypatch.setattr(script_module, "plan_cell", checks.plan_cell)
+    monkeypatch.setattr(script_module, "plan_cell",
+                        lambda *a, **k: (p := real(*a, **k)) and stood_in.extend(p.stand_ins) or p)
     fast = _script(sources, True)
     assert len(stood_in) >= len(STOOD_IN) - 2  # all but the multi-line f-strings
     assert fast == _script(sources, False)
@@ -221,11 +224,11 @@ def test_statements_stood_in_come_back_as_libcst_indents_them(indent, monkeypatc
 def test_a_change_found_by_position_below_stand_ins_is_at_its_line(monkeypatch):
     """Where a change is located by libcst's positions (a nested call over lines, written with tabs), the
     statement stand-ins above it count as the lines they stand for."""
-    from nbddp.convert import rules
+    from nbddp.convert.engine import rewrite
 
     positions = []
-    real = rules.MetadataWrapper
-    monkeypatch.setattr(rules, "MetadataWrapper", lambda *a, **k: positions.append(1) or real(*a, **k))
+    real = rewrite.MetadataWrapper
+    monkeypatch.setattr(rewrite, "MetadataWrapper", lambda *a, **k: positions.append(1) or real(*a, **k))
     sources = [
         "trainer = Trainer(model=m)\ntrainer.train()\n",
         'print("saving")\nprint(\n\t"more")\nif True:\n\tm = AutoModelForCausalLM.from_pretrained(\n\t\tname, torch_dtype=x)\n',
@@ -284,6 +287,6 @@ def test_arguments_and_inner_statements_no_rule_reads_stand_in(after_training, m
 def test_the_comparison_catches_a_rule_reading_a_keyword_its_check_does_not_list(monkeypatch):
     """A keyword the rule reads but its check leaves out stands in, and the script differs."""
     sources = ["model = get_peft_model(model, config)\n"] + MANY_ARGUMENTS[:1]  # PEFT: the rule reads ddp_find_unused_parameters
-    monkeypatch.setattr(checks.TrainerConfig, "keywords", frozenset({"log_on_each_node", "gradient_checkpointing_kwargs",
+    monkeypatch.setattr(TrainerConfigRule, "keywords", frozenset({"log_on_each_node", "gradient_checkpointing_kwargs",
                                                                      "gradient_checkpointing"}))
     assert _script(sources, True) != _script(sources, False)

@@ -81,3 +81,7 @@ def test_the_launcher_needs_nothing_from_the_converter():
     edges = graph("nbddp.launch")
     assert {m: sorted(t for t in targets if t.startswith("nbddp.convert")) for m, targets in edges.items()
             if any(t.startswith("nbddp.convert") for t in targets)} == {}
+
+
+def test_the_converter_has_no_import_circle():
+    assert circles(graph("nbddp.convert")) == []

@@ -4,9 +4,11 @@ import textwrap
 
 import pytest
 
-from nbddp.convert.checks import CHECKS, plan_cell
-from nbddp.convert.facts import CellCode, gather_facts
-from nbddp.convert.rules import RULES, rewrite as rewrite_cell
+from nbddp.convert.code import CellCode
+from nbddp.convert.engine.plan import plan_cell
+from nbddp.convert.engine.rewrite import rewrite as rewrite_cell
+from nbddp.convert.facts import gather_facts
+from nbddp.convert.rules import RULES
 
 PRECHECK = {"on": True}
 
@@ -25,7 +27,7 @@ def rewrite(*cells):
     facts = gather_facts(codes)
     out, changes = [], []
     for code in codes:
-        plan = plan_cell(code, facts, every_statement=not PRECHECK["on"])
+        plan = plan_cell(code, facts, RULES, every_statement=not PRECHECK["on"])
         new, ch = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
         out.append(new)
         changes += ch
@@ -42,9 +44,19 @@ def test_every_rule_says_what_and_why():
         assert len(doc.split()) > 25, rule.__name__
 
 
-def test_every_rule_has_its_check_in_the_same_order():
-    assert [rule.check for rule in RULES] == list(CHECKS)
+def test_every_rule_has_a_name_of_its_own_and_the_statement_rules_come_first():
     assert len({rule.name for rule in RULES}) == len(RULES)
+    kinds = [rule.on_statements for rule in RULES]
+    assert kinds == sorted(kinds, reverse=True) and any(kinds) and not all(kinds)
+
+
+def test_every_module_of_the_rules_package_holds_a_rule_of_the_list():
+    import pkgutil
+
+    import nbddp.convert.rules as package
+
+    modules = {module.name for module in pkgutil.iter_modules(package.__path__)}
+    assert modules == {rule.__module__.rpartition(".")[2] for rule in RULES}
 
 
 # ------------------------------------------------------------------------------------------- device_map

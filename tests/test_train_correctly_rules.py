@@ -4,9 +4,11 @@ import textwrap
 
 import pytest
 
-from nbddp.convert.checks import plan_cell
-from nbddp.convert.facts import CellCode, gather_facts
-from nbddp.convert.rules import rewrite as rewrite_cell
+from nbddp.convert.code import CellCode
+from nbddp.convert.engine.plan import plan_cell
+from nbddp.convert.engine.rewrite import rewrite as rewrite_cell
+from nbddp.convert.facts import gather_facts
+from nbddp.convert.rules import RULES
 
 
 @pytest.fixture(params=["checks", "every statement"])
@@ -19,7 +21,7 @@ def rewrite(request):
         facts = gather_facts(codes)
         out, changes = [], []
         for code in codes:
-            plan = plan_cell(code, facts, every_statement=request.param != "checks")
+            plan = plan_cell(code, facts, RULES, every_statement=request.param != "checks")
             new, ch = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
             out.append(new)
             changes += ch

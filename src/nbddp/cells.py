@@ -28,10 +28,6 @@ class Cell:
     source: str
     origin: str = "<cells>"
 
-    @property
-    def first_line(self) -> str:
-        return next((ln.strip() for ln in self.source.splitlines() if ln.strip()), "")
-
 
 def read_notebook(path: str | Path) -> list[Cell]:
     """The code cells of the notebook at ``path``, less those tagged ``nbddp-skip`` (see ``load_notebook``)."""

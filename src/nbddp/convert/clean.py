@@ -8,7 +8,8 @@ once, before torchrun starts, unless they install local files an earlier cell ma
 becomes ``stmt``, ``%env`` becomes ``os.environ``, ``%cd`` ``_nbddp.cd``, other shell commands run through
 ``_nbddp.shell`` on one process per node while the others wait (``{expr}``/``$name`` expanded there, as
 IPython's ``var_expand`` does), notebook-only magics are dropped. Cell magics (``%%capture``, ``%%time``,
-``%%bash``, …) are handled before, from the cell's first line (after Colab's form lines). IPython and libcst
+``%%bash``, …) are handled before, from the cell's first line (after Colab's form lines). What each magic,
+shell line and cell magic becomes is decided in ``ipython.py``; this module applies it. IPython and libcst
 are imported only for cells that need them.
 """
 
@@ -22,28 +23,20 @@ from dataclasses import dataclass, field
 
 from ..cells import Cell
 from ..errors import CellError
-from .facts import CellCode, compound_bodies, group_lines, is_compound, is_dead_if
+from .ast_helpers import compound_bodies, is_compound, is_dead_if
+from .code import CellCode, CodeError, group_lines
+from .ipython import (
+    FORM_LINE,
+    PLACEHOLDER,
+    CellMagic,
+    Magics,
+    cell_magic,
+    installs_local_files,
+    interpolates,
+    is_install,
+)
 from .lines import align
 from .newer_python import newer_python
-
-#: Line magics with no meaning in a script: dropped, with a note.
-DROPPED_LINE_MAGICS = frozenset(
-    "matplotlib load_ext reload_ext unload_ext autoreload aimport config pylab who whos who_ls pinfo pinfo2 "
-    "psearch pdoc pdef psource pfile history recall rerun logstart logstop xmode colors precision "
-    "reset reset_selective store alias unalias rehashx doctest_mode notebook qtconsole tensorboard autosave "
-    "lsmagic magic quickref page pprint pdb wandb clear connect_info".split()
-)
-#: Line magics that wrap a statement: ``%time x = f()`` runs ``x = f()``.
-STATEMENT_LINE_MAGICS = frozenset({"time", "timeit", "prun", "capture"})
-#: Cell magics that wrap a body of Python: the body is kept, the wrapper dropped.
-WRAPPER_CELL_MAGICS = frozenset({"capture", "time", "timeit", "prun"})
-#: Cell magics whose body is shell.
-SHELL_CELL_MAGICS = frozenset({"bash", "sh", "script", "system", "shell"})
-#: Colab's form annotations (``#@title …``, ``#@markdown …``): a cell magic after them is the cell's magic.
-_FORM_LINE = re.compile(r"^\s*#\s*@(?:title|markdown|param)\b")
-#: Cell magics that only display something in the notebook.
-DISPLAY_CELL_MAGICS = frozenset({"html", "HTML", "markdown", "javascript", "js", "latex", "svg"})
-
 
 
 @functools.cache
@@ -52,16 +45,6 @@ def _transformer():
     from IPython.core.inputtransformer2 import TransformerManager
 
     return TransformerManager()
-
-_INSTALL = re.compile(
-    r"^\s*(?:sudo\s+)?(?:(?:python[0-9.]*|py)\s+-m\s+)?(?:pip[0-9.]*|uv\s+pip|conda|mamba|micromamba|apt|apt-get)"
-    r"\s+install\b"
-)
-
-
-def is_install(command: str) -> bool:
-    """Whether a shell command installs packages (pip, uv pip, conda, mamba, apt)."""
-    return bool(_INSTALL.match(command))
 
 
 @dataclass(frozen=True)
@@ -104,29 +87,35 @@ class CleanCell:
 def clean_cell(cell: Cell) -> CleanCell:
     """Turn one notebook cell into plain Python; raise ``CellError`` for a cell that does not parse."""
     lines = cell.source.splitlines()
-    first = next((i for i, ln in enumerate(lines) if ln.strip() and not _FORM_LINE.match(ln)), None)
-    notes: list[Note] = []
-    capture = None
+    first = next((i for i, ln in enumerate(lines) if ln.strip() and not FORM_LINE.match(ln)), None)
     if first is not None and lines[first].lstrip().startswith("%%"):
-        head = lines[first].strip()[2:]
-        name = head.split()[0] if head.split() else ""
-        body, offset = lines[first + 1 :], first + 1
-        if name == "capture":
-            capture = (first + 1, head[len("capture") :].strip())
-            notes.append(Note(first + 1, "%%capture: the cell's printed output is kept from the console, as in the kernel"))
-        elif name in WRAPPER_CELL_MAGICS:
-            notes.append(Note(first + 1, f"%%{name} dropped; the cell's code is kept"))
-        elif name in SHELL_CELL_MAGICS:
-            return _shell_cell(cell, body, offset, name, head)
-        elif name == "writefile":
-            return _writefile_cell(cell, head, body, offset)
-        else:
-            kind = "display-only" if name in DISPLAY_CELL_MAGICS else "not Python"
-            notes.append(Note(first + 1, f"%%{name} cell left out ({kind})"))
-            return CleanCell(cell, "", (), (), tuple(notes))
-    else:
-        body, offset = lines, 0
+        return _magic_cell(cell, lines, first)
+    return _python_cell(cell, lines, lines, 0)
 
+
+def _magic_cell(cell: Cell, lines: list[str], first: int) -> CleanCell:
+    """A cell under a cell magic (on line ``first``, 0-based), as ``ipython.cell_magic`` says it is."""
+    head = lines[first].strip()[2:]
+    name = head.split()[0] if head.split() else ""
+    body, offset = lines[first + 1 :], first + 1
+    kind = cell_magic(name)
+    if kind is CellMagic.CAPTURE:
+        note = Note(offset, "%%capture: the cell's printed output is kept from the console, as in the kernel")
+        return _python_cell(cell, lines, body, offset, [note], capture=(offset, head[len("capture") :].strip()))
+    if kind is CellMagic.WRAPPER:
+        return _python_cell(cell, lines, body, offset, [Note(offset, f"%%{name} dropped; the cell's code is kept")])
+    if kind is CellMagic.SHELL:
+        return _shell_cell(cell, body, offset, name, head)
+    if kind is CellMagic.WRITEFILE:
+        return _writefile_cell(cell, head, body, offset)
+    what = "display-only" if kind is CellMagic.DISPLAY else "not Python"
+    return CleanCell(cell, "", (), (), (Note(offset, f"%%{name} cell left out ({what})"),))
+
+
+def _python_cell(cell: Cell, lines: list[str], body: list[str], offset: int, notes: list[Note] | None = None,
+                 capture: tuple[int, str] | None = None) -> CleanCell:
+    """The cell's ``body`` (its lines from ``offset``, 0-based) as Python: IPython's syntax rewritten."""
+    notes = list(notes or [])
     body_src = "\n".join(body) + "\n"
     transformed, t_map, tree = _python(body_src, body, cell, offset, lines)
     if t_map is None:
@@ -140,10 +129,7 @@ def clean_cell(cell: Cell) -> CleanCell:
     magics = Magics(transformed.splitlines())
     try:
         new_code, new_tree = _ipython_calls(transformed, tree, magics)
-    except UnreadablePython as exc:
-        src_line = _body_line(t_map, exc.line, offset)
-        raise CellError(f"not valid Python: {exc.message}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
-    except MagicError as exc:  # raised at a line of the transformed code: point at the cell's line
+    except CodeError as exc:  # raised at a line of the transformed code: point at the cell's line
         src_line = _body_line(t_map, exc.line, offset)
         raise CellError(exc.message, cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
     # Every replacement is one line for one line, so new line k is transformed line k.
@@ -159,8 +145,8 @@ def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> tuple[str, as
     line) is rewritten as text; any other goes through libcst (``ipycalls.py``), parsed on its own and put
     back at its indentation. Either way ``Magics`` decides what it becomes, and the rest of the cell stays as
     it is. A cell with such a call where no statement can be taken alone (a loop's header, a decorator) is
-    parsed whole. Raises ``UnreadablePython`` where libcst cannot parse the code, ``MagicError`` for a magic with
-    no meaning in a script.
+    parsed whole. Raises ``CodeError`` where libcst cannot parse the code, and for a magic with no meaning in a
+    script.
     """
     cell = CellCode.read(code, tree)
     found = _ipython_statements(cell.tree.body, cell, False)
@@ -218,16 +204,8 @@ def _as_text(group: list[ast.stmt], line: str, indent: str, magics: Magics, dead
         return line[len(indent) :]
     action = magics.statement(method, values[0] if values else None, values[1] if len(values) > 1 else None,
                               line.strip(), dead)
-    kind, value = action
-    if kind == "keep":
-        return line[len(indent) :]
-    if kind == "shell":
-        return f"_nbddp.shell({args})\n"
-    if kind == "shell_command":
-        return f"_nbddp.shell({value!r})\n"
-    if kind == "dropped":
-        return f"{PLACEHOLDER}  # nbddp: {value}\n"
-    return value + "\n"  # "statement"
+    new = action.text(args)
+    return line[len(indent) :] if new is None else new + "\n"
 
 
 #: Calls that wait for a person in a notebook (``runtime/interactive.py`` stops them in a rank).
@@ -248,100 +226,6 @@ def _interactive_calls(tree: ast.Module) -> list[tuple[int, str]]:
             found.append((node.lineno, f"{name}() without a token: every rank uses HF_TOKEN or the login saved "
                                        "before launch, and stops here without one"))
     return sorted(found)
-
-
-class MagicError(Exception):
-    """A magic that cannot be converted, at a line of the transformed cell (``clean_cell`` maps it back)."""
-
-    def __init__(self, message: str, line: int):
-        super().__init__(message)
-        self.message, self.line = message, line
-
-
-class Magics:
-    """What each ``get_ipython()`` statement of a cell becomes, and the installs and notes that go with it.
-
-    Asked by both ways a statement is rewritten (as text, or with libcst in ``ipycalls.py``), one
-    statement at a time in the order they come. An answer is ``(kind, value)``: ``("keep", None)``,
-    ``("shell", None)`` (``_nbddp.shell`` with the call's own arguments), ``("shell_command", command)``,
-    ``("dropped", what)`` (a placeholder that becomes a ``# nbddp:`` comment), ``("statement", code)``.
-    """
-
-    def __init__(self, lines: list[str]):
-        self.lines = [ln.strip() for ln in lines]
-        self._next = 0  # statements come in order: where to look for the next one's line
-        self.installs: list[tuple[int, str]] = []
-        self.notes: list[tuple[int, str]] = []
-
-    def line_of(self, text: str) -> int:
-        """The line of a one-line statement in the transformed cell: the next line with its text.
-
-        (libcst's positions would generate the cell's source once more; a ``get_ipython()`` statement is one
-        line, and statements are asked about in the order they come.)
-        """
-        for k in range(self._next, len(self.lines)):
-            if self.lines[k] == text:
-                self._next = k + 1
-                return k + 1
-        return self._next or 1
-
-    @staticmethod
-    def _pulls_out(command: str, dead: bool) -> bool:
-        return is_install(command) and not interpolates(command) and not dead and not installs_local_files(command)
-
-    def statement(self, method: str, first: str | None, second: str | None, text: str, dead: bool):
-        """``get_ipython().method(first, second)``, a statement of its own whose code is ``text``.
-
-        ``first``/``second``: its string arguments (None where absent or not a string); ``dead``: it sits in
-        ``if False:`` (nothing is pulled out; the block stays as written).
-        """
-        line = self.line_of(text)
-        if method == "system":
-            if first is not None and self._pulls_out(first, dead):
-                self.installs.append((line, first.strip()))
-                return "dropped", f"`{first.strip()}` runs once before launch"
-            return "shell", None
-        if method == "run_line_magic":
-            return self._line_magic(first, second or "", line, dead)
-        return "keep", None
-
-    def _line_magic(self, name: str | None, arg: str, line: int, dead: bool):
-        if name in ("pip", "conda", "mamba", "uv"):
-            command = f"{name} {arg}".strip() if name != "uv" else f"uv {arg}"
-            if self._pulls_out(command, dead):
-                self.installs.append((line, command))
-                return "dropped", f"`{command}` runs once before launch"
-            return "shell_command", command
-        if name in STATEMENT_LINE_MAGICS:
-            import libcst as cst  # what libcst reads as one statement is what the script can hold
-
-            try:
-                stmt = cst.parse_statement(arg + "\n")
-            except cst.ParserSyntaxError:
-                raise MagicError(f"%{name} wraps code that is not valid Python", line) from None
-            self.notes.append((line, f"%{name} dropped; its statement is kept"))
-            return "statement", cst.Module([]).code_for_node(stmt).rstrip("\n")
-        if name == "env":
-            key, _, value = arg.replace("=", " ", 1).partition(" ")
-            if not key or not value.strip():
-                self.notes.append((line, "%env without a value dropped"))
-                return "dropped", f"%env {arg} dropped"
-            value = f"_nbddp.expand({value.strip()!r})" if interpolates(value) else repr(value.strip())
-            return "statement", f"os.environ[{key!r}] = {value}"
-        if name == "cd":
-            return "statement", f"_nbddp.cd({arg.strip()!r})"
-        if name in DROPPED_LINE_MAGICS or name is None:
-            self.notes.append((line, f"%{name} dropped (notebook-only)"))
-            return "dropped", f"%{name} {arg}".rstrip() + " dropped (notebook-only)"
-        raise MagicError(f"%{name} has no meaning in a training script; remove it or move it to a cell after %%ddp_train", line)
-
-
-class UnreadablePython(Exception):
-    """Code that libcst (or, after a rewrite, Python) cannot read, at a line of that code."""
-
-    def __init__(self, message: str, line: int):
-        super().__init__(message)
-        self.message, self.line = message, line
 
 
 def _ipython_statements(body: list[ast.stmt], cell: CellCode, dead: bool):
@@ -481,7 +365,6 @@ def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> i
     return (j if j is not None else transformed_line - 1) + 1 + offset
 
 
-PLACEHOLDER = "_NBDDPPLACEHOLDER_"
 _PLACEHOLDER_LINE = re.compile(rf"^(\s*){PLACEHOLDER}  # (.*)$", re.M)
 
 
@@ -495,7 +378,7 @@ def _finish(code: str) -> tuple[str, ast.Module]:
     try:
         return code, ast.parse(code)
     except SyntaxError as exc:
-        raise UnreadablePython(exc.msg, exc.lineno or 1) from None
+        raise CodeError(f"not valid Python: {exc.msg}", exc.lineno or 1) from None
 
 
 def _line_at(lines: list[str], line: int) -> str:
@@ -538,17 +421,3 @@ def _writefile_cell(cell: Cell, head: str, body: list[str], offset: int) -> Clea
     return CleanCell(cell, code, (offset,), (), (Note(offset, f"%%writefile {paths[0]} written once per node"),))
 
 
-#: An install that reads files: ``-e``/``-r``/``-c``, or a path (``.``, ``./repo[extra]``, ``/x.whl``, ``~/pkg``,
-#: ``file:``). Such files are often made by an earlier cell (a clone, ``%%writefile``, ``%cd``): the install
-#: keeps its place in the notebook's order rather than running before launch.
-_LOCAL_INSTALL = re.compile(r"(?:^|\s)(?:-e|--editable|-r|--requirement)\b|(?:^|\s)['\"]?(?:\.{1,2}(?:/|\[|['\"]?(?:\s|$))|/|~|file:)")
-
-
-def installs_local_files(command: str) -> bool:
-    """Whether an install reads local files (an editable or path install, a requirements file)."""
-    return bool(_LOCAL_INSTALL.search(command.split(" install", 1)[-1]))
-
-
-def interpolates(command: str) -> bool:
-    """IPython expands ``{expr}`` and ``$name`` in shell lines from the kernel's namespace."""
-    return bool(re.search(r"\{[^}]*\}|\$[A-Za-z_]", command))

@@ -2,7 +2,7 @@
 
 IPython's transformers write each magic as one statement on its own line, which ``clean.py`` rewrites as
 text; a notebook's own ``get_ipython()`` calls (spread over lines, inside an expression, in a loop's header)
-come here. ``clean.Magics`` decides what each becomes either way; this module turns its answers into
+come here. ``ipython.Magics`` decides what each becomes either way; this module turns its answers into
 libcst nodes. Every replacement is one line for one line and keeps the comments and blank lines above the
 statement it replaces.
 """
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from .clean import PLACEHOLDER, Magics, UnreadablePython
-from .rules import is_attribute, is_dead_if, is_name
+from .code import CodeError
+from .cst_helpers import code_of, is_attribute, is_dead_if, is_name
+from .ipython import PLACEHOLDER, Kind, Magics
 
 
 def rewrite_statement(text: str, magics: Magics, dead: bool, line: int) -> str:
@@ -20,7 +21,7 @@ def rewrite_statement(text: str, magics: Magics, dead: bool, line: int) -> str:
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        raise UnreadablePython(exc.message, line + exc.raw_line - 1) from None
+        raise CodeError(f"not valid Python: {exc.message}", line + exc.raw_line - 1) from None
     return module.visit(IPythonCalls(magics, dead)).code
 
 
@@ -29,12 +30,13 @@ def rewrite_module(code: str, magics: Magics) -> str:
     try:
         module = cst.parse_module(code)
     except cst.ParserSyntaxError as exc:
-        raise UnreadablePython(exc.message, exc.raw_line) from None
+        raise CodeError(f"not valid Python: {exc.message}", exc.raw_line) from None
     return module.visit(IPythonCalls(magics)).code
 
 
 def _dropped(what: str) -> cst.SimpleStatementLine:
-    """A placeholder for a statement that leaves the script; ``clean._finish`` turns it into a comment."""
+    """A placeholder for a statement that leaves the script (``Kind.DROPPED``); ``clean._finish`` turns it into a
+    comment."""
     return cst.SimpleStatementLine(
         [cst.Expr(cst.Name(PLACEHOLDER))],
         trailing_whitespace=cst.TrailingWhitespace(
@@ -84,19 +86,20 @@ class IPythonCalls(cst.CSTTransformer):
         if len(updated.body) != 1 or not isinstance(updated.body[0], cst.Expr) or not _ipython_call(updated.body[0].value):
             return updated
         call = updated.body[0].value
-        text = cst.Module([]).code_for_node(original.with_changes(leading_lines=[])).strip()
-        kind, value = self.magics.statement(call.func.attr.value, _string_arg(call, 0), _string_arg(call, 1), text,
-                                            bool(self._dead))
-        if kind == "keep":
+        text = code_of(original.with_changes(leading_lines=[])).strip()
+        action = self.magics.statement(call.func.attr.value, _string_arg(call, 0), _string_arg(call, 1), text,
+                                       bool(self._dead))
+        if action.kind is Kind.KEEP:
             return updated
-        if kind == "shell":
+        if action.kind is Kind.SHELL:  # the call's own arguments, as written
             new = updated.with_changes(body=[cst.Expr(_nbddp_call("shell", call.args))])
-        elif kind == "shell_command":
-            new = updated.with_changes(body=[cst.Expr(_nbddp_call("shell", [cst.Arg(cst.SimpleString(repr(value)))]))])
-        elif kind == "dropped":
-            new = _dropped(value)
-        else:  # "statement"
-            new = cst.parse_statement(value + "\n")
+        elif action.kind is Kind.SHELL_COMMAND:
+            command = cst.Arg(cst.SimpleString(repr(action.value)))
+            new = updated.with_changes(body=[cst.Expr(_nbddp_call("shell", [command]))])
+        elif action.kind is Kind.DROPPED:
+            new = _dropped(action.value)
+        else:
+            new = cst.parse_statement(action.value + "\n")  # Kind.STATEMENT: the code
         # the comments and blank lines above the magic stay: one line for one line
         return new.with_changes(leading_lines=original.leading_lines)
 

@@ -25,7 +25,3 @@ def align(before: list[str], after: list[str]) -> list[int | None]:
                 out[b0 + k] = a0 - 1
     return out
 
-
-def compose(first: list[int | None], second: list[int | None]) -> list[int | None]:
-    """Chain two alignments: ``second`` maps C → B, ``first`` maps B → A; the result maps C → A."""
-    return [None if j is None or j >= len(first) else first[j] for j in second]

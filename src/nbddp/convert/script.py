@@ -12,10 +12,12 @@ from .. import __version__
 from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError
 from ..runtime.sourcemap import SourceMap, map_path
-from .checks import plan_cell
 from .clean import CleanCell, Install, clean_cell
-from .facts import CellCode, JobFacts, gather_facts
+from .code import CellCode, CodeError
+from .engine.plan import plan_cell
+from .facts import JobFacts, gather_facts
 from .lines import align
+from .rules import RULES
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,6 @@ class Script:
     installs: tuple[Install, ...] = ()
     changes: tuple[Change, ...] = ()
     warnings: tuple[str, ...] = ()
-
-    def cell_source_line(self, cell: int, line: int) -> str:
-        for c in self.cells:
-            if c.index == cell:
-                lines = c.source.splitlines()
-                return lines[line - 1] if 0 < line <= len(lines) else ""
-        return ""
 
     def diff(self) -> str:
         """A unified diff from the notebook's code cells to the script."""
@@ -108,7 +103,7 @@ def convert_cells(
 
     Raises ``NotebookError`` when there is no code at all, ``CellError`` for a cell that does not parse
     (unless ``skip_bad_cells``). The rules run only on the statements their checks say they may change
-    (``checks.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
+    (``engine.plan.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
     in instead, which gives the same script more slowly (what the checks are tested against). ``notes``:
     warnings from reading the notebook, listed first.
     """
@@ -119,62 +114,25 @@ def convert_cells(
 def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool, notes=()) -> Script:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
-    cleaned: list[CleanCell] = []
-    codes: list[CellCode] = []
     warnings: list[str] = list(notes)
-    for cell in cells:
-        try:
-            clean = clean_cell(cell)
-        except CellError as exc:
-            if not skip_bad_cells:
-                raise
-            warnings.append(f"skipped {exc}")
-            continue
-        cleaned.append(clean)
-        codes.append(CellCode.read(clean.code, clean.tree, len(codes)))
+    cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
     facts = gather_facts(codes)
     if facts.last_training is None:
         warnings.append(
             "no training call found (trainer.train(), unsloth_train(…)): every cell runs on every rank"
         )
-
     changes: list[Change] = []
-    body_lines: list[str] = []
-    body_map: list[tuple[int, int] | None] = []
+    body: list[tuple[str, tuple[int, int] | None]] = []  # the script's lines, each with its (cell, line)
     for clean, code in zip(cleaned, codes):
-        cell = clean.cell
-        changes += [Change(cell.index, note.line, "ipython", note.message) for note in clean.notes]
         new_code, rule_changes = _rewrite(clean, code, facts, precheck, warnings, skip_bad_cells)
-        to_cell = lambda j: clean.line_map[j] if j is not None and j < len(clean.line_map) else None  # noqa: E731
-        for rule, line, message in sorted(rule_changes, key=lambda c: c[1]):
-            changes.append(Change(cell.index, to_cell(line - 1) or 1, rule, message))
-        if rule_changes:
-            code_lines = new_code.splitlines()
-            back = align(clean.code.splitlines(), code_lines)
-        else:  # no rule changed the cell: its cleaned code, line for line
-            code_lines = clean.code.splitlines()
-            back = list(range(len(code_lines)))
-        body_lines.append(f"# [cell {cell.index}]")
-        body_map.append(None)
-        if clean.capture:  # %%capture: the cell's output kept from the console, between these two calls
-            body_lines.append(f"_nbddp.capture.begin({clean.capture[1]!r})")
-            body_map.append((cell.index, clean.capture[0]))
-        for text, j in zip(code_lines, back):
-            body_lines.append(text)
-            src = to_cell(j)
-            body_map.append((cell.index, src) if src is not None else None)
-        if clean.capture:
-            name = next((a for a in clean.capture[1].split() if not a.startswith("-")), None)
-            body_lines.append(f"{name} = _nbddp.capture.end()" if name else "_nbddp.capture.end()")
-            body_map.append((cell.index, clean.capture[0]))
-        body_lines.append("")
-        body_map.append(None)
+        changes += _cell_changes(clean, rule_changes)
+        body += _cell_lines(clean, new_code if rule_changes else None)
 
     installs = tuple(i for c in cleaned for i in c.installs)
     prelude = _prelude(origin, changes, installs, warnings)
     epilogue = ["# [nbddp] every rank ends here: wait for the others, then leave the process group", "_nbddp.cleanup()"]
-    lines = prelude + body_lines + epilogue
-    mapping = {n: src for n, src in enumerate([None] * len(prelude) + body_map, start=1) if src is not None}
+    lines = prelude + [text for text, _ in body] + epilogue
+    mapping = {n: src for n, (_, src) in enumerate(body, start=len(prelude) + 1) if src is not None}
     return Script(
         text="\n".join(lines) + "\n",
         source_map=SourceMap(origin, mapping),
@@ -185,27 +143,81 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
     )
 
 
+def _clean_cells(cells: list[Cell], skip_bad_cells: bool, warnings: list[str]) -> tuple[list[CleanCell], list[CellCode]]:
+    """Every cell cleaned and read; a cell that cannot be cleaned is the error, or a warning when skipped."""
+    cleaned: list[CleanCell] = []
+    codes: list[CellCode] = []
+    for cell in cells:
+        try:
+            clean = clean_cell(cell)
+        except CellError as exc:
+            if not skip_bad_cells:
+                raise
+            warnings.append(f"skipped {exc}")
+            continue
+        cleaned.append(clean)
+        codes.append(CellCode.read(clean.code, clean.tree, len(codes)))
+    return cleaned, codes
+
+
+def _to_cell(clean: CleanCell, j: int | None) -> int | None:
+    """The cell's line (1-based) of line ``j`` (0-based) of the cleaned code, or None."""
+    return clean.line_map[j] if j is not None and j < len(clean.line_map) else None
+
+
+def _cell_changes(clean: CleanCell, rule_changes: list[tuple[str, int, str]]) -> list[Change]:
+    """What the cleaner and the rules changed in a cell, at the cell's lines."""
+    index = clean.cell.index
+    out = [Change(index, note.line, "ipython", note.message) for note in clean.notes]
+    for rule, line, message in sorted(rule_changes, key=lambda c: c[1]):
+        out.append(Change(index, _to_cell(clean, line - 1) or 1, rule, message))
+    return out
+
+
+def _cell_lines(clean: CleanCell, new_code: str | None) -> list[tuple[str, tuple[int, int] | None]]:
+    """A cell's lines in the script, each with the (cell, line) it comes from: the rewritten code, aligned with
+    the cleaned code, or (``new_code`` None: no rule changed the cell) the cleaned code, line for line."""
+    index = clean.cell.index
+    if new_code is not None:
+        code_lines = new_code.splitlines()
+        back = align(clean.code.splitlines(), code_lines)
+    else:
+        code_lines = clean.code.splitlines()
+        back = list(range(len(code_lines)))
+    out: list[tuple[str, tuple[int, int] | None]] = [(f"# [cell {index}]", None)]
+    if clean.capture:  # %%capture: the cell's output kept from the console, between these two calls
+        out.append((f"_nbddp.capture.begin({clean.capture[1]!r})", (index, clean.capture[0])))
+    for text, j in zip(code_lines, back):
+        src = _to_cell(clean, j)
+        out.append((text, (index, src) if src is not None else None))
+    if clean.capture:
+        name = next((a for a in clean.capture[1].split() if not a.startswith("-")), None)
+        out.append((f"{name} = _nbddp.capture.end()" if name else "_nbddp.capture.end()", (index, clean.capture[0])))
+    out.append(("", None))
+    return out
+
+
 def _rewrite(
     clean: CleanCell, code: CellCode, facts: JobFacts, precheck: bool, warnings: list[str], skip_bad_cells: bool
 ) -> tuple[str, list[tuple[str, int, str]]]:
     """The cell's code after the rewrite rules, and their ``(rule, line, message)`` changes.
 
-    libcst (in ``rules.py``) is imported only for a cell some rule has work in. Python that libcst cannot
+    libcst (in ``engine/rewrite.py``) is imported only for a cell some rule has work in. Python that libcst cannot
     read is the cell's error, not ours; with ``skip_bad_cells`` the cell is kept as cleaned, with a warning.
     """
-    plan = plan_cell(code, facts, every_statement=not precheck)
+    plan = plan_cell(code, facts, RULES, every_statement=not precheck)
     if plan is None:
         return clean.code, []
-    from .rules import UnreadableCode, rewrite
+    from .engine.rewrite import rewrite
 
     try:
         return rewrite(code, plan, facts)
-    except UnreadableCode as exc:
+    except CodeError as exc:
         j = exc.line - 1
         line = clean.line_map[j] if 0 <= j < len(clean.line_map) and clean.line_map[j] else None
         lines = clean.cell.source.splitlines()
         source = lines[line - 1] if line and line <= len(lines) else ""
-        error = CellError(f"the rewriter cannot read this Python: {exc.message}", cell=clean.cell.index, line=line,
+        error = CellError(exc.message, cell=clean.cell.index, line=line,
                           source=source)
         if not skip_bad_cells:
             raise error from None

@@ -1,0 +1,62 @@
+"""What the rewrite rules need to know about the whole notebook, gathered with Python's ``ast`` before any rule runs.
+
+``gather_facts`` walks each top-level statement of every cell once (``scan.py``) and decides, for the whole
+notebook: which names hold trainers, which statements and functions train (``training.py``), which statements
+after training run on rank 0 only and which must stay on every rank (collectives, and what they read), which
+dataset preparation goes under ``main_process_first`` (``rank0.py``), and, for a plain PyTorch loop, which
+models DDP wraps and where (``models.py``) and which loaders get a ``DistributedSampler`` (``loaders.py``).
+The answers are a ``JobFacts``; its statement sets hold the cells' ``Statement``s (``code.py``), and the
+rules act on exactly the statements chosen here.
+
+The facts come from CPython's own parser (a few milliseconds for a whole notebook) rather than from libcst,
+which the rules use only where they rewrite something. The walk reads the code the way a libcst walk would
+(which names a statement binds and reads, which calls it makes): the rules' choices do not depend on which
+parser gathered them.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from ..code import CellCode, Statement
+from .job_facts import JobFacts, Seen
+from .loaders import plan_loaders
+from .models import plan_accelerate, plan_ddp_wraps
+from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves
+from .scan import scan
+from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
+
+__all__ = ["JobFacts", "gather_facts"]
+
+
+def gather_facts(cells: list[CellCode]) -> JobFacts:
+    """Look at every cell once and decide what the statement rules do."""
+    facts = JobFacts()
+    defs: dict[str, list[ast.Call]] = {}  # function name → the calls in its body
+    top = [stmt for cell in cells for stmt in cell.statements]
+    seen = Seen()
+    for stmt in top:
+        scan(stmt, facts, defs, seen)
+    facts.module_names = set().union(*(stmt.binds for stmt in top))
+    plan_trainers(seen, defs, facts)
+    plan_training_functions(defs, facts)
+    plan_accelerate(seen, facts)
+    plan_loaders(seen, defs, facts)
+    trains = [any(is_training_call(c, facts) for c in stmt.calls) for stmt in top]
+    facts.training = [s for s, t in zip(top, trains) if t]
+    if facts.training:
+        _plan_around_training(top, trains, facts)
+    return facts
+
+
+def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFacts) -> None:
+    """What runs where, before, between and after the training statements (``trains``: which of ``top``)."""
+    facts.plain_loop = is_plain_loop(facts.training, facts)
+    first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
+    plan_after_training(top, first, last, facts)
+    plan_shared_saves(top, first, facts)
+    plan_data_prep(top, facts)
+    if facts.plain_loop:
+        facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
+        if facts.ddp_models:
+            plan_ddp_wraps(top, first, facts)

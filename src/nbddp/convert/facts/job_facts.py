@@ -1,0 +1,81 @@
+"""``JobFacts``: what the rules need to know about the whole notebook; ``Seen``: what the scan met on the way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..code import Statement
+
+
+@dataclass
+class JobFacts:
+    """What the rules need to know about the whole notebook, gathered by ``gather_facts``."""
+
+    trainer_names: set[str] = field(default_factory=set)
+    #: functions whose body trains (``loss.backward()``, ``trainer.train()``, or a call to another such function)
+    training_functions: set[str] = field(default_factory=set)
+    #: functions whose body makes a call every rank must make (training, ``trainer.evaluate()``, …)
+    collective_functions: set[str] = field(default_factory=set)
+    #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
+    ddp_models: set[str] = field(default_factory=set)
+    #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
+    sharded_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
+    helper_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name
+    train_iterated: set[str] = field(default_factory=set)
+    #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
+    cuda_amp_names: set[str] = field(default_factory=set)
+    #: the notebook distributes itself (its own DistributedDataParallel)
+    self_distributed: bool = False
+    #: names bound to ``Accelerator()``, and the names handed to or bound by their ``prepare(…)``: Accelerate
+    #: wraps and shards those; plain loops elsewhere in the notebook are still nbddp's
+    accelerators: set[str] = field(default_factory=set)
+    accelerate_prepared: set[str] = field(default_factory=set)
+    #: the notebook trains a PEFT adapter (``get_peft_model``, a trainer's ``peft_config=``, a PEFT loader):
+    #: every trainable weight takes part in each step, so DDP need not look for unused ones
+    peft: bool = False
+    #: a plain PyTorch loop (backward in the notebook's own code, no HF/TRL/Lightning trainer)
+    plain_loop: bool = False
+    #: top-level statements that train, in notebook order
+    training: list[Statement] = field(default_factory=list)
+    #: plain PyTorch: top-level statements that train outside function and class bodies (the training loops)
+    loops: set[Statement] = field(default_factory=set)
+    #: top-level statements after the first training call that run on rank 0 only
+    rank0: set[Statement] = field(default_factory=set)
+    #: rank-0 statements before the first training call that write files a later statement reads: the other
+    #: ranks wait for them (a barrier after), a subset of ``rank0``
+    shared_saves: set[Statement] = field(default_factory=set)
+    #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
+    tail: set[Statement] = field(default_factory=set)
+    #: statements after training that stay on every rank, with the reason (said in --explain)
+    all_ranks: dict[Statement, str] = field(default_factory=dict)
+    #: names the notebook's top-level code binds (not functions' or classes' own names)
+    module_names: set[str] = field(default_factory=set)
+    #: top-level dataset preparation run under ``main_process_first``
+    main_first: set[Statement] = field(default_factory=set)
+    #: top-level statement → model names wrapped in DDP right after it
+    ddp_wrap_after: dict[Statement, list[str]] = field(default_factory=dict)
+    #: plain PyTorch, inside a function or loop that builds and trains: (cell position, line of the statement
+    #: that makes or moves the model) → model names wrapped in DDP right after it
+    ddp_wrap_inside: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    #: top-level statements holding a statement of ``ddp_wrap_inside``
+    ddp_wraps_inside: set[Statement] = field(default_factory=set)
+
+    @property
+    def last_training(self) -> Statement | None:
+        return self.training[-1] if self.training else None
+
+
+@dataclass
+class Seen:
+    """What the scan met that is judged once the training functions are known."""
+
+    #: ``DataLoader(…)`` assignments: (own sampler, shuffles, target names)
+    loaders: list = field(default_factory=list)
+    #: ``names = function(…)``: (target names, the call)
+    assigned: list = field(default_factory=list)
+    #: ``for … in name``: (name, the loop)
+    fors: list = field(default_factory=list)
+    #: ``targets = owner.prepare(…)``: (the call, the names it binds)
+    prepared: list = field(default_factory=list)

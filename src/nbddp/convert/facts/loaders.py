@@ -1,0 +1,70 @@
+"""Facts about data loaders: which ones are training loaders, sharded over the ranks."""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING
+
+from ..ast_helpers import is_literal, keyword, last_name
+from .training import is_training_call
+
+if TYPE_CHECKING:
+    from .job_facts import JobFacts, Seen
+
+
+#: Samplers a ``DistributedSampler`` stands in for: (shuffles).
+PLAIN_SAMPLERS = {"RandomSampler": True, "SequentialSampler": False}
+
+
+def loader_shards(own_sampler: bool, shuffles: bool | None, targets: list[str], trained: set[str] = frozenset()) -> bool:
+    """Whether a ``DataLoader`` gets a ``DistributedSampler``: it shuffles, it is named as a training loader,
+    or a training loop iterates it (``trained``: ``JobFacts.train_iterated``).
+
+    ``own_sampler``: it has a ``sampler``/``batch_sampler`` of its own (left alone). ``shuffles``: None without
+    ``shuffle=``, False for ``shuffle=False``/``None``, True for anything else. Loaders that neither shuffle nor
+    say "train" (validation, test) stay whole on every rank, so metrics computed from them are the full data
+    set's.
+    """
+    if own_sampler:
+        return False
+    if shuffles:
+        return True
+    return any("train" in t.lower() or t in trained for t in targets)
+
+
+def plain_sampler(call: ast.Call) -> str | None:
+    """``RandomSampler``/``SequentialSampler`` when a DataLoader's ``sampler=`` is ``X(dataset)`` of one."""
+    given = keyword(call, "sampler")
+    value = given.value if given is not None else None
+    if isinstance(value, ast.Call) and last_name(value.func) in PLAIN_SAMPLERS and len(value.args) == 1 \
+            and not value.keywords and keyword(call, "batch_sampler") is None:
+        return last_name(value.func)
+    return None
+
+
+def loader_name(expr: ast.AST) -> str | None:
+    """The loader a ``for`` iterates: ``dl`` in ``dl``, ``enumerate(dl)``, ``tqdm(dl, …)``, ``enumerate(tqdm(dl))``."""
+    while isinstance(expr, ast.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
+        expr = expr.args[0]
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def plan_loaders(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
+    """Which loaders are training loaders: those ``loader_shards`` says so of, and those a function of the
+    notebook builds (``get_data_loader(ds, shuffle=…)``) when called with ``shuffle=True`` or for a training
+    name. Their epoch loops get ``set_epoch``."""
+    facts.train_iterated = {name for name, loop in seen.fors
+                            if any(isinstance(c, ast.Call) and is_training_call(c, facts) for c in ast.walk(loop))}
+    for own, shuffles, targets in seen.loaders:
+        if facts.accelerate_prepared.isdisjoint(targets) and loader_shards(own, shuffles, targets, facts.train_iterated):
+            facts.sharded_loaders.update(targets)
+    factories = {name for name, calls in defs.items() if any(last_name(c.func) == "DataLoader" for c in calls)}
+    for targets, call in seen.assigned:
+        callee = last_name(call.func) or ""
+        if isinstance(call.func, ast.Name) and callee in factories:
+            shuffle = keyword(call, "shuffle")
+            shuffles = shuffle is not None and not is_literal(shuffle.value, False, None)
+            if loader_shards(False, shuffles, targets, facts.train_iterated):
+                facts.sharded_loaders.update(targets)
+        elif callee not in defs and "loader" in callee.lower() and loader_shards(False, None, targets, facts.train_iterated):
+            facts.helper_loaders.update(targets)  # a helper's loader: sharded when it runs

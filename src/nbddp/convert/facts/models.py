@@ -1,0 +1,149 @@
+"""Facts about models: which ones DDP wraps and where, what an ``Accelerator`` prepares, whether the notebook
+trains a PEFT adapter."""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING
+
+from ..ast_helpers import DEFS, compound_bodies, dotted_name, is_compound, is_dead_if, keyword, last_name
+from ..code import group_lines
+from .training import is_trainer_class, is_training_call
+
+if TYPE_CHECKING:
+    from ..code import CellCode, Statement
+    from .job_facts import JobFacts, Seen
+
+
+_OPTIMIZERS = frozenset(
+    "SGD Adam AdamW RMSprop Adagrad Adadelta Adamax NAdam RAdam LBFGS SparseAdam ASGD Rprop Lion Adafactor "
+    "AdamW8bit Adam8bit PagedAdamW PagedAdamW8bit".split()
+)
+
+
+def is_optimizer(call: ast.Call) -> bool:
+    name = dotted_name(call.func) or ""
+    return last_name(call.func) in _OPTIMIZERS or name.startswith(("torch.optim.", "optim."))
+
+
+def model_of_parameters(call: ast.Call) -> str | None:
+    """``model`` for ``model.parameters()`` / ``model.named_parameters()``."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr in ("parameters", "named_parameters") and isinstance(func.value, ast.Name):
+        return func.value.id
+    return None
+
+
+def is_peft(call: ast.Call) -> bool:
+    """``get_peft_model(…)``, ``PeftModel.from_pretrained(…)``/``AutoPeftModel….from_pretrained(…)``, or a
+    trainer given ``peft_config=``."""
+    name = last_name(call.func)
+    if name == "get_peft_model":
+        return True
+    if name == "from_pretrained" and isinstance(call.func, ast.Attribute):
+        return (last_name(call.func.value) or "").startswith(("Peft", "AutoPeft"))
+    return is_trainer_class(name) and keyword(call, "peft_config") is not None
+
+
+def plan_accelerate(seen: Seen, facts: JobFacts) -> None:
+    """What an ``Accelerator`` prepares is Accelerate's: no DDP wrap, no sampler from nbddp."""
+    for call, targets in seen.prepared:
+        if isinstance(call.func.value, ast.Name) and call.func.value.id in facts.accelerators:
+            facts.accelerate_prepared.update(targets)
+            facts.accelerate_prepared.update(a.id for a in call.args if isinstance(a, ast.Name))
+    facts.ddp_models -= facts.accelerate_prepared
+
+
+def plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
+    """Where a plain PyTorch model is wrapped in DDP: after the last statement that makes or moves it before
+    a training statement, at the top level and in each block (a function or a fold loop that builds a model
+    and trains it). A model made after an earlier training (a second model, a PEFT model built on the first)
+    is wrapped before the training that follows it."""
+    training = {id(s) for s in facts.training}
+    for name in sorted(facts.ddp_models):
+        for stmt in _last_placements(top, training, name):
+            facts.ddp_wrap_after.setdefault(stmt, []).append(name)
+    for stmt in top:
+        if is_compound(stmt.nodes[0]):
+            before = len(facts.ddp_wrap_inside)
+            for block in _blocks(stmt.nodes[0], stmt.cell):
+                _plan_block(block, stmt.cell, facts)
+            if len(facts.ddp_wrap_inside) > before:
+                facts.ddp_wraps_inside.add(stmt)
+
+
+def _last_placements(top: list[Statement], training: set[int], name: str) -> list[Statement]:
+    """The top-level statements that make or move ``name`` last before some training statement."""
+    found, last = [], None
+    for stmt in top:
+        if id(stmt) in training:
+            if last is not None:
+                found.append(last)
+            last = None
+        elif not is_compound(stmt.nodes[0]) and _places(stmt.nodes, name):
+            last = stmt
+    return found
+
+
+def _plan_block(block: list[ast.stmt], cell: CellCode, facts: JobFacts) -> None:
+    groups = group_lines(block, cell)
+    first = next((i for i, g in enumerate(groups) if any(is_training_call(c, facts) for c in calls_in(g))), None)
+    if first is None:
+        return
+    for name in sorted(facts.ddp_models):
+        at = placement(groups[:first], name)
+        if at is not None:
+            facts.ddp_wrap_inside.setdefault((cell.position, at[0].lineno), []).append(name)
+
+
+def placement(groups: list[list[ast.stmt]], name: str) -> list[ast.stmt] | None:
+    """The last statement that makes or moves model ``name``: DDP wraps it right after."""
+    return next((g for g in reversed(groups) if not is_compound(g[0]) and _places(g, name)), None)
+
+
+def _places(group: list[ast.stmt], name: str) -> bool:
+    """``name = …`` or ``name.to(…)`` / ``name.cuda()``: the statement makes the model or moves it."""
+    for small in group:
+        if isinstance(small, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in small.targets):
+            return True
+        if isinstance(small, ast.Expr) and isinstance(small.value, ast.Call):
+            func = small.value.func
+            if isinstance(func, ast.Attribute) and func.attr in ("to", "cuda") and isinstance(func.value, ast.Name) and func.value.id == name:
+                return True
+    return False
+
+
+def _blocks(node: ast.stmt, cell: CellCode):
+    """Every indented block (a body on lines of its own) in a compound statement, outside ``if False:``."""
+    if is_dead_if(node):
+        return
+    for body in compound_bodies(node):
+        if not body:
+            continue
+        if isinstance(node, ast.If) and body is node.orelse and _is_elif(body[0], cell):
+            yield from _blocks(body[0], cell)  # an elif: its own bodies are the blocks
+            continue
+        line = cell.lines[body[0].lineno - 1]
+        if len(line.encode()) - len(line.lstrip().encode()) == body[0].col_offset:
+            yield body
+        for inner in body:
+            if is_compound(inner):
+                yield from _blocks(inner, cell)
+
+
+def _is_elif(node: ast.stmt, cell: CellCode) -> bool:
+    return isinstance(node, ast.If) and cell.line_bytes(node.lineno)[node.col_offset :].startswith(b"elif")
+
+
+def calls_in(nodes: list[ast.stmt]) -> list[ast.Call]:
+    """Every call in statements, outside function and class bodies, lambdas and ``if False:`` blocks."""
+    found: list[ast.Call] = []
+    todo: list[ast.AST] = list(nodes)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (*DEFS, ast.Lambda)) or is_dead_if(node):
+            continue
+        if isinstance(node, ast.Call):
+            found.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return found

@@ -1,0 +1,134 @@
+"""Facts about where statements run: on rank 0 only after training (and saves a later statement reads), on
+every rank where a collective needs them, dataset preparation under ``main_process_first``."""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING
+
+from ..ast_helpers import DEFS, dotted_name, is_dead_if, last_name
+from .training import is_collective_call
+
+if TYPE_CHECKING:
+    from ..code import CellCode, Statement
+    from .job_facts import JobFacts
+
+
+#: Calls whose effect a person wants once: saving, pushing, generating, printing, plotting, writing files.
+_RANK0_ACTIONS = frozenset(
+    "save_pretrained save_model save_state save_lora push_to_hub push_to_hub_merged push_to_hub_gguf "
+    "save_pretrained_merged save_pretrained_gguf generate fast_generate print pprint display savefig show "
+    "imshow plot to_csv to_json to_parquet save".split()
+)
+#: Calls that write files another rank may read, and calls that read files.
+_WRITES = frozenset("save_pretrained save_model to_csv to_json to_parquet save_to_disk save_file".split())
+_READS = frozenset(
+    "from_pretrained load read_csv read_json read_parquet read_pickle load_from_disk load_dataset load_file "
+    "safe_open open".split()
+)
+#: Calls that read or write shared caches and downloads: dataset preparation.
+_DATA_PREP = frozenset(
+    "load_dataset map filter snapshot_download hf_hub_download dataset_download competition_download".split()
+)
+
+
+def plan_after_training(top: list[Statement], first: int, last: int, facts: JobFacts) -> None:
+    """Which statements after the first training call run on rank 0 only.
+
+    After the last training call everything does, except what every rank must run (a collective such as
+    ``trainer.evaluate()``) and what binds a name such code reads. Between two training calls only
+    statements that save, push, generate, print or plot do (with the same exceptions): the rest prepares
+    the next training, which every rank runs. Read backwards, so a name a later all-rank statement needs is
+    known when the statement binding it is reached.
+    """
+    needed: set[str] = set()
+    for k in range(len(top) - 1, first, -1):
+        stmt = top[k]
+        collective = next((c for c in stmt.calls if is_collective_call(c, facts)), None)
+        if collective is not None:
+            reason = f"{_func_code(stmt.cell, collective)}() needs every rank"
+        elif stmt.binds & needed:
+            reason = f"binds {', '.join(sorted(stmt.binds & needed))}, which code on every rank uses"
+        else:
+            reason = None
+        if reason is None and (k > last or any(_is_rank0_action(c) for c in stmt.calls)):
+            facts.rank0.add(stmt)
+            if k > last:
+                facts.tail.add(stmt)
+            continue
+        if k > last:
+            facts.all_ranks[stmt] = reason
+        needed |= stmt.reads
+
+
+def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None:
+    """Saving before training that a later statement reads back (``model.save_pretrained("base")``, then
+    ``from_pretrained("base")``) runs on rank 0, and every rank waits for it: ``save_pretrained`` writes on
+    rank 0 only, so another rank would read before the files exist; a file every rank wrote could be read
+    half written. An expression statement whose files some later statement reads (by any path: the check
+    is by kind of call)."""
+    for k, stmt in enumerate(top[:first]):
+        node = stmt.nodes[0]
+        if len(stmt.nodes) != 1 or not isinstance(node, ast.Expr) or not any(_writes(c) for c in stmt.calls):
+            continue
+        if any(_reads(c) for later in top[k + 1 :] for c in later.calls):
+            facts.shared_saves.add(stmt)
+            facts.rank0.add(stmt)
+
+
+def plan_data_prep(top: list[Statement], facts: JobFacts) -> None:
+    """Dataset preparation on every rank goes under ``main_process_first`` (cache files are not raced)."""
+    training = set(facts.training)
+    for stmt in top:
+        if stmt in facts.rank0 or stmt in training or isinstance(stmt.nodes[0], DEFS):
+            continue
+        if is_dead_if(stmt.nodes[0]):
+            continue
+        if any(_is_data_prep(c) for c in stmt.calls) and not any(is_collective_call(c, facts) for c in stmt.calls):
+            facts.main_first.add(stmt)
+
+
+def _is_rank0_action(call: ast.Call) -> bool:
+    name = dotted_name(call.func) or ""
+    return last_name(call.func) in _RANK0_ACTIONS or name.startswith(("plt.", "sns."))
+
+
+def _is_data_prep(call: ast.Call) -> bool:
+    name = last_name(call.func)
+    if name in ("map", "filter"):
+        return isinstance(call.func, ast.Attribute)  # dataset.map(…), not the builtins
+    return name in _DATA_PREP or (name or "").startswith("from_") and "Dataset" in (dotted_name(call.func) or "")
+
+
+def _writes(call: ast.Call) -> bool:
+    name = dotted_name(call.func) or ""
+    return last_name(call.func) in _WRITES or name in ("torch.save", "np.save", "numpy.save")
+
+
+def _reads(call: ast.Call) -> bool:
+    return last_name(call.func) in _READS
+
+
+def _func_code(cell: CellCode, call: ast.Call) -> str:
+    """The source of a call's callee, with any parentheses around it (``(trainer.evaluate)``)."""
+    text = cell.source(call.func)
+    if (call.lineno, call.col_offset) == (call.func.lineno, call.func.col_offset):
+        return text
+    # parenthesised: the text from the call's start through the parentheses that close after the callee
+    code = cell.code
+    start = _offset(cell, call.lineno, call.col_offset)
+    at = _offset(cell, call.func.end_lineno, call.func.end_col_offset)
+    opened = code.count("(", start, _offset(cell, call.func.lineno, call.func.col_offset))
+    while opened and at < len(code):
+        if code[at] == "#":
+            at = code.index("\n", at) if "\n" in code[at:] else len(code)
+            continue
+        opened -= code[at] == ")"
+        at += 1
+    return code[start:at]
+
+
+def _offset(cell: CellCode, line: int, col: int) -> int:
+    """Character offset in the cell's code of an ast position (line, UTF-8 column)."""
+    before = sum(len(ln) for ln in cell.lines[: line - 1])
+    return before + len(cell.line_bytes(line)[:col].decode())

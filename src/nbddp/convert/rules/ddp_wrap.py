@@ -1,0 +1,61 @@
+"""Plain PyTorch: the model wrapped in DDP where the facts say: the rule and where it has work."""
+
+from __future__ import annotations
+
+from ..cst_helpers import cst
+from ..engine.rule import Rule
+
+class DDPWrapRule(Rule):
+    """Plain PyTorch: the model is wrapped in ``DistributedDataParallel`` once it is on its device.
+
+    A notebook's own training loop has no Trainer to do it. Without DDP each rank would train its own copy
+    on its share of the data and the copies would drift apart; wrapped, gradients are averaged in every
+    backward. The wrap (``model = _nbddp.ddp(model)``) goes after the last statement that makes or moves
+    the model (``model = Net().to(device)``, ``model.to(device)``) before the first training statement; the
+    same inside a function or loop that builds a model and trains it (k-fold loops). Optimizers keep working:
+    DDP shares the module's parameters.
+    """
+
+    # -- where it has work: Python's ast, before libcst reads anything
+
+    name = "ddp_wrap"
+    on_statements = True
+    walks_inside = True  # it looks for the statements inside blocks that the facts chose
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return stmt in facts.ddp_wrap_after or stmt in facts.ddp_wraps_inside
+
+    # -- what it does: libcst
+
+    def _wrap(self, stmt: cst.BaseStatement, names: list[str]) -> list[cst.BaseStatement]:
+        self.note(stmt, f"{', '.join(names)} wrapped in DistributedDataParallel (gradients averaged over ranks)")
+        return [cst.parse_statement(f"{n} = _nbddp.ddp({n})\n") for n in names]
+
+    def _wrap_block(self, original: list[cst.BaseStatement], updated: list[cst.BaseStatement], planned) -> list:
+        out: list[cst.BaseStatement] = []
+        for old, new in zip(original, updated):
+            out.append(new)
+            names = planned(old)
+            if names:
+                out += self._wrap(old, names)
+        return out
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        for old, new in zip(original.body, updated.body):  # the walk rebuilt them: later rules find them still
+            if (stmt := self.statement(old)) is not None:
+                self.chunk.statement_of[new] = stmt
+        planned = lambda s: self.facts.ddp_wrap_after.get(self.statement(s))  # noqa: E731
+        return updated.with_changes(body=self._wrap_block(original.body, updated.body, planned))
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        if not self.chunk.wraps_inside:  # the facts chose no statement in a block of this chunk
+            return updated
+        plan = {s: names for s in original.body if (names := self.chunk.wrap_inside(s))}
+        if not plan:
+            return updated
+        return updated.with_changes(body=self._wrap_block(list(original.body), list(updated.body), plan.get))

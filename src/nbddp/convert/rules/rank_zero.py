@@ -1,0 +1,65 @@
+"""Work after training (and saves a later cell reads) on rank 0 only: the rule and where it has work."""
+
+from __future__ import annotations
+
+from ..cst_helpers import cst, fixed_expression, fixed_statement
+from ..engine.rule import BlockRule
+
+#: Guard for code that must run on one process only.
+MAIN_PROCESS_EXPR = "_nbddp.is_main_process()"
+
+
+class RankZeroRule(BlockRule):
+    """Saving, pushing, generating, printing and plotting after training run on rank 0 only.
+
+    After the last training call notebooks save, push, print statistics and generate; run by every rank
+    these would write the same files at once, push twice and print once per GPU. Wrapped in
+    ``if _nbddp.is_main_process():`` they happen once. What every rank must still run stays outside: a
+    collective such as ``trainer.evaluate()`` or a second ``trainer.train()``, and any statement binding a
+    name that such code reads. Between two training calls only the statements that save, print, push,
+    generate or plot go under the guard. In a plain PyTorch notebook the tail first unwraps the DDP model,
+    since rank 0 alone cannot run a DDP forward (it would wait for the others). Before training, a save
+    whose files a later statement reads (``save_pretrained("base")``, then ``from_pretrained("base")``) goes
+    under the guard too, followed by ``_nbddp.barrier()``: the other ranks read only complete files.
+    """
+
+    # -- where it has work: Python's ast, before libcst reads anything
+
+    name = "rank0"
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return any(s in facts.rank0 or s in facts.all_ranks for s in cell.statements)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return stmt in facts.rank0 or stmt in facts.all_ranks  # the latter get a note: "stays on every rank"
+
+    # -- what it does: libcst
+
+    def picks(self, stmt) -> bool:
+        return stmt in self.facts.rank0
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        for stmt in node.body:
+            if (reason := self.facts.all_ranks.get(self.statement(stmt))) is not None:
+                self.note(stmt, f"stays on every rank: {reason}")
+        return False
+
+    def block(self, run):
+        unwrap = []
+        if self.facts.plain_loop and self.statement(run[0]) in self.facts.tail:
+            models = sorted(self.facts.ddp_models & self.facts.module_names)
+            unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
+        return cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
+
+    def after(self, run):
+        if any(self.statement(s) in self.facts.shared_saves for s in run):
+            return [fixed_statement("_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")]
+        return []
+
+    def message(self, run) -> str:
+        if any(self.statement(s) in self.facts.shared_saves for s in run):
+            return "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)"
+        tail = self.statement(run[0]) in self.facts.tail
+        return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)")

@@ -1,0 +1,61 @@
+"""Plain PyTorch: saving and loading a DDP-wrapped model goes through the module inside: the rule and where it
+has work."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from .. import ast_helpers
+from ..cst_helpers import cst, dotted_name, is_attribute, is_name
+from ..engine.rule import Rule
+
+
+class UnwrapRule(Rule):
+    """Plain PyTorch: saving and loading a DDP-wrapped model goes through ``_nbddp.unwrap(model)``.
+
+    ``DistributedDataParallel`` prefixes every state-dict key with ``module.``; a checkpoint saved from the
+    wrapper would not load into the notebook's plain model (and ``torch.save(model)`` would pickle the
+    wrapper). ``model.state_dict()``, ``model.load_state_dict(…)`` and ``torch.save(model, …)`` use the
+    module inside.
+    """
+
+    # -- where it has work: Python's ast, before libcst reads anything
+
+    name = "unwrap"
+    pattern = re.compile(r"state_dict|torch\.save")
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return facts.plain_loop and bool(facts.ddp_models) and super().wanted(cell, facts)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        models = facts.ddp_models
+        for call in ast_helpers.calls(nodes):
+            func = call.func
+            if isinstance(func, ast.Attribute) and func.attr in ("state_dict", "load_state_dict"):
+                if isinstance(func.value, ast.Name) and func.value.id in models:
+                    return True
+            elif ast_helpers.dotted_name(func) == "torch.save":
+                values = [a.value if isinstance(a, ast.Starred) else a for a in call.args] + [k.value for k in call.keywords]
+                if any(isinstance(v, ast.Name) and v.id in models for v in values):
+                    return True
+        return False
+
+    # -- what it does: libcst
+
+    def _unwrapped(self, name: cst.Name) -> cst.Call:
+        return cst.parse_expression(f"_nbddp.unwrap({name.value})")
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        models = self.facts.ddp_models
+        func = updated.func
+        if is_attribute(func, "state_dict", "load_state_dict") and is_name(func.value) and func.value.value in models:
+            self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
+            return updated.with_changes(func=func.with_changes(value=self._unwrapped(func.value)))
+        if dotted_name(func) == "torch.save" and updated.args and is_name(updated.args[0].value) and updated.args[0].value.value in models:
+            self.note(original, f"torch.save({updated.args[0].value.value}): the module inside DDP")
+            first = updated.args[0]
+            return updated.with_changes(args=[first.with_changes(value=self._unwrapped(first.value))] + list(updated.args[1:]))
+        return updated
