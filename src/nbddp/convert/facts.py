@@ -314,6 +314,8 @@ class JobFacts:
     sharded_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
     helper_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: names bound only to a DataLoader that keeps its whole data set on every rank (evaluation)
+    whole_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name
     train_iterated: set[str] = field(default_factory=set)
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
@@ -772,6 +774,8 @@ def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts)
     for own, shuffles, targets in seen.loaders:
         if facts.accelerate_prepared.isdisjoint(targets) and loader_shards(own, shuffles, targets, facts.train_iterated):
             facts.sharded_loaders.update(targets)
+        else:
+            facts.whole_loaders.update(targets)
     factories = {name for name, calls in defs.items() if any(last_name(c.func) == "DataLoader" for c in calls)}
     for targets, call in seen.assigned:
         callee = last_name(call.func) or ""
@@ -780,8 +784,11 @@ def _plan_loaders(seen: _Seen, defs: dict[str, list[ast.Call]], facts: JobFacts)
             shuffles = shuffle is not None and not _is_literal(shuffle.value, False, None)
             if loader_shards(False, shuffles, targets, facts.train_iterated):
                 facts.sharded_loaders.update(targets)
+            else:
+                facts.whole_loaders.update(targets)
         elif callee not in defs and "loader" in callee.lower() and loader_shards(False, None, targets, facts.train_iterated):
             facts.helper_loaders.update(targets)  # a helper's loader: sharded when it runs
+    facts.whole_loaders -= facts.sharded_loaders | facts.helper_loaders
 
 
 def _plan_after_training(top: list[Statement], first: int, last: int, facts: JobFacts) -> None:

@@ -761,6 +761,8 @@ class _Loaders(cst.CSTVisitor):
         name = _loader_name(node.iter)
         if name in self.facts.accelerate_prepared:  # Accelerate sets its loaders' epochs itself
             return
+        if name in self.facts.whole_loaders:  # no DistributedSampler: set_epoch would reshuffle nothing
+            return
         if name and (name in self.facts.sharded_loaders or "loader" in name.lower()):
             self._add(name)
 
