@@ -118,6 +118,7 @@ def files(rec: dict) -> set[str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(900)  # two runs of a notebook, each importing transformers
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n]))
                                   if n in KNOWN else n for n in sorted(MANIFEST)])
 def test_runnable_notebook_trains_the_same_on_two_ranks(tmp_path, name):
