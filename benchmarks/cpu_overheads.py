@@ -85,7 +85,7 @@ def interrupt(work: Path, repeat: int) -> dict:
 
 
 def line_latency(work: Path) -> dict:
-    from nbddp.job import run_notebook
+    from nbddp.job import run_job
 
     nb = write_notebook(work / "stamps.ipynb", [
         "import time",
@@ -99,7 +99,7 @@ def line_latency(work: Path) -> dict:
             if line.startswith("STAMP "):
                 delays.append(now - float(line.split()[1]))
 
-    run_notebook(nb, nproc=2, runs_dir=work / "runs-lat", sink=sink)
+    run_job(nb, nproc=2, runs_dir=work / "runs-lat", sink=sink)
     return {"lines": len(delays), "median_ms": 1000 * statistics.median(delays), "p95_ms":
             1000 * sorted(delays)[int(0.95 * (len(delays) - 1))]}
 

@@ -56,13 +56,15 @@ def parameters(output_dir: str, **overrides) -> str:
         "max_steps": ("60", "optimizer steps"),
         "batch_size": ("16", "examples per process and step"),
         "nproc": ("0", "training processes; 0 means one per GPU (2 on a machine without GPUs)"),
+        "strategy": ('"auto"', "auto (ddp where the model fits one GPU, else fsdp, else split), ddp, fsdp, split or deepspeed"),
         "data_path": ('""', 'JSON lines, CSV or Parquet file with a "text" column; empty for the embedded arithmetic sums'),
         "output_dir": (f'"{output_dir}"', "where rank 0 saves the result"),
         "precision": ('"auto"', "auto (bf16 where the GPU has it, fp16 on other GPUs, fp32 on CPU), bf16, fp16 or fp32"),
         "seed": ("3407", "random seed, the same on every process"),
     }
     rows.update(overrides)
-    types = {"model_name": "str", "data_path": "str", "output_dir": "str", "precision": "str", "learning_rate": "float"}
+    types = {"model_name": "str", "data_path": "str", "output_dir": "str", "precision": "str", "learning_rate": "float",
+             "strategy": "str"}
     lines = ["# Parameters: papermill -p NAME VALUE overrides one; papermill --help-notebook lists them."]
     for name, (value, comment) in rows.items():
         assert "=" not in comment, "papermill skips a parameter line holding a second '='"
@@ -127,7 +129,7 @@ def launch(name: str) -> str:
 from nbddp.display import failure_report, summary
 from nbddp.job import run_template
 
-script, result = run_template("{name}.ipynb", globals(), nproc=nproc or None)
+script, result = run_template("{name}.ipynb", globals(), nproc=nproc or None, strategy=strategy)
 print(summary(result))
 if not result.ok:
     raise RuntimeError(failure_report(result.failure) if result.failure else f"training failed: see {{result.run_dir}}")'''

@@ -222,15 +222,15 @@ def test_use_gradient_checkpointing_is_forced_off_however_it_is_passed():
     import inspect
     import types
 
-    from nbddp.runtime.shims import no_ckpt
+    from nbddp.runtime.shims import no_checkpointing
 
     class FastLanguageModel:  # the shape of Unsloth's loader: static methods taking the keyword
         @staticmethod
         def get_peft_model(model, r=16, use_gradient_checkpointing="unsloth"):
             return use_gradient_checkpointing
 
-    no_ckpt._patch_unsloth(types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
-    no_ckpt._patch_unsloth(types.SimpleNamespace(FastLanguageModel=FastLanguageModel))  # twice: wrapped once
+    no_checkpointing._patch_unsloth(types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    no_checkpointing._patch_unsloth(types.SimpleNamespace(FastLanguageModel=FastLanguageModel))  # twice: wrapped once
     get = FastLanguageModel.get_peft_model
     assert get(None) is False
     assert get(None, 8, True) is False

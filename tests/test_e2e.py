@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import QUICKSTART, ROOT, no_rank_processes
-from nbddp.job import run_notebook
+from nbddp.job import run_job
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +46,7 @@ def test_quickstart_trains_on_two_ranks_through_the_cli(tmp_path):
 def test_rank_one_output_goes_only_to_its_log(tmp_path, notebook):
     nb = notebook(["import os\nprint('hello from rank', os.environ['RANK'], flush=True)"])
     chunks, sink = collect()
-    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=sink)
+    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=sink).run
     streamed = "".join(chunks)
     assert result.ok
     assert "hello from rank 0" in streamed and "hello from rank 1" not in streamed
@@ -61,7 +61,7 @@ def test_a_failing_rank_is_reported_at_its_cell_and_line(tmp_path, notebook):
         ],
         markdown_first=True,
     )
-    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None)
+    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None).run
     assert not result.ok
     f = result.failure
     assert (f.rank, f.cell, f.line) == (1, 3, 3)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import no_rank_processes
-from nbddp.job import run_notebook
+from nbddp.job import run_job
 from test_faults import IMPORTS, nbddp_cli, processes_with, quiet, rank_log_says, reaper, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +29,7 @@ def test_a_save_that_fills_the_disk_is_named_with_its_folder_and_free_space(tmp_
         f"if dist.get_rank() == 0:\n    torch.save(weights, {str(out / 'model.pt')!r})\n"
         f"else:\n    time.sleep(600)",
     ])
-    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet)
+    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
     f = result.failure
     assert (f.rank, f.cell) == (0, 3)
     assert f.message.startswith(f"No space left on device: writing to {out} (")
@@ -66,7 +66,7 @@ def test_a_second_job_writing_the_same_output_folder_is_warned(tmp_path, noteboo
         wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "the first job stepping")
         (first_run,) = runs.iterdir()
         said = []
-        _, result = run_notebook(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t))
+        result = run_job(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
         assert result.ok
         warning = f"nbddp: warning: another job (pid {proc.pid}, run directory {first_run}) is writing to {tmp_path / 'out'} too"
         assert warning in "".join(said)
@@ -74,7 +74,7 @@ def test_a_second_job_writing_the_same_output_folder_is_warned(tmp_path, noteboo
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
     said.clear()
-    _, result = run_notebook(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t))
+    result = run_job(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
     assert result.ok and "another job" not in "".join(said)  # the first job's claim ended with it
     assert no_rank_processes(str(tmp_path))
 
@@ -103,8 +103,8 @@ def test_a_stop_signal_to_the_cli_stops_every_rank_and_says_where_they_were(tmp_
 
 API_JOB = """
 import sys
-from nbddp.job import run_notebook
-run_notebook(sys.argv[1], nproc=2, runs_dir=sys.argv[2])
+from nbddp.job import run_job
+run_job(sys.argv[1], nproc=2, runs_dir=sys.argv[2])
 print("launch returned", flush=True)
 """
 
@@ -158,7 +158,7 @@ def test_the_last_trainer_step_said_is_the_last_completed_one(tmp_path, notebook
     from nbddp.launch import where_ranks_were
 
     nb = notebook([TRAINER, STOP_AT_37])
-    _, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet)
+    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
     assert result.failure and "stopped at step 37" in result.failure.message
     assert result.last_step == (37, 200)
     assert "last Trainer step: 37 of 200" in where_ranks_were(result)

@@ -16,7 +16,7 @@ from nbddp.agent import failure_record
 from nbddp.convert.script import SourceMap, map_path
 from nbddp.errors import LaunchError
 from nbddp.launch import new_run_dir, node_args, plan, port_is_free, read_failure, read_stacks
-from nbddp.runtime.dist import write_error_file
+from nbddp.runtime.lifecycle import write_error_file
 from nbddp.runtime.resume import last_complete_checkpoint
 from nbddp.runtime.saves import atomic_writer
 
@@ -385,3 +385,14 @@ def test_an_nccl_watchdog_abort_is_located_in_the_waiting_rank(job, tmp_path):
     assert "NCCL's watchdog" in f.message
     stacks = read_stacks(logs, script, SourceMap.from_json(map_path(script).read_text()))
     assert [str(st) for st in stacks] == ["rank 0 was at cell 2, line 3: line12", "rank 1 was at cell 2, line 1: line10"]
+
+
+def test_the_stacks_header_a_rank_writes_is_the_one_the_launcher_reads(tmp_path):
+    """Writer (the rank's lifecycle) and reader (the launcher) share one format: ``runtime.records``."""
+    from nbddp.runtime import records
+
+    code = "from nbddp.runtime import lifecycle; lifecycle._record_stacks_on_termination(); import os; print(os.getpid())"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(tmp_path / records.ERROR_FILE), "RANK": "3"}
+    pid = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    header, dumps = records.read_stacks_file(tmp_path / records.STACKS_FILE)
+    assert header == records.StacksHeader(rank=3, pid=pid) and dumps == ""

@@ -3,7 +3,8 @@
 import re
 
 from nbddp import doctor
-from nbddp.magics import SHIM_NAMES, NbddpMagics
+from nbddp.magics import NbddpMagics
+from nbddp.options import SHIM_NAMES
 from nbddp.runtime.shims import SHIMS, load
 
 

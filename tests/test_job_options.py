@@ -3,7 +3,7 @@
 import pytest
 
 from nbddp.errors import NbddpError
-from nbddp.job import parse_env, shim_env, split_torchrun_args
+from nbddp.options import parse_env, shim_env, split_torchrun_args
 
 
 def test_parse_env():

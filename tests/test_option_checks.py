@@ -9,7 +9,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from conftest import ROOT
 from nbddp.errors import NbddpError
-from nbddp.job import check_job_options, run_notebook
+from nbddp.job import check_job_options, run_job
 
 BAD = [
     (["--nproc", "0"], "--nproc takes a whole number of processes of at least 1, not 0"),
@@ -45,7 +45,7 @@ def test_a_busy_master_port_leaves_no_run_directory(tmp_path, notebook):
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(NbddpError, match=f"port {port} .* already in use"):
-            run_notebook(notebook(["x = 1"]), nproc=2, runs_dir=tmp_path / "runs", torchrun_args=[f"--master-port={port}"])
+            run_job(notebook(["x = 1"]), nproc=2, runs_dir=tmp_path / "runs", torchrun_args=[f"--master-port={port}"])
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 

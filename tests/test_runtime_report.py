@@ -93,13 +93,13 @@ def test_a_bad_seed_is_named(monkeypatch):
 
 @pytest.mark.e2e
 def test_every_rank_starts_from_the_same_seed_and_rank_0_reports_the_job(tmp_path, notebook):
-    from nbddp.job import run_notebook
+    from nbddp.job import run_job
 
     nb = notebook(["import random\nimport torch\nprint('draw', random.random(), torch.rand(1).item(), flush=True)"])
     chunks = []
-    _, result = run_notebook(
+    result = run_job(
         nb, nproc=2, runs_dir=tmp_path / "runs", env={"NBDDP_SEED": "1234"}, sink=lambda s, t: chunks.append(t)
-    )
+    ).run
     assert result.ok
     out = "".join(chunks)
     assert "nbddp: 2 process(es), backend " in out and ", seed 1234" in out

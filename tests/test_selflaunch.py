@@ -20,7 +20,7 @@ def test_runtime_zip_is_reproducible_and_importable_alone(tmp_path):
     path.write_bytes(data)
     names = zipfile.ZipFile(path).namelist()
     assert "nbddp/runtime/dist.py" in names and "nbddp/runtime/shims/__init__.py" in names
-    assert "nbddp/demo.py" in names and not any(n.startswith(("nbddp/convert/", "nbddp/launch.py", "nbddp/job.py")) for n in names)
+    assert "nbddp/demo.py" in names and not any(n.startswith(("nbddp/convert/", "nbddp/launch", "nbddp/job.py")) for n in names)
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import nbddp.runtime, nbddp.demo, nbddp.runtime.selflaunch; "
             "print(nbddp.runtime.__file__)")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,

@@ -14,7 +14,8 @@ import torch
 
 from nbddp.runtime import dist, shims
 from nbddp.runtime import patching
-from nbddp.runtime.shims import cuda_amp, peft_kwargs, precision, unsloth_loader, xformers_bias
+from nbddp.runtime.shims import cuda_amp, peft_kwargs, precision, xformers_bias
+from nbddp.runtime.shims import unsloth as unsloth_shim
 
 
 def restore_after(monkeypatch, owner, *names):
@@ -299,7 +300,7 @@ def test_unsloth_absent_is_silent():
     if importlib.util.find_spec("unsloth") is not None:
         pytest.skip("Unsloth is installed here; this test is about its absence")
     lines = []
-    (report,) = shims.apply_all(log=lines.append, names=("unsloth_loader",))
+    (report,) = shims.apply_all(log=lines.append, names=("unsloth",))
     assert (report.applied, report.reason, lines) == (False, "not needed", [])
     assert "unsloth" not in sys.modules
 
@@ -311,7 +312,7 @@ def test_unsloth_loads_every_rank_on_its_default_map_without_the_shim(fake_unslo
 
 
 def test_unsloth_shim_gives_loaders_the_rank_device_map(fake_unsloth, rank_one_of_four):
-    apply("unsloth_loader")  # before the notebook imports Unsloth: patched on import
+    apply("unsloth")  # before the notebook imports Unsloth: patched on import
     assert "unsloth" not in sys.modules
     import unsloth
 
@@ -322,12 +323,12 @@ def test_unsloth_shim_gives_loaders_the_rank_device_map(fake_unsloth, rank_one_o
     assert load("m", device_map={"": "cuda:0"})["device_map"] == {"": "cuda:0"}  # the notebook's own map stays
     assert load("m", device_map=torch.device("cuda", 0))["device_map"] == torch.device("cuda", 0)
     assert unsloth.FastModel.from_pretrained("m")["device_map"] == {"": 1}  # a loader taking **kwargs
-    assert unsloth_loader.patch(unsloth) == 0  # idempotent
+    assert unsloth_shim.patch(unsloth) == 0  # idempotent
 
 
 def test_unsloth_shim_leaves_a_single_process_alone(fake_unsloth, monkeypatch):
     monkeypatch.setattr(dist, "_info", dist.RankInfo(rank=0, local_rank=0, world_size=1, backend="nccl", device="cuda:0"))
-    apply("unsloth_loader")
+    apply("unsloth")
     import unsloth
 
     assert unsloth.FastLanguageModel.from_pretrained("m")["device_map"] == "sequential"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nbddp.job import run_notebook
+from nbddp.job import run_job
 
 pytestmark = pytest.mark.e2e
 
@@ -36,10 +36,10 @@ CELLS = [
 
 def run(notebook, tmp_path, env=None):
     chunks = []
-    _, result = run_notebook(
+    result = run_job(
         notebook(CELLS), nproc=2, runs_dir=tmp_path / "runs", env=env, timeout_s=500,
         sink=lambda stream, text: chunks.append(text),
-    )
+    ).run
     return result, "".join(chunks)
 
 

@@ -39,3 +39,8 @@ def test_a_failing_shim_is_reported_not_raised(fake_shim, monkeypatch):
     (report,) = shims.apply_all(log=lines.append, names=("_fake",))
     assert not report.applied and report.reason == "failed: nope"
     assert "could not be applied" in lines[0]
+
+
+def test_each_shim_is_named_as_its_module():
+    """``--shim NAME`` and ``NBDDP_SHIM_<NAME>`` name the module a reader opens: runtime/shims/<NAME>.py."""
+    assert {m: shims.load(m).NAME for m in shims.SHIMS} == {m: m for m in shims.SHIMS}

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from nbddp.convert import convert_notebook
-from nbddp.job import run_notebook
+from nbddp.job import run_job
 
 pytestmark = pytest.mark.e2e
 
@@ -55,8 +55,9 @@ def dump(model: str, name: str) -> str:
 
 def run(tmp_path, nb, **env):
     chunks = []
-    script, result = run_notebook(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
-                                  timeout_s=500, env=env or None)
+    job = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
+                  timeout_s=500, env=env or None)
+    script, result = job.script, job.run
     return script, result, "".join(chunks)
 
 

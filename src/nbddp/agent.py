@@ -55,22 +55,24 @@ def die_with_parent(launcher_pid: int | None) -> bool:
 
 
 def failure_record(error) -> dict:
-    """``ChildFailedError`` as plain data: every failed rank and the one torch elastic calls the root cause."""
+    """``ChildFailedError`` as plain data (``records.failures_record``): every failed rank and the one torch
+    elastic calls the root cause."""
+    from .runtime import records
+
     root, _ = error.get_first_failure()
-    failures = []
-    for rank, f in sorted(error.failures.items()):
-        failures.append(
-            {
-                "rank": int(rank),
-                "local_rank": int(f.local_rank),
-                "pid": int(f.pid),
-                "exitcode": int(f.exitcode),
-                "signal": f.signal_name() if f.exitcode < 0 else None,
-                "error_file": f.error_file if os.path.isfile(f.error_file) else None,
-                "timestamp": int(f.timestamp),
-            }
+    exits = (
+        records.RankExit(
+            rank=int(rank),
+            local_rank=int(f.local_rank),
+            pid=int(f.pid),
+            exitcode=int(f.exitcode),
+            signal=f.signal_name() if f.exitcode < 0 else None,
+            error_file=f.error_file if os.path.isfile(f.error_file) else None,
+            timestamp=int(f.timestamp),
         )
-    return {"root_rank": int(root), "failures": failures}
+        for rank, f in sorted(error.failures.items())
+    )
+    return records.failures_record(root, exits)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import NbddpError
+from .options import RUN_OPTIONS, TORCHRUN_EPILOG
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,26 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--explain", action="store_true", help="list each change with its cell and line")
     c.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
 
-    r = sub.add_parser("run", help="convert a notebook and train it under torchrun")
-    r.add_argument("notebook", type=Path)
-    r.add_argument("--nproc", type=int, default=None, help="processes (default: one per GPU; 2 without GPUs)")
-    r.add_argument("--skip-installs", action="store_true", help="do not run the notebook's pip installs")
-    r.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
-    r.add_argument("--runs-dir", type=Path, help="where run directories go (default: ./nbddp_runs)")
-    r.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
-    r.add_argument("--collective-timeout", type=float, metavar="SECONDS",
-                   help="fail a collective (all-reduce, barrier) that waits longer than this (default 1800)")
-    r.add_argument("--resume", action="store_true", help="trainer.train() continues from the last checkpoint")
-    r.add_argument("--nnodes", help="machines in the job (multi-node; with --rdzv-endpoint)")
-    r.add_argument("--node-rank", type=int, help="this machine's rank among them (static rendezvous)")
-    r.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous endpoint, the same on every machine")
-    r.add_argument("--shim", action="append", default=[], metavar="NAME", help="force a compatibility shim on")
-    r.add_argument("--no-shim", action="append", default=[], metavar="NAME", help="force a compatibility shim off")
-    r.add_argument("--no-checkpointing", action="store_true",
-                   help="run every gradient checkpoint as a plain call (more memory; NBDDP_DISABLE_CHECKPOINTING=1)")
-    r.add_argument("--allow-divergence", action="store_true",
-                   help="let ranks train apart on purpose: no check that replicas stay in sync (NBDDP_ALLOW_DIVERGENCE=1)")
-    r.epilog = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
+    r = sub.add_parser("run", help="convert a notebook and train it under torchrun", epilog=TORCHRUN_EPILOG)
+    r.add_argument("notebook", type=Path, help="the notebook file to train")
+    for flags, options in RUN_OPTIONS:
+        r.add_argument(*flags, **options)
 
     e = sub.add_parser("export", help="write a self-launching Kaggle Script kernel and its kernel-metadata.json")
     e.add_argument("notebook", type=Path)
@@ -53,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         e.add_argument(*flags, **options)
 
     d = sub.add_parser("doctor", help="pre-flight checks: GPUs, precision, /dev/shm, an all-reduce across every GPU")
+    d.add_argument("notebook", type=Path, nargs="?", help="also estimate the memory one rank of this notebook needs")
     d.add_argument("--nproc", type=int, default=None, help="processes for the all-reduce (default: one per GPU; 2 without GPUs)")
     d.add_argument("--timeout", type=float, default=90.0, help="give up the all-reduce after this many seconds")
     return p
@@ -105,29 +91,21 @@ def _convert(args) -> int:
 
 def _run(args) -> int:
     from .display import TerminalView, failure_report, summary
-    from .job import JobResult, check_job_options, run_notebook, shim_env
-    from .launch import node_args, where_ranks_were
+    from .job import run_job
+    from .launch import where_ranks_were
+    from .options import run_options
 
-    torchrun_args = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint) + args.torchrun_args
-    check_job_options(nproc=args.nproc, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
-                      torchrun_args=torchrun_args)
+    options = run_options(args, args.torchrun_args)
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
-    script, result = run_notebook(
-        args.notebook, nproc=args.nproc, skip_installs=args.skip_installs, skip_bad_cells=args.skip_bad_cells,
-        runs_dir=args.runs_dir, timeout_s=args.timeout, collective_timeout_s=args.collective_timeout,
-        resume=args.resume, env=shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing,
-                                     allow_divergence=args.allow_divergence),
-        torchrun_args=torchrun_args,
-        sink=view.sink, on_metrics=view.on_metrics,
-    )
+    job = run_job(args.notebook, **options, sink=view.sink, on_metrics=view.on_metrics)
     view.end_line()
-    for w in script.warnings:
+    for w in job.script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
+    result = job.run
     if result.failure:
         sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result), hidden=[result.script]))
     elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
-    job = JobResult.from_run(result, args.notebook.resolve().parent)
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP)
         print(summary(job), file=sys.stderr)
     if result.stopped_by:
@@ -148,7 +126,13 @@ def _export(args) -> int:
 def _doctor(args) -> int:
     from .doctor import run
 
-    report = run(nproc=args.nproc, timeout_s=args.timeout)
+    script = None
+    if args.notebook:
+        from .convert import convert_notebook
+
+        script = convert_notebook(args.notebook).text
+    cwd = args.notebook.resolve().parent if args.notebook else None
+    report = run(nproc=args.nproc, timeout_s=args.timeout, script_text=script, cwd=cwd)
     print(report.text())
     return 0 if report.ok else 1
 

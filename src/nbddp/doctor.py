@@ -67,8 +67,10 @@ def check_lines(c: Check, width: int = NAME_WIDTH) -> str:
 
 
 def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-        show: Callable[[str], None] | None = None) -> Report:
-    """Every check. ``in_kernel`` adds the checks about the notebook kernel this runs in.
+        show: Callable[[str], None] | None = None, script_text: str | None = None, cwd=None) -> Report:
+    """Every check. ``in_kernel`` adds the checks about the notebook kernel this runs in; ``script_text``
+    (a notebook's converted script, its ranks starting in ``cwd``) adds the memory estimate ``auto`` would
+    choose its strategy from, against the GPUs the probe found.
 
     ``show`` gets the report's lines as the checks are done, the quick ones first and a line saying the
     all-reduce probe is under way (a notebook cell shows each check as it comes, not all after the probe).
@@ -86,6 +88,8 @@ def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float =
     found = [gpus_check(probe.devices, n_gpus), precision_check(probe.devices), probe.check]
     if in_kernel and n_gpus > 1:
         found.append(data_parallel_check(n_gpus))
+    if script_text is not None:
+        found.append(memory_check(script_text, cwd, probe.devices))
     for check in found:
         show(check_lines(check))
     gpus, precision, *rest = found
@@ -177,6 +181,20 @@ def data_parallel_check(n_gpus: int) -> Check:
         "train with %%ddp_train (one process per GPU), or set CUDA_VISIBLE_DEVICES=0 before importing torch "
         "to train in the kernel on one GPU",
     )
+
+
+def memory_check(script_text: str, cwd, devices: list[dict]) -> Check:
+    """What one rank of this notebook needs and the strategy ``--strategy auto`` picks (``strategy.decide``)."""
+    from . import strategy
+    from .errors import NbddpError
+
+    free = tuple(int(d["free_bytes"]) for d in devices if d.get("name"))
+    try:
+        decision = strategy.decide(script_text, cwd, "auto", gpu_free=free)
+    except NbddpError as exc:
+        return Check("memory", "warn", str(exc))
+    detail = decision.summary().replace("nbddp: ", "").replace("\n", "; ")
+    return Check("memory", "ok" if decision.strategy == "ddp" else "info", detail)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""One job from start to end: convert, install once, launch, collect. The CLI, the magics and the
-templates all go through ``run_script``/``run_notebook`` so they behave the same."""
+"""One job from start to end: convert, install once, launch, collect. ``nbddp run``, ``%%ddp_train``, the
+templates (and any other front end) all call ``run_job``, so they behave the same."""
 
 from __future__ import annotations
 
@@ -9,25 +9,55 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence, Union
 
 from . import launch as _launch
 from . import outputs
-from .cells import notebook_cells
+from .cells import Cell, Selection, notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
 from .launch import RankFailure, RunResult, Sink
+from .runtime.records import Event
 
 #: Where run directories go unless told otherwise (``NBDDP_RUNS``).
 DEFAULT_RUNS = "nbddp_runs"
 
 
-def run_script(
-    script: Script,
+@dataclass(frozen=True)
+class Job:
+    """A job ready to launch: its converted script, the folder its ranks start in, its run directory's name."""
+
+    script: Script
+    cwd: Path
+    name: str
+
+
+#: What ``run_job`` trains: a notebook file, the cells a kernel selected, cells, or a job already converted.
+JobSource = Union[str, os.PathLike, Selection, Sequence[Cell], Job]
+
+
+def prepare_job(source: JobSource, *, skip_bad_cells: bool = False) -> Job:
+    """Convert ``source``: a notebook file's ranks start in its folder, as its kernel would, and its run
+    directory takes its name; cells (a kernel's ``Selection``) start here, named after their notebook file
+    or ``kernel``. A front end that shows the script before training (``--dry-run``) converts with this
+    and hands the ``Job`` to ``run_job``."""
+    if isinstance(source, Job):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        return Job(convert_notebook(path, skip_bad_cells=skip_bad_cells), path.resolve().parent, path.stem)
+    if isinstance(source, Selection):
+        script = convert_cells(list(source.cells), origin=source.origin, skip_bad_cells=skip_bad_cells)
+        return Job(script, Path.cwd(), Path(source.origin).stem if source.source == "notebook" else "kernel")
+    return Job(convert_cells(list(source), skip_bad_cells=skip_bad_cells), Path.cwd(), "job")
+
+
+def run_job(
+    source: JobSource,
     *,
-    name: str = "job",
-    nproc: int | None = None,
+    skip_bad_cells: bool = False,
     cwd: str | os.PathLike | None = None,
+    nproc: int | None = None,
     runs_dir: str | os.PathLike | None = None,
     torchrun_args: Iterable[str] = (),
     env: dict[str, str] | None = None,
@@ -35,20 +65,55 @@ def run_script(
     timeout_s: float | None = None,
     collective_timeout_s: float | None = None,
     resume: bool = False,
+    strategy: str = "auto",
     sink: Sink | None = None,
     on_metrics: Callable[[dict], None] | None = None,
     on_run_dir: Callable[[Path], None] | None = None,
-) -> RunResult:
-    """Write the script into a new run directory, run its installs once, then launch it under torchrun.
+) -> JobResult:
+    """Train ``source`` (see ``prepare_job``) under torchrun and say what it left: the one call every front
+    end makes, with the keywords ``options.run_options`` makes of the run options.
 
-    ``cwd`` is where the ranks start (default: here); run directories go under ``runs_dir``, ``$NBDDP_RUNS``
-    or ``./nbddp_runs``. ``timeout_s`` bounds the job, ``collective_timeout_s`` each collective; ``resume``
-    continues ``trainer.train()`` from the last checkpoint (see ``launch.plan``). ``on_run_dir`` hears of
-    the run directory once it is made (a notebook's log view names it while the job runs).
+    The options are checked before anything converts or starts; ``cwd`` overrides where the ranks start.
+    The views are passed in: ``sink(stream, text)`` gets rank 0's output, ``on_metrics`` each Trainer
+    event, ``on_run_dir`` the run directory once it is made (a notebook's log view names it while the job
+    runs). Run directories go under ``runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``; ``timeout_s`` bounds
+    the job, ``collective_timeout_s`` each collective; ``resume`` continues ``trainer.train()`` from the
+    last checkpoint (see ``launch.plan``). ``strategy`` (``auto``, ``ddp``, ``fsdp``, ``split``,
+    ``deepspeed``) is decided before launch (``strategy_launch``).
     """
     check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                       torchrun_args=torchrun_args)
-    folders = outputs.output_folders(script, cwd) if cwd is not None else []
+    job = prepare_job(source, skip_bad_cells=skip_bad_cells)
+    cwd = Path(cwd) if cwd is not None else job.cwd
+    nproc, env = strategy_launch(job.script, cwd, strategy, nproc, env, sink)
+    run = _run_script(
+        job.script, name=job.name, nproc=nproc, cwd=cwd, runs_dir=runs_dir, torchrun_args=torchrun_args, env=env,
+        skip_installs=skip_installs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, resume=resume,
+        sink=sink, on_metrics=on_metrics, on_run_dir=on_run_dir,
+    )
+    return JobResult.from_run(run, cwd, job.script)
+
+
+def _run_script(
+    script: Script,
+    *,
+    name: str,
+    nproc: int | None,
+    cwd: Path,
+    runs_dir: str | os.PathLike | None,
+    torchrun_args: Iterable[str],
+    env: dict[str, str] | None,
+    skip_installs: bool,
+    timeout_s: float | None,
+    collective_timeout_s: float | None,
+    resume: bool,
+    sink: Sink | None,
+    on_metrics: Callable[[dict], None] | None,
+    on_run_dir: Callable[[Path], None] | None,
+) -> RunResult:
+    """Write the script into a new run directory, run its installs once, then launch it under torchrun; the
+    output folders the script names are checked and claimed for the launch (``outputs.py``)."""
+    folders = outputs.output_folders(script, cwd)
     outputs.check_writable(folders)
     runs = Path(runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
     run_dir = _launch.new_run_dir(runs, name)
@@ -63,18 +128,10 @@ def run_script(
     )
     with outputs.claimed(folders, run_dir) as shared:
         for warning in shared:
-            (sink or _launch._stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
+            (sink or _launch.stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
         result = _launch.launch(plan, sink=sink, on_metrics=on_metrics)
     failure = outputs.explain_no_space(result.failure, plan.cwd, list(result.log_history))
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
-
-
-def run_notebook(path: str | os.PathLike, *, skip_bad_cells: bool = False, **kwargs) -> tuple[Script, RunResult]:
-    """Convert a notebook and run it; ranks start in the notebook's folder, as its kernel would."""
-    path = Path(path)
-    script = convert_notebook(path, skip_bad_cells=skip_bad_cells)
-    kwargs.setdefault("cwd", path.resolve().parent)
-    return script, run_script(script, name=path.stem, **kwargs)
 
 
 def run_template(
@@ -87,7 +144,7 @@ def run_template(
     ``nbddp-skip``, calls this with ``globals()``. The parameter names papermill finds in the saved notebook
     take their values from ``namespace`` and are injected after the ``parameters`` cell by papermill's own
     ``parameterize_notebook``, as in papermill's output notebook; then the notebook is converted and run
-    like ``run_notebook``, its ranks starting in the notebook's folder. Returns the script and the
+    by ``run_job``, its ranks starting in the notebook's folder. Returns the script and the
     ``JobResult`` a kernel's next cell reads, as ``%%ddp_train`` leaves it.
     """
     try:
@@ -108,9 +165,9 @@ def run_template(
         raise NbddpError(f"{path.name}: parameters not set in this kernel: {', '.join(missing)}; run the parameters cell first")
     nb = parameterize_notebook(load_notebook_node(str(path)), {n: namespace[n] for n in names})
     script = convert_cells(notebook_cells(nb, origin=str(path)), origin=path.name)
-    kwargs.setdefault("cwd", path.resolve().parent)
     _show_rich_output_in_kernel(kwargs)
-    return script, JobResult.from_run(run_script(script, name=path.stem, **kwargs), kwargs["cwd"])
+    job = run_job(Job(script, path.resolve().parent, path.stem), **kwargs)
+    return job.script, job
 
 
 def _show_rich_output_in_kernel(kwargs: dict) -> None:
@@ -131,7 +188,7 @@ def check_job_options(
 ) -> None:
     """Refuse numbers no job can run with, before a run directory or a process exists (``NbddpError``).
 
-    The CLI and the magic call this as soon as they have parsed their options; ``run_script`` calls it too.
+    ``options.run_options`` calls this as soon as a front end has parsed its options; ``run_job`` calls it too.
     A ``--master-port`` given to torchrun must be a port number, and free on this machine.
     """
     if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
@@ -142,37 +199,20 @@ def check_job_options(
     _launch.check_master_port(list(torchrun_args))
 
 
-def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``[ours…, "--", torchrun's…]`` → ``(ours, torchrun's)``: after ``--`` everything goes to torchrun."""
-    if "--" not in argv:
-        return list(argv), []
-    at = argv.index("--")
-    return argv[:at], argv[at + 1 :]
+def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,
+                    sink: Sink | None) -> tuple[int | None, dict[str, str]]:
+    """The processes and environment of the strategy the job runs with; its decision said on the sink
+    (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed).
 
+    Split mode is one process driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``.
+    """
+    from . import strategy
 
-def shim_env(on: Iterable[str] = (), off: Iterable[str] = (), no_checkpointing: bool = False,
-             allow_divergence: bool = False) -> dict[str, str]:
-    """``--shim NAME`` / ``--no-shim NAME`` as the ``NBDDP_SHIM_<NAME>`` variables the ranks read;
-    ``--no-checkpointing`` as ``NBDDP_DISABLE_CHECKPOINTING=1``; ``--allow-divergence`` (ranks meant to train
-    apart: the safety net of ``runtime/divergence.py`` off) as ``NBDDP_ALLOW_DIVERGENCE=1``."""
-    env = {f"NBDDP_SHIM_{n.upper()}": "1" for n in on}
-    env.update({f"NBDDP_SHIM_{n.upper()}": "0" for n in off})
-    if no_checkpointing:
-        env["NBDDP_DISABLE_CHECKPOINTING"] = "1"
-    if allow_divergence:
-        env["NBDDP_ALLOW_DIVERGENCE"] = "1"
-    return env
-
-
-def parse_env(pairs: Iterable[str]) -> dict[str, str]:
-    """``["K=V", …]`` as a dict; raises ``NbddpError`` for an item without ``=`` or a name."""
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise NbddpError(f"--env expects NAME=VALUE, got {pair!r}")
-        env[key.strip()] = value
-    return env
+    decision = strategy.decide(script.text, cwd, requested)
+    if requested != "auto" or decision.gpu_free:
+        (sink or _launch._stdout_sink)("stdout", decision.summary() + "\n")
+    env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
+    return (1 if decision.strategy == "split" else nproc), env
 
 
 #: Keys nbddp adds to each Trainer log record (``runtime/metrics.py``); the rest is the Trainer's own.
@@ -187,23 +227,25 @@ class JobResult:
     final metrics, where its outputs and adapters went, the script and every rank's logs.
 
     ``output_dir`` is the Trainer's ``output_dir`` as rank 0 saw it; ``adapters`` are the folders holding an
-    ``adapter_config.json`` written during the run, under ``output_dir`` or the folder the ranks ran in.
+    ``adapter_config.json`` written during the run, under ``output_dir`` or the folder the ranks ran in;
+    ``script`` is the converted ``Script`` (its text, changes and warnings).
     """
 
     run: RunResult
     cwd: Path
     output_dir: Path | None = None
     adapters: tuple[Path, ...] = ()
+    script: Script | None = None
 
     @classmethod
-    def from_run(cls, run: RunResult, cwd: str | os.PathLike) -> "JobResult":
-        """The result of ``run``, whose ranks started in ``cwd``: looks for what the run wrote there."""
+    def from_run(cls, run: RunResult, cwd: str | os.PathLike, script: Script | None = None) -> "JobResult":
+        """The result of ``run`` of ``script``, whose ranks started in ``cwd``: looks for what the run wrote there."""
         cwd = Path(cwd).resolve()
-        begin = next((r for r in run.log_history if r.get("event") == "begin" and r.get("output_dir")), None)
+        begin = next((r for r in run.log_history if r.get("event") == Event.BEGIN and r.get("output_dir")), None)
         output_dir = (cwd / begin["output_dir"]).resolve() if begin else None
         since = time.time() - run.duration_s - 1.0
         roots = [p for p in (output_dir, cwd) if p is not None and p.is_dir()]
-        return cls(run, cwd, output_dir, _adapters_written(roots, since, skip=run.run_dir.parent))
+        return cls(run, cwd, output_dir, _adapters_written(roots, since, skip=run.run_dir.parent), script)
 
     @property
     def ok(self) -> bool:
@@ -242,7 +284,7 @@ class JobResult:
     def log_history(self) -> list[dict]:
         """The Trainer's ``state.log_history`` as rank 0 logged it: one dict per ``on_log``."""
         return [
-            {k: v for k, v in r.items() if k not in _RECORD_KEYS} for r in self.run.log_history if r.get("event") == "log"
+            {k: v for k, v in r.items() if k not in _RECORD_KEYS} for r in self.run.log_history if r.get("event") == Event.LOG
         ]
 
     @property

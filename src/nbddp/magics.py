@@ -19,23 +19,31 @@ from IPython.utils.process import arg_split
 
 from . import doctor
 from .cells import SOURCES, Registry, find_notebook, select_cells
-from .convert import convert_cells, convert_notebook
 from .display import LivePanel, cell_label, outcome_error
 from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
-from .job import JobResult, check_job_options, parse_env, run_script, shim_env, split_torchrun_args
+from .job import prepare_job, run_job
 from .launch import default_nproc
+from .options import RUN_OPTIONS, run_options, split_torchrun_args
 
-
-#: The names ``--shim``/``--no-shim`` take (each shim module's ``NAME``; a test keeps this in step with
-#: ``runtime/shims``, whose modules import torch, too slow to load for a help text).
-SHIM_NAMES = ("cuda_amp", "precision", "peft_kwargs", "xformers_bias", "unsloth", "no_checkpointing", "grad_ckpt",
-              "ddp_defaults", "loss_filter")
 
 # argparse fills in %(prog)s here, so "%%" is one "%"; the heading adds the first line's other "%"
 TRAIN_USAGE = """%%ddp_train [options] [-- TORCHRUN_ARGS]                  a cell: the cells above it, then this one
   %%ddp_train NOTEBOOK.ipynb [options] [-- TORCHRUN_ARGS]    a whole notebook file"""
+
+
+#: ``%%ddp_train``'s own options, before the run options it shares with ``nbddp run`` (``options.RUN_OPTIONS``).
+TRAIN_OPTIONS = (
+    (("--dry-run",), dict(action="store_true", help="show the cells taken and the script; do not train")),
+    (("--show-script",), dict(action="store_true", help="show the generated script before training")),
+    (("--diff",), dict(action="store_true", help="show a unified diff from the cells' code to the script")),
+    (("--save",), dict(metavar="PATH", help="also write the script (and PATH.map.json) to PATH")),
+    (("--out",), dict(default="_ddp", metavar="VAR", help="the variable that gets the result (default: _ddp)")),
+    (("--source",), dict(default="auto", choices=("auto", *SOURCES),
+                         help="where the job's cells come from: %%%%ddp_setup cells, the notebook file above this "
+                              "cell, or the kernel's history (auto: the first of these that has them)")),
+)
 
 
 class _HelpFormatter(MagicHelpFormatter):
@@ -84,25 +92,8 @@ class NbddpMagics(Magics):
     @magic_arguments()
     @kwds(usage=TRAIN_USAGE, formatter_class=_HelpFormatter)
     @argument("notebook", nargs="?", help="as a line magic: a notebook file to train whole")
-    @argument("--nproc", default="auto", metavar="N|auto", help="processes: one per GPU by default, 2 without GPUs")
-    @argument("--dry-run", action="store_true", help="show the cells taken and the script; do not train")
-    @argument("--show-script", action="store_true", help="show the generated script before training")
-    @argument("--diff", action="store_true", help="show a unified diff from the cells' code to the script")
-    @argument("--timeout", type=float, metavar="S", help="stop every rank after S seconds")
-    @argument("--shim", action="append", default=[], metavar="NAME",
-              help="force a compatibility shim on; NAME is one of " + ", ".join(SHIM_NAMES))
-    @argument("--no-shim", action="append", default=[], metavar="NAME",
-              help="force a compatibility shim off; NAME is one of " + ", ".join(SHIM_NAMES))
-    @argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off everywhere (more memory)")
-    @argument("--allow-divergence", action="store_true", help="let ranks train apart on purpose (no replica check)")
-    @argument("--env", action="append", default=[], metavar="K=V", help="an environment variable for the ranks")
-    @argument("--save", metavar="PATH", help="also write the script (and PATH.map.json) to PATH")
-    @argument("--out", default="_ddp", metavar="VAR", help="the variable that gets the result (default: _ddp)")
-    @argument("--source", default="auto", choices=("auto", *SOURCES),
-              help="where the job's cells come from: %%%%ddp_setup cells, the notebook file above this cell, "
-                   "or the kernel's history (auto: the first of these that has them)")
-    @argument("--skip-installs", action="store_true", help="do not run the cells' pip installs before launch")
-    @argument("--runs-dir", metavar="DIR", help="where run directories go (default: ./nbddp_runs)")
+    @_arguments(TRAIN_OPTIONS)
+    @_arguments(RUN_OPTIONS)
     @line_cell_magic
     def ddp_train(self, line: str, cell: str | None = None):
         """Train on every GPU: the cells before this one plus this cell, as a DDP script run by torchrun.
@@ -120,22 +111,34 @@ class NbddpMagics(Magics):
             raise UsageError("%ddp_train NOTEBOOK.ipynb trains a notebook file; %%ddp_train (a cell) trains the cells above it")
         if not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
-        nproc = None if args.nproc == "auto" else _positive_int(args.nproc)
-        check_job_options(nproc=nproc, timeout_s=args.timeout, torchrun_args=torchrun_args)
-        env = {**parse_env(args.env), **shim_env(
-            on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing, allow_divergence=args.allow_divergence)}
+        options = run_options(args, torchrun_args)
         if cell is None:
-            script = convert_notebook(args.notebook)
-            cwd, name, label = Path(args.notebook).resolve().parent, Path(args.notebook).stem, None
+            prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
         else:
             selection = select_cells(
                 line, cell, source=args.source, registered=self.registry.cells, history=self.shell.history_manager.input_hist_raw,
                 notebook=find_notebook(self.shell.user_ns, os.environ, Path.cwd()),
             )
             print("\n".join([selection.describe(), *(f"nbddp: note: {n}" for n in selection.notes)]))
-            script = convert_cells(list(selection.cells), origin=selection.origin)
-            name = Path(selection.origin).stem if selection.source == "notebook" else "kernel"
-            cwd, label = Path.cwd(), cell_label(selection.cells, selection.numbering)
+            prepared, label = prepare_job(selection, skip_bad_cells=args.skip_bad_cells), cell_label(selection.cells, selection.numbering)
+        self._show_script(prepared.script, args)
+        if args.dry_run:
+            return
+        warning = doctor.kernel_memory_warning()
+        if warning:
+            print(f"nbddp: warning: {warning}", file=sys.stderr)
+        panel = LivePanel(options["nproc"] or default_nproc())
+        job = run_job(prepared, **{**options, "env": {**options["env"], **panel.rich_env()}},
+                      sink=panel.sink, on_metrics=panel.on_metrics, on_run_dir=panel.on_run_dir)
+        self.shell.user_ns[args.out] = job
+        panel.close(job)
+        error = outcome_error(job, label)
+        if error:
+            raise error
+
+    @staticmethod
+    def _show_script(script, args) -> None:
+        """The script's warnings, and what --save, --dry-run, --show-script and --diff ask for, before training."""
         for warning in script.warnings:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
         if args.save:
@@ -144,24 +147,6 @@ class NbddpMagics(Magics):
             print(script.text)
         if args.diff:
             print(script.diff())
-        if args.dry_run:
-            return
-        warning = doctor.kernel_memory_warning()
-        if warning:
-            print(f"nbddp: warning: {warning}", file=sys.stderr)
-        panel = LivePanel(nproc or default_nproc())
-        run = run_script(
-            script, name=name, nproc=nproc, cwd=cwd, runs_dir=args.runs_dir, torchrun_args=torchrun_args,
-            env={**env, **panel.rich_env()},
-            skip_installs=args.skip_installs, timeout_s=args.timeout, sink=panel.sink, on_metrics=panel.on_metrics,
-            on_run_dir=panel.on_run_dir,
-        )
-        job = JobResult.from_run(run, cwd)
-        self.shell.user_ns[args.out] = job
-        panel.close(job)
-        error = outcome_error(job, label)
-        if error:
-            raise error
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)
@@ -189,14 +174,33 @@ class NbddpMagics(Magics):
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)
+    @argument("notebook", nargs="?", help="the notebook whose memory to estimate (default: the %%%%ddp_setup "
+              "cells, else the notebook this kernel runs, as last saved)")
     @argument("--nproc", type=int, help="processes for the all-reduce (default: one per GPU, 2 without GPUs)")
     @argument("--timeout", type=float, default=doctor.DEFAULT_TIMEOUT_S, metavar="S", help="give up the all-reduce after S seconds")
     @line_magic
     def ddp_doctor(self, line: str):
         """Pre-flight checks: GPUs and precisions, GPU memory this kernel holds, /dev/shm, an all-reduce across
-        every GPU (gloo on CPU), and the DataParallel trap of training in a kernel that sees several GPUs."""
+        every GPU (gloo on CPU), the DataParallel trap of training in a kernel that sees several GPUs, and
+        the memory one rank of this notebook needs with the strategy --strategy auto would pick."""
         args = parse_argstring(self.ddp_doctor, line)
-        doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout, show=lambda text: print(text, flush=True))
+        job = self._job_at_hand(args.notebook)
+        doctor.run(in_kernel=True, nproc=args.nproc, timeout_s=args.timeout, show=lambda text: print(text, flush=True),
+                   script_text=job.script.text if job else None, cwd=job.cwd if job else None)
+
+    def _job_at_hand(self, notebook: str | None):
+        """The notebook at hand, converted (``prepare_job``): the file given, else the registered
+        ``%%ddp_setup`` cells, else the saved notebook this kernel runs; None where there is none."""
+        try:
+            if notebook:
+                return prepare_job(Path(notebook))
+            if len(self.registry):
+                return prepare_job(self.registry.cells)
+            path = find_notebook(self.shell.user_ns, os.environ, Path.cwd())
+            return prepare_job(path) if path else None
+        except NbddpError as exc:
+            print(f"nbddp: warning: no memory estimate: {exc}", file=sys.stderr)
+            return None
 
     @magic_arguments()
     @kwds(formatter_class=_HelpFormatter)
@@ -222,9 +226,3 @@ class NbddpMagics(Magics):
         for warning in result.warnings:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
         print(f"nbddp: exported {path.name}: {result}")
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise UsageError(f"--nproc takes a number of processes or auto, not {text!r}")
-    return int(text)

@@ -27,8 +27,9 @@ import psutil
 
 from .convert.script import Script
 from .errors import LaunchError
-from .launch import RankFailure
+from .launch.postmortem import RankFailure
 from .runtime.io import atomic_write_text
+from .runtime.records import Event
 
 #: Calls whose ``output_dir`` keyword names a folder the Trainer writes checkpoints into.
 _CONFIG_CALL = re.compile(r"^(?:\w*TrainingArguments|\w*Config)$")
@@ -244,7 +245,7 @@ def explain_no_space(failure: RankFailure | None, cwd: Path, records: list[dict]
     if failure is None or not _NO_SPACE.search(f"{failure.message}\n{failure.traceback}"):
         return failure
     written = _WRITING.search(failure.traceback) or _ERRNO_PATH.search(failure.message)
-    begin = next((r for r in records if r.get("event") == "begin" and r.get("output_dir")), None)
+    begin = next((r for r in records if r.get("event") == Event.BEGIN and r.get("output_dir")), None)
     if written:
         folder = (cwd / written.group(1)).parent
     else:

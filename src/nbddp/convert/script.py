@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import difflib
 import gc
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
 from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError
+from ..runtime.sourcemap import SourceMap, map_path
 from .checks import plan_cell
 from .clean import CleanCell, Install, clean_cell
 from .facts import CellCode, JobFacts, gather_facts
@@ -29,25 +29,6 @@ class Change:
 
     def __str__(self) -> str:
         return f"cell {self.cell}, line {self.line}: {self.message}"
-
-
-@dataclass(frozen=True)
-class SourceMap:
-    """Script line (1-based) → (cell, line in that cell), for the lines that came from a cell."""
-
-    origin: str
-    lines: dict[int, tuple[int, int]]
-
-    def lookup(self, script_line: int) -> tuple[int, int] | None:
-        return self.lines.get(script_line)
-
-    def to_json(self) -> str:
-        return json.dumps({"origin": self.origin, "lines": {str(k): list(v) for k, v in self.lines.items()}})
-
-    @classmethod
-    def from_json(cls, text: str) -> "SourceMap":
-        data = json.loads(text)
-        return cls(data["origin"], {int(k): (v[0], v[1]) for k, v in data["lines"].items()})
 
 
 @dataclass(frozen=True)
@@ -90,10 +71,6 @@ class Script:
         atomic_write_text(path, self.text)
         atomic_write_text(map_path(path), self.source_map.to_json())
         return path
-
-
-def map_path(script_path: str | Path) -> Path:
-    return Path(f"{script_path}.map.json")
 
 
 def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Script:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..runtime.records import Event
 from .progress import MetricsTable, Progress, loss_plot_png
 from .stream import CarriageReturns, RankLog
 from .text import summary
@@ -41,7 +42,7 @@ def in_kernel() -> bool:
 
 def publish_display(record: dict) -> None:
     """A job's "display" event as rich output of the running cell (templates: papermill keeps it)."""
-    if record.get("event") == "display":
+    if record.get("event") == Event.DISPLAY:
         _ipython_show(record.get("data") or {})
 
 
@@ -90,13 +91,13 @@ class LivePanel:
         return {"NBDDP_RICH_DISPLAY": "1"} if self.show else {}
 
     def on_metrics(self, record: dict) -> None:
-        if record.get("event") == "display":  # rank 0's own display() or plt.show(): shown as it was made
+        if record.get("event") == Event.DISPLAY:  # rank 0's own display() or plt.show(): shown as it was made
             if self.show:
                 self.show(record.get("data") or {})
             return
         self.progress.update(record)
         self.table.add(record)
-        if record.get("event") == "begin":
+        if record.get("event") == Event.BEGIN:
             self.log.started = True
         if not self.show:
             for name, stream in self.streams.items():  # a bar held back is not left behind while training goes on
@@ -104,7 +105,7 @@ class LivePanel:
             return
         if self._due("plot", self.plot_interval_s) and len(self.progress.losses) > self._plotted:
             self._draw_plot()
-        if record.get("event") in ("begin", "end") or self._due("panel", self.status_interval_s):
+        if record.get("event") in (Event.BEGIN, Event.END) or self._due("panel", self.status_interval_s):
             self.panel.update(self.panel_bundle(), raw=True)
         self._show_log()
 

@@ -7,6 +7,8 @@ import html
 import io
 from typing import Sequence
 
+from ..runtime.records import Event
+
 #: Keys of an event record that are nbddp's, not a metric the Trainer logged.
 _NOT_METRICS = frozenset({"event", "step", "max_steps", "time", "output_dir"})
 
@@ -30,20 +32,20 @@ class Progress:
         self.max_steps = int(record.get("max_steps") or self.max_steps)
         if record.get("epoch") is not None:
             self.epoch = float(record["epoch"])
-        if event == "begin":
+        if event == Event.BEGIN:
             self.phase = "training"
-        elif event == "end":
+        elif event == Event.END:
             self.phase = "finished"
-        if event in ("step", "log", "end") and "time" in record:
+        if event in (Event.STEP, Event.LOG, Event.END) and "time" in record:
             self.step = max(self.step, step)
             point = (step, float(record["time"]))
             if self._first is None:
                 self._first = point
             elif step > self._first[0]:
                 self._last = point
-        if event == "log" and "loss" in record:
+        if event == Event.LOG and "loss" in record:
             self.losses.append((step, float(record["loss"])))
-        if event == "log" and "eval_loss" in record:
+        if event == Event.LOG and "eval_loss" in record:
             self.eval_losses.append((step, float(record["eval_loss"])))
 
     @property
@@ -131,7 +133,7 @@ class MetricsTable:
 
     def add(self, record: dict) -> dict | None:
         """Take a "log" record; return its row, or None for any other record."""
-        if record.get("event") != "log" or "train_runtime" in record:
+        if record.get("event") != Event.LOG or "train_runtime" in record:
             return None
         row = {"step": int(record.get("step") or 0), **{k: v for k, v in record.items() if k not in _NOT_METRICS}}
         self.columns.extend(k for k in row if k not in self.columns)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ..errors import JobFailed, JobInterrupted, NbddpError
-from ..launch import RankFailure
+from ..launch.postmortem import RankFailure
 
 if TYPE_CHECKING:
     from ..cells import Cell

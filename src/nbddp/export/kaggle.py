@@ -33,6 +33,7 @@ from ..cells import read_notebook
 from ..convert import convert_cells
 from ..errors import NbddpError
 from ..runtime.io import atomic_write_text
+from ..strategy import decide
 from .secrets import check_secrets, find_leftovers
 
 #: The file name ``kaggle kernels push`` looks for.
@@ -170,10 +171,24 @@ def _nbddp_zip_path() -> str:
 sys.path.insert(0, _nbddp_zip_path())
 from nbddp.runtime import selflaunch as _selflaunch  # noqa: E402
 
+{strategy_lines}
+
 _selflaunch.main(__file__, _NBDDP_INSTALLS)  # plain run: launch torchrun on this file, then exit
 
 # ---- under torchrun: the training script ----------------------------------------------------------------
 '''
+
+
+#: Free bytes of each GPU of a Kaggle accelerator, for ``auto``'s choice at export time.
+ACCELERATOR_GPUS = {"NvidiaTeslaT4": (int(14.5 * 2**30),) * 2, "NvidiaTeslaP100": (int(15.5 * 2**30),)}
+
+
+def _strategy_lines(strategy: str) -> str:
+    """The launcher's lines telling the ranks the strategy (and split its one process); the environment wins."""
+    lines = [f"os.environ.setdefault(\"NBDDP_STRATEGY\", {strategy!r})  # nbddp export --strategy"]
+    if strategy == "split":
+        lines.append("os.environ.setdefault(\"NBDDP_NPROC\", \"1\")  # split: one process drives every GPU")
+    return "\n".join(lines)
 
 
 def export_kaggle(
@@ -187,11 +202,13 @@ def export_kaggle(
     private: bool = True,
     allow_secrets: bool = False,
     skip_bad_cells: bool = False,
+    strategy: str = "auto",
 ) -> KaggleExport:
     """Write ``folder/<slug>.py`` (self-launching) and ``folder/kernel-metadata.json`` for a notebook.
 
     Raises ``SecretError`` (cell and line) for a credential written in a cell unless ``allow_secrets``,
-    ``NbddpError`` for metadata Kaggle would refuse, and the conversion's own errors.
+    ``NbddpError`` for metadata Kaggle would refuse, and the conversion's own errors. ``strategy`` ``auto``
+    is decided here for the accelerator's GPUs (``ACCELERATOR_GPUS``) and written into the launcher.
     """
     notebook, folder = Path(notebook), Path(folder)
     slug = kernel_id.partition("/")[2]
@@ -201,7 +218,9 @@ def export_kaggle(
     if not allow_secrets:
         check_secrets(cells)
     script = convert_cells(cells, origin=notebook.name, skip_bad_cells=skip_bad_cells)
+    decision = decide(script.text, notebook.resolve().parent, strategy, gpu_free=ACCELERATOR_GPUS.get(accelerator, ()))
     launcher = _LAUNCHER.format(
+        strategy_lines=_strategy_lines(decision.strategy),
         version=__version__,
         origin=notebook.name,
         payload=base64.b64encode(runtime_zip()).decode("ascii"),
@@ -209,4 +228,6 @@ def export_kaggle(
     )
     script_path = atomic_write_text(folder / meta["code_file"], launcher + script.text, mode=0o644)
     meta_path = atomic_write_text(folder / METADATA_FILE, json.dumps(meta, indent=2) + "\n", mode=0o644)
-    return KaggleExport(folder, script_path, meta_path, meta, (*find_leftovers(notebook), *script.warnings))
+    said = strategy != "auto" or decision.strategy != "ddp"  # plain DDP, chosen, is what exports always did
+    notes = tuple(line.removeprefix("nbddp: ") for line in decision.summary().splitlines()) if said else ()
+    return KaggleExport(folder, script_path, meta_path, meta, (*find_leftovers(notebook), *script.warnings, *notes))

@@ -17,10 +17,13 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("--public",), dict(dest="private", action="store_false", help="a public kernel (default: private)")),
     (("--allow-secrets",), dict(action="store_true", help="export even if a cell holds a token or key")),
     (("--skip-bad-cells",), dict(action="store_true", help="leave out cells that do not parse, with a warning")),
+    (("--strategy",), dict(default="auto", choices=("auto", "ddp", "fsdp", "split", "deepspeed"),
+                           help="how the model is spread over the GPUs (auto: estimated for the accelerator's GPUs)")),
 )
 
 
 def export_options(args) -> dict:
     """``export_kaggle``'s keywords from arguments parsed with ``OPTIONS``."""
     return dict(kernel_id=args.kernel_id, title=args.title, accelerator=args.accelerator, datasets=args.dataset,
-                private=args.private, allow_secrets=args.allow_secrets, skip_bad_cells=args.skip_bad_cells)
+                private=args.private, allow_secrets=args.allow_secrets, skip_bad_cells=args.skip_bad_cells,
+                strategy=args.strategy)

@@ -2,7 +2,7 @@
 
 from .dist import (
     RankInfo,
-    cleanup,
+    barrier,
     ddp,
     device,
     device_map,
@@ -14,13 +14,12 @@ from .dist import (
     rank_info,
     seed_everything,
     set_epoch,
-    setup,
     unwrap,
 )
+from .lifecycle import cleanup, setup
 from .loaders import shard_loader
 from .rich import display
 from .shell_lines import cd, expand, getoutput, shell, shell_cell, write_file
-from .sync import barrier
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
 
 __all__ = [

@@ -1,7 +1,8 @@
-"""Set a rank up and tear it down: device, process group, error reports.
+"""The rank helpers the generated script calls: where this rank sits, its device, its share of the data, DDP.
 
-Imported by the generated script in every rank; nothing here imports IPython, nbformat or libcst. Run
-without torchrun (plain ``python script.py``) it behaves as a single process of rank 0.
+``lifecycle.setup()`` records the rank here once it has joined the process group; before that (or without
+torchrun, plain ``python script.py``) the rank is read from torchrun's environment, a single process being
+rank 0. Imported by the generated script in every rank; nothing here imports IPython, nbformat or libcst.
 """
 
 from __future__ import annotations
@@ -9,12 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 from dataclasses import dataclass
-from datetime import timedelta
-
-#: Seconds a collective may wait before the process group gives up (``NBDDP_TIMEOUT``).
-DEFAULT_TIMEOUT_S = 1800
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,18 @@ class RankInfo:
 _info: RankInfo | None = None
 
 
-def _env_int(name: str, default: int) -> int:
+def remember(info: RankInfo) -> None:
+    """Keep this rank's place once ``setup()`` has picked its device and joined the group."""
+    global _info
+    _info = info
+
+
+def remembered() -> RankInfo | None:
+    """This rank's place as ``setup()`` kept it; None before ``setup()``."""
+    return _info
+
+
+def env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))
     except ValueError:
@@ -48,64 +55,15 @@ def rank_info() -> RankInfo:
         return _info
     import torch
 
-    local = _env_int("LOCAL_RANK", 0)
+    local = env_int("LOCAL_RANK", 0)
     cuda = torch.cuda.is_available()
     return RankInfo(
-        rank=_env_int("RANK", 0),
+        rank=env_int("RANK", 0),
         local_rank=local,
-        world_size=_env_int("WORLD_SIZE", 1),
+        world_size=env_int("WORLD_SIZE", 1),
         backend="nccl" if cuda else "gloo",
         device=f"cuda:{local}" if cuda else "cpu",
     )
-
-
-def setup() -> RankInfo:
-    """Pick this rank's device, join the process group, and record uncaught errors for the launcher.
-
-    Idempotent. The backend is nccl with GPUs and gloo without; ``NBDDP_TIMEOUT`` bounds collectives.
-    Seeds every rank alike (``NBDDP_SEED``), prints the job's configuration once (rank 0), applies the shims.
-    Also: weight files saved atomically (``saves``), stacks dumped when the rank is stopped, and
-    ``NBDDP_RESUME=1`` resuming ``trainer.train()`` from the last checkpoint (``resume``).
-    """
-    global _info
-    if _info is not None:
-        return _info
-    _record_uncaught_errors()
-    _record_stacks_on_termination()
-    from . import saves
-
-    saves.install()  # before anything imports transformers or peft, which bind safetensors' save_file
-    import torch
-    import torch.distributed as dist
-
-    info = rank_info()
-    if info.device.startswith("cuda"):
-        torch.cuda.set_device(info.local_rank)
-    elif info.world_size > 1:
-        # Without this, accelerate (and so the Trainer) sees no GPU, picks "not parallel", and every rank
-        # trains alone on the whole dataset; with it, the Trainer runs DDP over gloo (MULTI_CPU).
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-    if info.world_size > 1 and not dist.is_initialized():
-        timeout = timedelta(seconds=_env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
-        dist.init_process_group(backend=info.backend, timeout=timeout)
-        _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
-    _info = info
-    from . import metrics, resume, rich, shims
-    from .report import get_multi_gpu_config
-
-    seed = seed_everything()
-    metrics.attach()
-    rich.install()
-    resume.attach(log=lambda line: print0(line, flush=True))
-    if info.is_main:
-        print(get_multi_gpu_config(info, seed).summary(), flush=True)
-    shims.apply_all(log=lambda line: print0(line, flush=True))
-    from . import divergence, launchers, unused_params
-
-    divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)
-    unused_params.install()  # DDP's "finished reduction" error names the parameters and the fix
-    launchers.install()  # notebook_launcher(fn, args) runs fn(*args) in every rank
-    return info
 
 
 #: The seed every rank starts from unless ``NBDDP_SEED`` says otherwise.
@@ -138,22 +96,6 @@ def seed_everything(seed: int | str | None = None) -> int | None:
     return number
 
 
-def cleanup() -> None:
-    """Wait for every rank, then leave the process group. Safe to call twice or without ``setup()``.
-
-    The wait and the moment after it are what keep a finished rank from aborting at exit (``sync``).
-    """
-    import torch.distributed as dist
-
-    from . import sync
-
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            sync.wait_for_every_rank(rank_info().device)
-        dist.destroy_process_group()
-        sync.settle_workers()
-
-
 def is_main_process() -> bool:
     """True on global rank 0 (and in a plain single process)."""
     return rank_info().rank == 0
@@ -182,8 +124,30 @@ def main_process_first(local: bool = True):
             wait_for_every_rank(rank_info().device)
 
 
-def device_map() -> dict:
-    """A ``from_pretrained`` device map putting the whole model on this rank's device."""
+def barrier() -> None:
+    """Every rank waits here for the others (after rank 0 wrote files they read); alone, a no-op.
+
+    What the script calls as ``_nbddp.barrier()``: ``sync.wait_for_every_rank``, not ``dist.barrier()``,
+    for the reasons ``sync`` gives.
+    """
+    import torch.distributed as dist
+
+    from .sync import wait_for_every_rank
+
+    if dist.is_available() and dist.is_initialized():
+        wait_for_every_rank(rank_info().device)
+
+
+def device_map() -> dict | str | None:
+    """A ``from_pretrained`` device map putting the whole model on this rank's device; ``"balanced"``
+    (accelerate spreads the layers over every GPU) when the job runs split (``NBDDP_STRATEGY=split``);
+    None under FSDP: a 16-bit model loads on the CPU and ``fully_shard`` moves each rank's shards to its GPU
+    (a whole replica on the GPU first is what does not fit), a 4-bit one onto this rank's GPU, where
+    bitsandbytes quantizes it."""
+    from . import strategy
+
+    if strategy.current() in ("split", "fsdp"):
+        return "balanced" if strategy.current() == "split" else None
     info = rank_info()
     return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
 
@@ -199,13 +163,18 @@ def ddp(model):
     """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is).
 
     The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
-    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods).
+    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods). Under
+    ``NBDDP_STRATEGY=fsdp`` the model is sharded with FSDP2's ``fully_shard`` instead (``strategy.shard``).
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from . import strategy
+
     if isinstance(model, DistributedDataParallel) or not (dist.is_available() and dist.is_initialized()):
         return model
+    if strategy.current() == "fsdp":
+        return strategy.shard(_without_inner_wrappers(model))
     info = rank_info()
     ids = [info.local_rank] if info.device.startswith("cuda") else None
     return _notebook_ddp()(_without_inner_wrappers(model), device_ids=ids)
@@ -258,11 +227,12 @@ def unwrap(model):
 
 
 def distributed_sampler(dataset, shuffle: bool = False):
-    """A ``DistributedSampler`` giving this rank its own share of ``dataset`` (all of it in a single process)."""
-    from torch.utils.data import DistributedSampler
+    """A ``DistributedSampler`` giving this rank its own share of ``dataset`` (all of it in a single process);
+    token-balanced when shuffled and lengths vary (``balance``; ``NBDDP_BALANCE=0``: off)."""
+    from .balance import sampler_for
 
     info = rank_info()
-    return DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=bool(shuffle))
+    return sampler_for(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=bool(shuffle))
 
 
 def set_epoch(loader, epoch: int) -> None:
@@ -278,83 +248,3 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def _record_uncaught_errors() -> None:
-    """Write uncaught exceptions to torchrun's per-rank error file, in torch elastic's ``error.json`` format.
-
-    ``@record`` does this for a function; a notebook's code runs at module level, so an excepthook does it
-    here, with the traceback of the exception itself.
-    """
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or getattr(sys.excepthook, "_nbddp", False):
-        return
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb):
-        with contextlib.suppress(Exception):
-            write_error_file(os.environ["TORCHELASTIC_ERROR_FILE"], exc_type, exc, tb)
-        previous(exc_type, exc, tb)
-
-    hook._nbddp = True
-    sys.excepthook = hook
-
-
-def write_error_file(path: str, exc_type, exc, tb) -> None:
-    """torch elastic's error record, written atomically: the agent may read it while this rank dies.
-
-    Beyond torch's fields, ``extraInfo`` carries the global ``rank`` (the file's folder only names the local
-    rank) and ``time`` in fractions of a second, which orders failures that fall within one second.
-    """
-    import json
-    import time
-    import traceback
-
-    from .io import atomic_write_text
-
-    now = time.time()
-    data = {
-        "message": {
-            "message": f"{exc_type.__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
-                "timestamp": str(int(now)),
-                "time": now,
-                "rank": _env_int("RANK", 0),
-            },
-        }
-    }
-    atomic_write_text(path, json.dumps(data))
-
-
-#: Where ``faulthandler`` writes this rank's stacks; kept open for the life of the process.
-_stacks_file = None
-
-
-def _record_stacks_on_termination() -> None:
-    """Dump every thread's Python stack to ``stacks.txt`` beside the rank's error file when the launcher asks
-    before stopping the job (SIGUSR1), when the rank is stopped (SIGTERM, sent by torchrun or the launcher)
-    or when it crashes (segfault, abort).
-
-    A rank stuck in a collective or killed on a timeout raises nothing, so this is the only record of what
-    it was doing; ``faulthandler`` writes it from the signal handler even while the rank waits inside C
-    code, then lets SIGTERM end the process as before. The launcher maps the frames to cells.
-
-    Called again after the process group is joined: NCCL installs its own SIGABRT handler there, and its
-    watchdog ends a rank whose collective timed out with an abort, whose stack is the one that matters.
-    """
-    global _stacks_file
-    import faulthandler
-    import signal
-
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file:
-        return
-    try:
-        if _stacks_file is None:
-            _stacks_file = open(os.path.join(os.path.dirname(error_file), "stacks.txt"), "w", encoding="utf-8")
-            _stacks_file.write(f"nbddp: stacks of rank {_env_int('RANK', 0)} (pid {os.getpid()})\n")
-            _stacks_file.flush()
-            faulthandler.register(signal.SIGTERM, file=_stacks_file, all_threads=True, chain=True)
-            if hasattr(signal, "SIGUSR1"):  # the launcher's "say where you are" (``launch.ask_for_stacks``)
-                faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True, chain=False)
-        faulthandler.enable(file=_stacks_file, all_threads=True)
-    except (OSError, ValueError, AttributeError):  # no such folder; not the main thread; no SIGTERM here
-        pass

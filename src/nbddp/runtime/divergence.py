@@ -305,11 +305,8 @@ def _where() -> str | None:
     if frame is None:
         return None
     line = frame.f_lineno
-    try:
-        import json
+    from .sourcemap import read_source_map
 
-        with open(f"{path}.map.json", encoding="utf-8") as fh:
-            cell, cell_line = json.load(fh)["lines"][str(line)][:2]
-        return f"cell {cell}, line {cell_line}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{os.path.basename(path)}, line {line}"
+    smap = read_source_map(path)
+    hit = smap.lookup(line) if smap else None
+    return f"cell {hit[0]}, line {hit[1]}" if hit else f"{os.path.basename(path)}, line {line}"

@@ -15,23 +15,10 @@ import json
 import os
 import time
 
+from .records import Event, last_step_path, write_last_step
+
 #: Least seconds between two "step" lines; "log", "begin" and "end" lines are always written.
 STEP_INTERVAL_S = 0.25
-
-
-def last_step_path(metrics_path: str | os.PathLike) -> str:
-    """The file holding ``"<step> <max_steps>"`` of the last completed step, beside the metrics file."""
-    return os.path.join(os.path.dirname(os.fspath(metrics_path)), "last_step")
-
-
-def read_last_step(metrics_path: str | os.PathLike) -> tuple[int, int] | None:
-    """``(step, max_steps)`` from ``last_step_path``, or None when there is none (no Trainer ran)."""
-    try:
-        with open(last_step_path(metrics_path), "rb") as fh:
-            step, total = fh.read().split()[:2]
-        return int(step), int(total)
-    except (OSError, ValueError):
-        return None
 
 
 def attach() -> bool:
@@ -75,27 +62,27 @@ def make_callback(path: str):
                 fh.write(json.dumps(record, default=float) + "\n")
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self._write(state, "begin", output_dir=os.path.abspath(args.output_dir or "."))
+            self._write(state, Event.BEGIN, output_dir=os.path.abspath(args.output_dir or "."))
 
         def _note_step(self, state) -> None:
-            """One ``pwrite`` per step, same width each time: the file always holds one whole record."""
+            """One write per step, in place (``records.write_last_step``)."""
             if not state.is_world_process_zero:
                 return
             if self._last_step_fd is None:
                 self._last_step_fd = os.open(last_step_path(path), os.O_WRONLY | os.O_CREAT, 0o600)
-            os.pwrite(self._last_step_fd, b"%20d %20d\n" % (state.global_step, state.max_steps or 0), 0)
+            write_last_step(self._last_step_fd, state.global_step, state.max_steps)
 
         def on_step_end(self, args, state, control, **kwargs):
             self._note_step(state)
             now = time.monotonic()
             if now - self._last_step_write >= STEP_INTERVAL_S or state.global_step == state.max_steps:
                 self._last_step_write = now
-                self._write(state, "step")
+                self._write(state, Event.STEP)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            self._write(state, "log", **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float, str))})
+            self._write(state, Event.LOG, **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float, str))})
 
         def on_train_end(self, args, state, control, **kwargs):
-            self._write(state, "end")
+            self._write(state, Event.END)
 
     return MetricsCallback

@@ -38,7 +38,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from .dist import DEFAULT_TIMEOUT_S, cleanup, rank_info
+    from .dist import rank_info
+    from .lifecycle import DEFAULT_TIMEOUT_S, cleanup
     from .io import atomic_write_text
 
     out_dir = Path(os.environ.get("NBDDP_RUN_DIR", "."))

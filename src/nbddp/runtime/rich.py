@@ -23,6 +23,8 @@ import os
 import re
 import time
 
+from . import records
+
 #: IPython's ``_repr_*_`` methods and the MIME type each gives, richest first as IPython orders them.
 _REPR_METHODS = (
     ("_repr_html_", "text/html"),
@@ -133,7 +135,7 @@ def _send(data: dict, metadata: dict) -> bool:
     path = os.environ.get("NBDDP_METRICS")
     if os.environ.get("NBDDP_RICH_DISPLAY") != "1" or not path:
         return False
-    record = {"event": "display", "data": data, "metadata": metadata, "time": time.time()}
+    record = {"event": records.Event.DISPLAY, "data": data, "metadata": metadata, "time": time.time()}
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(record, default=str) + "\n")
     return True

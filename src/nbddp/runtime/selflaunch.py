@@ -9,6 +9,9 @@ rank 0's is also shown on the console. torchrun options for several machines com
 ``NBDDP_TORCHRUN_ARGS``.
 
 Only the standard library (and torch, to count GPUs) is used: this module runs before anything is installed.
+It does not go through ``nbddp.job.run_job`` as the other front ends do: the export carries only
+``runtime/`` (a rank never needs the converter or the launcher), the script is converted already, and
+``run_job``'s launcher and its views (live panel, terminal table, run directories) need the notebook side.
 """
 
 from __future__ import annotations

@@ -96,15 +96,3 @@ def settle_workers() -> None:
     """Let the process group's worker threads drop their last works while the interpreter is alive."""
     time.sleep(_SETTLE_S)
 
-
-def barrier() -> None:
-    """Every rank waits here for the others (after rank 0 wrote files they read); alone, a no-op.
-
-    What the script calls as ``_nbddp.barrier()``: ``wait_for_every_rank``, for the reasons above.
-    """
-    import torch.distributed as dist
-
-    from .dist import rank_info
-
-    if dist.is_available() and dist.is_initialized():
-        wait_for_every_rank(rank_info().device)

@@ -2,7 +2,7 @@
 
 Each shim module defines:
 
-- ``NAME``: short lowercase name; ``NBDDP_SHIM_<NAME>=0|1`` (upper case) forces it off or on, and
+- ``NAME``: the module's own name; ``NBDDP_SHIM_<NAME>=0|1`` (upper case) forces it off or on, and
   ``nbddp run --no-shim NAME`` / ``--shim NAME`` set that variable for the ranks.
 - ``detect() -> bool``: whether the problem can occur here (library present, settings that trigger it).
   A shim for a library that is not installed returns False and stays silent.
@@ -23,8 +23,8 @@ SHIMS: tuple[str, ...] = (
     "precision",
     "peft_kwargs",
     "xformers_bias",
-    "unsloth_loader",
-    "no_ckpt",  # gradient checkpointing: the escape hatch first,
+    "unsloth",
+    "no_checkpointing",  # gradient checkpointing: the escape hatch first,
     "grad_ckpt",  # then DDP × checkpointing
     "ddp_defaults",  # performance defaults that cannot change the result
     "loss_filter",  # the Trainer's per-step NaN check, without a host wait

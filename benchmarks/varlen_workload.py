@@ -1,0 +1,354 @@
+"""The variable-length workload of ``varlen.py``, shared by every configuration so they train the same thing.
+
+Model: the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary
+151 936, tied embeddings) with random weights, built and saved locally once (``prepare``), with a word-level
+tokenizer over the same vocabulary so Unsloth can load the folder too. LoRA r=16 on every linear layer,
+gradient checkpointing, batch 2 per device and 4 accumulation steps (the Unsloth Kaggle notebooks'
+settings), lr 2e-4, bf16 (``BENCH_DTYPE=fp16`` for the Kaggle-like set), padded per micro-batch to its
+longest row, loss on every real token.
+
+Lengths (tokens per row, prompt template included) are log-normal, the usual shape of instruction data:
+a long right tail of long answers over a mass of short ones. Fitted to Alpaca (52,002 rows, as the
+Stanford Alpaca datasheet counts them; about 40 % with an input): mean prompt 27.8 and mean completion 64.6
+Llama tokens (Wang et al. 2023, "How Far Can Camels Go?", arXiv:2306.04751, Table 1), plus the Alpaca
+prompt template the Unsloth Alpaca notebooks use (~40 tokens of "Below is an instruction …### Response:"):
+mean ≈ 132 tokens. A log-normal with sigma 0.8 (answers run from one word to several paragraphs) and that
+mean has mu = ln(132) − 0.8²/2 = 4.56: median 96 tokens, 95th percentile 355, cut to 8 … ``MAXLEN`` (2048).
+Why Alpaca: it is what the public Unsloth and Kaggle fine-tuning notebooks train on, the workload of the
+figures this benchmark is compared with.
+
+``BENCH_TINY=1`` swaps in a 2-layer, 64-wide model with a 1 000-token vocabulary and lengths divided by 8
+(a CPU smoke run); ``BENCH_CPU=1`` trains on the CPU (gloo under torchrun).
+
+Used as the notebook's module (``NOTEBOOK_CELLS``, ``UNSLOTH_CELLS``) and as the hand-written recipe
+(``python varlen_workload.py handwritten`` under torchrun). Each run's rank 0 writes
+``$BENCH_OUT.rank0.json``: real tokens/s over every rank (padding not counted), padded tokens/s, step time,
+each optimizer step's spread of real tokens between ranks, the wait per step from the profiler, losses,
+peak memory per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+
+CPU = os.environ.get("BENCH_CPU") == "1"
+TINY = os.environ.get("BENCH_TINY") == "1"
+BATCH = int(os.environ.get("BENCH_BATCH", 2))
+ACCUM = int(os.environ.get("BENCH_ACCUM", 4))
+WARMUP = int(os.environ.get("BENCH_WARMUP", 3 if TINY else 8))
+TIMED = int(os.environ.get("BENCH_TIMED", 4 if TINY else 40))
+PROFILED = int(os.environ.get("BENCH_PROFILED", 2 if TINY else 8))  # after the timed steps, kept out of them
+STEPS = WARMUP + TIMED + PROFILED
+DTYPE = "fp32" if CPU else os.environ.get("BENCH_DTYPE", "bf16")
+MAXLEN = 256 if TINY else 2048
+LOG_MU, LOG_SIGMA, MEAN_TOKENS = 4.56, 0.8, 132
+CHECKPOINT = os.environ.get("BENCH_CHECKPOINT", "/tmp/bench-varlen-tiny" if TINY else "/tmp/bench-qwen2-0.5b")
+
+QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6)
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, tie_word_embeddings=True)
+
+#: (real tokens, padded tokens) of every micro-batch this process collated, in order.
+COLLATED: list[tuple[int, int]] = []
+
+
+def lengths(n: int, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    scale = 8 if TINY else 1
+    return [min(MAXLEN, max(8, round(rng.lognormvariate(LOG_MU, LOG_SIGMA) / scale))) for _ in range(n)]
+
+
+def prepare_checkpoint(path: str = CHECKPOINT) -> str:
+    """Save the random-weight model and a tokenizer once, for ``from_pretrained`` (and Unsloth) to load."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    shape = TINY_SHAPE if TINY else QWEN2_05B
+    config = Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.float32 if CPU else torch.bfloat16)
+    model.save_pretrained(path)
+    tokenizer(shape["vocab_size"]).save_pretrained(path)
+    return path
+
+
+def tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=MAXLEN)
+
+
+def torch_dtype():
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(DTYPE, torch.float32)
+
+
+def cap_memory() -> None:
+    """``BENCH_MEM_GIB``: this process may use at most that much of its GPU (a Kaggle T4 has 15 GiB)."""
+    import torch
+
+    gib = os.environ.get("BENCH_MEM_GIB")
+    if gib and torch.cuda.is_available():
+        device = int(os.environ.get("LOCAL_RANK", 0))
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total), device)
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def dataset():
+    """Enough rows for every configuration's steps on 2 ranks, each of its drawn length, random token ids."""
+    from datasets import Dataset
+
+    n = BATCH * ACCUM * 2 * STEPS
+    rng = random.Random(2)
+    vocab = (TINY_SHAPE if TINY else QWEN2_05B)["vocab_size"]
+    return Dataset.from_dict({"input_ids": [[rng.randrange(4, vocab) for _ in range(k)] for k in lengths(n)]})
+
+
+def collator():
+    """Pad each micro-batch to its longest row (labels -100 there); note its real and padded tokens."""
+    import torch
+
+    def collate(rows):
+        ids = [r["input_ids"] for r in rows]
+        longest = max(len(x) for x in ids)
+        COLLATED.append((sum(len(x) for x in ids), longest * len(ids)))
+        pad = lambda x, v: list(x) + [v] * (longest - len(x))  # noqa: E731
+        return {"input_ids": torch.tensor([pad(x, 0) for x in ids]),
+                "attention_mask": torch.tensor([[1] * len(x) + [0] * (longest - len(x)) for x in ids]),
+                "labels": torch.tensor([pad(x, -100) for x in ids])}
+
+    return collate
+
+
+def training_args(output_dir: str, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS, learning_rate=2e-4, logging_steps=1, save_strategy="no", report_to="none",
+        bf16=DTYPE == "bf16", fp16=DTYPE == "fp16", gradient_checkpointing=True, seed=0, use_cpu=CPU,
+        dataloader_drop_last=True, **extra)
+
+
+def torchrun_device_map():
+    """Where the notebook's code under torchrun puts its model, as the HF docs say to (one GPU per process)."""
+    from accelerate import PartialState
+
+    return "cpu" if CPU else {"": PartialState().local_process_index}
+
+
+def timing_callback():
+    """Times steps WARMUP..WARMUP+TIMED, profiles the PROFILED steps after, and has rank 0 write the record."""
+    from transformers import TrainerCallback
+
+    class Timing(TrainerCallback):
+        def __init__(self):
+            self.t0 = self.t1 = None
+            self.losses, self.prof, self.wait_ms = [], None, None
+
+        def on_step_end(self, args, state, control, **kw):
+            step = state.global_step
+            if step in (WARMUP, WARMUP + TIMED):
+                synchronize()
+                now = time.perf_counter()
+                if step == WARMUP:
+                    self.t0 = now
+                else:
+                    self.t1 = now
+                    self.prof = start_profile()
+            if step == STEPS and self.prof is not None:
+                self.wait_ms = stop_profile(self.prof, PROFILED)
+                self.prof = None
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append([state.global_step, float(logs["loss"])])
+
+        def on_train_end(self, args, state, control, **kw):
+            write_record(self.t1 - self.t0, self.losses, self.wait_ms)
+
+    return Timing()
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available() and not CPU:
+        torch.cuda.synchronize()
+
+
+def start_profile():
+    import torch
+
+    synchronize()
+    activity = torch.profiler.ProfilerActivity.CPU if CPU else torch.profiler.ProfilerActivity.CUDA
+    prof = torch.profiler.profile(activities=[activity])
+    prof.__enter__()
+    return prof
+
+
+def stop_profile(prof, steps: int) -> float:
+    """Milliseconds per step this rank waited on communication: on GPUs the NCCL time no compute overlaps
+    (``gpu_workload.gpu_time``; a rank that drew fewer tokens waits there for the other); on the CPU the
+    time in gloo's all-reduce calls (a rough stand-in, for the smoke run)."""
+    synchronize()
+    prof.__exit__(None, None, None)
+    if not CPU:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_workload import gpu_time
+
+        return gpu_time(prof, steps).get("nccl_exposed", 0.0)
+    spans = [e for e in prof.events() if "allreduce" in e.name.lower().replace("_", "")]
+    return sum(e.cpu_time_total for e in spans) / 1000 / steps
+
+
+def step_tokens(kind: int) -> list[int]:
+    """Tokens (0: real, 1: padded) of each timed optimizer step on this rank."""
+    window = COLLATED[WARMUP * ACCUM:(WARMUP + TIMED) * ACCUM]
+    return [sum(mb[kind] for mb in window[i:i + ACCUM]) for i in range(0, len(window), ACCUM)]
+
+
+def write_record(seconds: float, losses, wait_ms) -> None:
+    import torch
+    import torch.distributed as dist
+
+    mine = {"real": step_tokens(0), "padded": step_tokens(1), "wait_ms": wait_ms,
+            "peak_mem_gib": 0.0 if CPU else torch.cuda.max_memory_allocated() / 2**30}
+    ranks = [mine]
+    if dist.is_available() and dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    rank = int(os.environ.get("RANK", 0))
+    path = os.environ.get("BENCH_OUT")
+    if rank != 0 or not path:
+        return
+    steps = list(zip(*(r["real"] for r in ranks)))  # each timed step: every rank's real tokens
+    real = [sum(step) for step in steps]
+    spread = [(max(s) - min(s)) / (sum(s) / len(s)) for s in steps] or [0.0]
+    waits = [r["wait_ms"] for r in ranks if r["wait_ms"] is not None]
+    out = {
+        "rank": 0, "world_size": len(ranks), "seconds": seconds,
+        "tokens_per_s": sum(real) / seconds,
+        "padded_tokens_per_s": sum(sum(r["padded"]) for r in ranks) / seconds,
+        "step_ms": 1000 * seconds / TIMED,
+        "token_spread": sum(spread) / len(spread),
+        "wait_ms": sum(waits) / len(waits) if waits else None, "wait_ms_per_rank": waits,
+        "losses": losses, "peak_mem_gib": [r["peak_mem_gib"] for r in ranks],
+    }
+    with open(f"{path}.rank0.json", "w") as fh:
+        json.dump(out, fh)
+
+
+def train(device_map, output_dir="/tmp/bench-varlen-out", **extra):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer
+
+    cap_memory()
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, device_map=device_map, dtype=torch_dtype())
+    model = get_peft_model(model, lora_config())
+    trainer = Trainer(model=model, args=training_args(output_dir, **extra), train_dataset=dataset(),
+                      data_collator=collator(), callbacks=[timing_callback()])
+    trainer.train()
+
+
+def handwritten() -> None:
+    """The recipe people write by hand for torchrun: a process group, one device per process,
+    ``ddp_find_unused_parameters=False``, non-reentrant checkpointing; the Trainer's own sampler."""
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if not CPU:
+        torch.cuda.set_device(local)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        dist.init_process_group("gloo" if CPU else "nccl")
+    train("cpu" if CPU else {"": local}, ddp_find_unused_parameters=False,
+          gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_HEAD = ("import os, sys\nsys.path.insert(0, os.environ['BENCH_DIR'])\n"
+         "import torch\nfrom peft import get_peft_model\n"
+         "from transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
+         "import varlen_workload as w\nw.cap_memory()")
+_TRAIN = [
+    "args = TrainingArguments(\n"
+    '    output_dir="/tmp/bench-varlen-nb",\n'
+    "    per_device_train_batch_size=w.BATCH,\n"
+    "    gradient_accumulation_steps=w.ACCUM,\n"
+    "    max_steps=w.STEPS,\n"
+    "    learning_rate=2e-4,\n"
+    "    logging_steps=1,\n"
+    '    save_strategy="no",\n'
+    '    report_to="none",\n'
+    '    bf16=w.DTYPE == "bf16",\n'
+    '    fp16=w.DTYPE == "fp16",\n'
+    "    gradient_checkpointing=True,\n"
+    "    dataloader_drop_last=True,\n"
+    "    use_cpu=w.CPU,\n"
+    "    seed=0,\n"
+    ")\n"
+    "trainer = Trainer(model=model, args=args, train_dataset=w.dataset(), data_collator=w.collator(),\n"
+    "                  callbacks=[w.timing_callback()])",
+    "trainer.train()",
+    'print("done")',
+]
+
+#: The notebook as a Kaggle user writes it for the HF Trainer + PEFT: device_map="auto", no DDP code.
+NOTEBOOK_CELLS = [
+    _HEAD,
+    'model = AutoModelForCausalLM.from_pretrained(w.CHECKPOINT, device_map="auto", dtype=w.torch_dtype())\n'
+    "model = get_peft_model(model, w.lora_config())",
+    *_TRAIN,
+]
+
+#: The same notebook the Unsloth way (Unsloth imported first, its loader and LoRA helper).
+UNSLOTH_CELLS = [
+    "from unsloth import FastLanguageModel\n" + _HEAD,
+    "model, tokenizer = FastLanguageModel.from_pretrained(model_name=w.CHECKPOINT, max_seq_length=w.MAXLEN,\n"
+    "                                                     dtype=w.torch_dtype(), load_in_4bit=False)\n"
+    "model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0, bias='none',\n"
+    "    target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'],\n"
+    "    use_gradient_checkpointing='unsloth', random_state=3407)",
+    *_TRAIN,
+]
+
+
+def script_under_torchrun(cells: list[str]) -> str:
+    """The notebook's code as a plain script for torchrun: Unsloth places each process's model itself; the HF
+    route needs the one change the HF docs give (one device per process instead of ``device_map="auto"``)."""
+    text = "\n\n".join(cells)
+    return text.replace('device_map="auto"', "device_map=w.torchrun_device_map()")
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "handwritten":
+        handwritten()
+    elif mode == "prepare":
+        print(prepare_checkpoint())
+    else:
+        raise SystemExit(f"unknown mode {mode}")

@@ -1,0 +1,233 @@
+"""Plan a job: its run directory, torchrun's command line and environment, its ports, its installs, and where
+torchrun lays out each rank's files in the run directory.
+
+A single-node job gets torchrun's ``--standalone`` rendezvous on a free port; a multi-node one the
+arguments ``node_args`` gives. The ranks find the records they write through the environment the plan
+sets (``NBDDP_METRICS``, ``NBDDP_FAILURES``, ``NBDDP_RUN_DIR``; file names from ``runtime.records``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..errors import LaunchError
+from ..runtime import records, selflaunch, shell_lines
+
+Sink = Callable[[str, str], None]  # (stream name "stdout"/"stderr", text)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything needed to start one job: the command line, its environment, and where things go."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: Path
+    run_dir: Path
+    script: Path
+    nproc: int
+    timeout_s: float | None = None
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / records.METRICS_FILE
+
+    @property
+    def failures_path(self) -> Path:
+        """torch elastic's failure record, written by ``nbddp.agent`` when a rank fails."""
+        return self.run_dir / records.FAILURES_FILE
+
+
+def default_nproc() -> int:
+    """One process per visible GPU; two on a machine without GPUs (CPU/gloo)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() or 2
+    except ImportError:
+        return 2
+
+
+def new_run_dir(base: str | os.PathLike, name: str) -> Path:
+    """A fresh, private (0700) run directory ``base/YYYYmmdd-HHMMSS-name[-k]``."""
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    stem = time.strftime("%Y%m%d-%H%M%S") + "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
+    for k in range(1000):
+        path = base / (stem if k == 0 else f"{stem}-{k}")
+        try:
+            path.mkdir(mode=0o700)
+            return path
+        except FileExistsError:
+            continue
+    raise LaunchError(f"cannot make a run directory under {base}")
+
+
+def node_args(nnodes: int | str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None) -> list[str]:
+    """torchrun's multi-node arguments: ``--nnodes``, ``--node-rank``, and a c10d rendezvous at an endpoint.
+
+    Every node runs the same job with the same ``nnodes`` and ``rdzv_endpoint`` (``host:port`` of one of
+    them); the c10d rendezvous assigns ranks, ``node_rank`` only orders nodes under the static backend.
+    """
+    args = []
+    if nnodes is not None:
+        args.append(f"--nnodes={nnodes}")
+    if node_rank is not None:
+        args.append(f"--node-rank={node_rank}")
+    if rdzv_endpoint:
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    return args
+
+
+def plan(
+    script: str | os.PathLike,
+    run_dir: str | os.PathLike,
+    *,
+    nproc: int | None = None,
+    torchrun_args: Iterable[str] = (),
+    cwd: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    collective_timeout_s: float | None = None,
+    resume: bool = False,
+) -> LaunchPlan:
+    """The torchrun command and environment for a script. Arguments are argv items, never shell text.
+
+    A single-node job gets torchrun's ``--standalone`` rendezvous, which listens on a free port, so jobs
+    side by side and a busy 29500 never collide. A ``--master-port`` the user chose is checked first:
+    busy, it is a ``LaunchError`` rather than a rendezvous that fails or hangs later.
+    ``collective_timeout_s`` bounds each collective (``NBDDP_TIMEOUT``, the process group's timeout);
+    ``timeout_s`` the whole job. ``resume`` lets ``trainer.train()`` continue from the last checkpoint.
+    """
+    script, run_dir = Path(script).resolve(), Path(run_dir).resolve()
+    nproc = nproc or default_nproc()
+    extra = list(torchrun_args)
+    rendezvous = selflaunch.rendezvous(extra)
+    check_master_port(extra)
+    argv = (
+        sys.executable, "-m", "nbddp.agent",
+        *rendezvous,
+        f"--nproc_per_node={nproc}",
+        f"--log-dir={run_dir / 'logs'}",
+        "--redirects=3",
+        *extra,
+        str(script),
+    )
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    src_root = str(Path(__file__).resolve().parents[2])  # so ranks import this nbddp, installed or not
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, full_env.get("PYTHONPATH", "")) if p)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    full_env["NBDDP_METRICS"] = str(run_dir / records.METRICS_FILE)
+    full_env["NBDDP_RUN_DIR"] = str(run_dir)
+    full_env["NBDDP_FAILURES"] = str(run_dir / records.FAILURES_FILE)
+    full_env["NBDDP_LAUNCHER_PID"] = str(os.getpid())
+    if collective_timeout_s:
+        full_env["NBDDP_TIMEOUT"] = str(max(1, round(collective_timeout_s)))
+    if resume:
+        full_env["NBDDP_RESUME"] = "1"
+    return LaunchPlan(
+        argv=tuple(argv), env=full_env, cwd=Path(cwd or script.parent).resolve(), run_dir=run_dir,
+        script=script, nproc=nproc, timeout_s=timeout_s,
+    )
+
+
+def check_master_port(torchrun_args: list[str]) -> None:
+    """Refuse a user-chosen ``--master-port`` that is no port number, or that something on this machine
+    already listens on.
+
+    Busy is checked only for a single-node job: across nodes the port is on the master's host, not
+    necessarily this one.
+    """
+    port = _arg_value(torchrun_args, "master-port")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise LaunchError(f"--master-port takes a port number from 1 to 65535, not {port!r}")
+    if _arg_value(torchrun_args, "nnodes") not in (None, "1", "1:1"):
+        return
+    if port and not port_is_free(int(port)):
+        raise LaunchError(
+            f"port {port} (--master-port) is already in use on this machine; "
+            "leave --master-port out and torchrun picks a free port"
+        )
+
+
+def _arg_value(args: list[str], name: str) -> str | None:
+    """The last value of a torchrun option, given as ``--name=v`` or ``--name v`` (``-`` or ``_`` inside)."""
+    pattern = re.compile("--" + re.escape(name).replace("\\-", "[-_]") + r"(?:=(.*))?")
+    value = None
+    for i, a in enumerate(args):
+        m = pattern.fullmatch(a)
+        if m:
+            value = m.group(1) if m.group(1) is not None else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def port_is_free(port: int) -> bool:
+    """True when a server could listen on ``port`` on every interface, as torchrun's TCPStore does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replace_stack: bool | None = None) -> None:
+    """Run each install once, in this process's Python environment (``pip`` → ``python -m pip``).
+
+    An install that would replace the running torch or CUDA stack (``stack_replacement``) is named and
+    skipped: the ranks would start on a half-replaced torch. ``replace_stack`` (default: ``NBDDP_REPLACE_TORCH=1``)
+    runs it anyway.
+    """
+    if replace_stack is None:
+        replace_stack = shell_lines.replace_stack_allowed()
+    say = sink or stdout_sink
+    for argv in commands:
+        reason = None if replace_stack else shell_lines.stack_replacement(argv)
+        if reason:
+            say("stdout", f"nbddp: not installing `{' '.join(argv)}`: {reason} (NBDDP_REPLACE_TORCH=1 installs it)\n")
+            continue
+        argv = selflaunch.install_argv(argv)
+        say("stdout", f"nbddp: installing: {' '.join(argv)}\n")
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode:
+            raise LaunchError(f"install failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stdout[-2000:]}")
+
+
+def find_rank_log(log_dir: Path, rank: int, stream: str = "stdout") -> Path | None:
+    """The newest attempt's log of a local rank: ``<log_dir>/<run id>/attempt_N/<rank>/<stream>.log``."""
+    found = sorted(log_dir.glob(f"*/attempt_*/{rank}/{stream}.log"), key=attempt)
+    return found[-1] if found else None
+
+
+def attempt(path: Path) -> int:
+    """The attempt a file under the log directory belongs to (torchrun restarts count up from 0)."""
+    m = re.search(r"attempt_(\d+)", str(path))
+    return int(m.group(1)) if m else 0
+
+
+def newest_attempt(log_dir: Path, name: str) -> list[Path]:
+    """``<log_dir>/<run id>/attempt_N/<local rank>/<name>`` files of the newest attempt only."""
+    found = list(log_dir.glob(f"*/attempt_*/*/{name}"))
+    newest = max((attempt(p) for p in found), default=None)
+    return [p for p in found if attempt(p) == newest]
+
+
+def stdout_sink(stream: str, text: str) -> None:
+    """The sink when none is given: this process's stdout and stderr."""
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    out.write(text)
+    out.flush()

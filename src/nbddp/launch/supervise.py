@@ -1,0 +1,318 @@
+"""Run a planned job to its end: start torchrun, stream rank 0 live, read its metrics, stop it cleanly.
+
+torchrun (started through ``nbddp.agent``, which is torchrun's own ``main`` plus a failure record) writes
+each rank's stdout and stderr to files under the run directory (``--log-dir``, ``--redirects 3``). The
+launcher follows rank 0's files as they grow and hands new text to a sink, reads the metrics rank 0
+writes, and when the job ends has the post-mortem (``postmortem``) map the root failure and the stacks
+back to notebook cells. Whatever ends the wait — the job, an interrupt, a timeout — every process the job
+started is gone before ``launch`` returns: a rank asked first to dump its stacks (``ask_for_stacks``), then
+the whole tree ended (``terminate_tree``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from ..errors import LaunchError
+from ..runtime import records
+from ..runtime.sourcemap import read_source_map
+from .planning import LaunchPlan, Sink, find_rank_log, newest_attempt, stdout_sink
+from .postmortem import RunResult, read_failure, read_stacks, where_ranks_were
+
+#: Seconds between two looks at the log files.
+POLL_S = 0.05
+#: Seconds the processes get to exit after SIGTERM before SIGKILL.
+GRACE_S = 3.0
+#: Seconds the ranks get to write their stacks before a timeout or an interrupt stops them.
+STACKS_WAIT_S = 2.0
+
+
+def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None) -> RunResult:
+    """Run the plan to the end; stream rank 0 to ``sink``; leave no process behind whatever happens.
+
+    A Ctrl-C (``KeyboardInterrupt``), SIGTERM or SIGHUP (a scheduler's stop, a closed terminal) or the
+    plan's timeout stops every rank; another of those signals while they are being stopped is held back until
+    they are gone, so it cannot leave ranks running. A SIGTERM or SIGHUP that would have ended this process
+    ends it once the ranks are gone and the stop is reported (``_StopSignals``).
+    """
+    sink = sink or stdout_sink
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with open(plan.run_dir / "torchrun.log", "wb") as agent_log:
+        try:
+            proc = subprocess.Popen(
+                plan.argv, cwd=plan.cwd, env=plan.env, stdout=agent_log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        except OSError as exc:
+            raise LaunchError(f"cannot start torchrun: {exc}") from None
+        followers = [_Follower(plan.log_dir, 0, stream, sink) for stream in ("stdout", "stderr")]
+        metrics = _MetricsReader(plan.metrics_path, on_metrics)
+        interrupted = timed_out = False
+        with _StopSignals() as stop:
+            try:
+                while proc.poll() is None:
+                    for f in followers:
+                        f.poll()
+                    metrics.poll()
+                    if plan.timeout_s and time.monotonic() - started > plan.timeout_s:
+                        timed_out = True
+                        break
+                    time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                stop.waiting = False  # from here a stop signal is only noted
+                with _interrupts_held() as held:
+                    if (timed_out or interrupted) and proc.poll() is None:
+                        ask_for_stacks(proc, plan.log_dir)
+                    terminate_tree(proc)
+                interrupted = interrupted or bool(held)
+                stop.note(next((h for h in held if h != signal.SIGINT), None))
+                stopped_by = stop.received
+        for f in followers:
+            f.poll(final=True)
+        metrics.poll()
+        metrics.add_last_step()
+    code = proc.returncode
+    failure, stacks = None, ()
+    if code != 0 or timed_out or interrupted:
+        stacks = read_stacks(plan.log_dir, plan.script, read_source_map(plan.script))
+        if not (timed_out or interrupted):  # ranks failing as they are stopped are not the cause
+            failure = read_failure(plan.log_dir, plan.script, failures=plan.failures_path)
+        if failure:  # the failed rank's own place is in the failure itself
+            stacks = tuple(st for st in stacks if st.rank != failure.rank)
+    result = RunResult(
+        returncode=code if code is not None else -1,
+        run_dir=plan.run_dir,
+        script=plan.script,
+        duration_s=time.monotonic() - started,
+        log_history=tuple(metrics.records),
+        failure=failure,
+        interrupted=interrupted,
+        timed_out=timed_out,
+        stacks=stacks,
+        stopped_by=stopped_by,
+    )
+    if interrupted or timed_out:  # a hang is often ended this way: say where each rank was
+        what = "interrupted" if interrupted else f"timed out after {plan.timeout_s:.0f} s"
+        if stopped_by:
+            what = f"stopped by {signal.Signals(stopped_by).name}"
+        where = "".join(f"nbddp:   {line}\n" for line in where_ranks_were(result))
+        run_dir = f"nbddp:   run directory: {plan.run_dir}\n" if stopped_by else ""
+        with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
+            sink("stderr", f"\nnbddp: {what}; every rank has been stopped.\n{where}{run_dir}")
+    stop.pass_on()
+    return result
+
+
+#: Signals that stop a job the way Ctrl-C does: a scheduler's stop, a terminal closed under the launcher.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class JobStopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the launcher while it waited for the job: handled as an interrupt."""
+
+
+def raise_job_stopped(signum, frame) -> None:
+    """A SIGTERM/SIGHUP handler for a program that reads ``RunResult.stopped_by`` itself (the CLI): outside a
+    job it raises ``JobStopped``; after a job ``launch`` leaves the signal to the program's return value."""
+    raise JobStopped(signum)
+
+
+class _StopSignals:
+    """While entered (main thread only), SIGTERM and SIGHUP raise ``JobStopped`` where the launcher waits.
+
+    A signal this process ignored stays ignored (``nohup``). ``pass_on()``, once the ranks are gone and the
+    stop reported, gives the signal to whatever handled it before: a handler is called (but for
+    ``raise_job_stopped``, whose program reads ``RunResult.stopped_by``), and the default action (ending
+    this process, e.g. a kernel being shut down) is carried out, so a stop is never swallowed.
+    """
+
+    def __init__(self):
+        self.previous: dict[int, object] = {}
+        self.received: int | None = None
+        self.waiting = True  # raise while the launcher waits for the job; afterwards only note
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.previous[sig] = signal.signal(sig, self._raise)
+        return self
+
+    def _raise(self, signum, frame) -> None:
+        first = self.received is None
+        self.note(signum)
+        if first and self.waiting:
+            raise JobStopped(signum)
+
+    def note(self, signum: int | None) -> None:
+        """Remember the first stop signal, to report it and pass it on."""
+        self.received = self.received or signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def pass_on(self) -> None:
+        handler = self.previous.get(self.received)
+        if self.received is None or handler is None:
+            return
+        if callable(handler) and handler is not raise_job_stopped:
+            handler(self.received, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), self.received)
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Hold SIGINT, SIGTERM and SIGHUP back for the duration of the block (main thread only); yields the
+    list of those held."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = {}
+    for sig in (signal.SIGINT, *STOP_SIGNALS):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def ask_for_stacks(proc: subprocess.Popen, log_dir: Path, wait_s: float = STACKS_WAIT_S) -> None:
+    """Have every rank of the job write its stacks, and wait for them, before any rank is stopped.
+
+    Stopped all at once, a rank waiting in a collective can see a peer go first and leave the collective
+    with an error: its stack would then say where it died, not where it hung. Each rank's ``stacks.txt``
+    names its pid; SIGUSR1 makes ``faulthandler`` dump every thread there without stopping the rank
+    (``runtime.lifecycle``). Only pids of processes under ``proc`` are signalled.
+    """
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
+        family = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return
+    asked = []
+    for path in newest_attempt(log_dir, records.STACKS_FILE):
+        try:
+            header, _ = records.read_stacks_file(path)
+        except OSError:
+            continue
+        if header and header.pid in family:
+            with contextlib.suppress(OSError):
+                os.kill(header.pid, signal.SIGUSR1)
+                asked.append(path)
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        asked = [p for p in asked if not records.read_stacks_file(p)[1].strip()]
+        time.sleep(POLL_S)
+    time.sleep(POLL_S)  # a dump seen begun is written whole within the signal handler: let it end
+
+
+def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    """End torchrun and every process under it (its workers run in sessions of their own).
+
+    SIGTERM first so torchrun and the ranks can clean up, SIGKILL for whatever is left after ``grace_s``.
+    """
+    try:
+        parent = psutil.Process(proc.pid)
+        family = [parent] + parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    if proc.poll() is None or any(p.is_running() for p in family[1:]):
+        for p in family:
+            _signal(p, signal.SIGTERM)
+        _, alive = psutil.wait_procs(family, timeout=grace_s)
+        for p in alive:
+            _signal(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=grace_s)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+class _Follower:
+    """Follows one rank's log file as it grows and passes new text on, decoding UTF-8 across reads."""
+
+    def __init__(self, log_dir: Path, rank: int, stream: str, sink: Sink):
+        self.log_dir, self.rank, self.stream, self.sink = log_dir, rank, stream, sink
+        self.path: Path | None = None
+        self.offset = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def poll(self, final: bool = False) -> None:
+        newest = find_rank_log(self.log_dir, self.rank, self.stream)
+        if newest is None:
+            return
+        if newest != self.path:  # first sight, or torchrun restarted the workers
+            self.path, self.offset = newest, 0
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        self.offset += len(data)
+        text = self.decoder.decode(data, final=final)
+        if text:
+            self.sink(self.stream, text)
+
+
+class _MetricsReader:
+    """Reads the JSON lines rank 0's metrics callback appends."""
+
+    def __init__(self, path: Path, callback: Callable[[dict], None] | None):
+        self.path, self.callback = path, callback
+        self.offset, self.pending, self.records = 0, b"", []
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        self.offset += len(data)
+        *lines, self.pending = (self.pending + data).split(b"\n")
+        for raw in lines:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue
+            self._add(record)
+
+    def _add(self, record: dict) -> None:
+        self.records.append(record)
+        if self.callback:
+            self.callback(record)
+
+    def add_last_step(self) -> None:
+        """A final "step" record for the last step rank 0 completed, when the "step" lines (written at most
+        every ``metrics.STEP_INTERVAL_S``) stopped short of it."""
+        last = records.read_last_step(self.path)
+        seen = max((int(r.get("step") or 0) for r in self.records), default=0)
+        if last and last[0] > seen:
+            self._add({"event": records.Event.STEP, "step": last[0], "max_steps": last[1], "time": time.time()})

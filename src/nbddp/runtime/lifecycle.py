@@ -1,0 +1,153 @@
+"""Set a rank up and tear it down: device, process group, seeds, shims, and the records a failure leaves.
+
+The generated script calls ``setup()`` first and ``cleanup()`` last; what it calls in between lives in
+``dist`` and the other helper modules. Imported in every rank; nothing here imports IPython, nbformat or
+libcst. Run without torchrun (plain ``python script.py``) it sets up a single process of rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from datetime import timedelta
+
+from . import records
+from .dist import RankInfo, env_int, print0, rank_info, remember, remembered, seed_everything
+
+#: Seconds a collective may wait before the process group gives up (``NBDDP_TIMEOUT``).
+DEFAULT_TIMEOUT_S = 1800
+
+
+def setup() -> RankInfo:
+    """Pick this rank's device, join the process group, and record uncaught errors for the launcher.
+
+    Idempotent. The backend is nccl with GPUs and gloo without; ``NBDDP_TIMEOUT`` bounds collectives.
+    Seeds every rank alike (``NBDDP_SEED``), prints the job's configuration once (rank 0), applies the shims.
+    Also: weight files saved atomically (``saves``), stacks dumped when the rank is stopped, and
+    ``NBDDP_RESUME=1`` resuming ``trainer.train()`` from the last checkpoint (``resume``).
+    """
+    if remembered() is not None:
+        return remembered()
+    _record_uncaught_errors()
+    _record_stacks_on_termination()
+    from . import saves
+
+    saves.install()  # before anything imports transformers or peft, which bind safetensors' save_file
+    import torch
+    import torch.distributed as dist
+
+    info = rank_info()
+    if info.device.startswith("cuda"):
+        torch.cuda.set_device(info.local_rank)
+    elif info.world_size > 1:
+        # Without this, accelerate (and so the Trainer) sees no GPU, picks "not parallel", and every rank
+        # trains alone on the whole dataset; with it, the Trainer runs DDP over gloo (MULTI_CPU).
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    if info.world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
+        dist.init_process_group(backend=info.backend, timeout=timeout)
+        _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
+    remember(info)
+    from . import balance, metrics, resume, rich, shims
+    from .report import get_multi_gpu_config
+
+    seed = seed_everything()
+    metrics.attach()
+    balance.attach(log=lambda line: print0(line, flush=True))  # the Trainer's training sampler token-balanced (NBDDP_BALANCE=0: off)
+    rich.install()
+    resume.attach(log=lambda line: print0(line, flush=True))
+    if info.is_main:
+        print(get_multi_gpu_config(info, seed).summary(), flush=True)
+    shims.apply_all(log=lambda line: print0(line, flush=True))
+    from . import strategy
+
+    strategy.install(log=lambda line: print0(line, flush=True))  # fsdp, split, deepspeed (NBDDP_STRATEGY)
+    from . import divergence, launchers, unused_params
+
+    divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)
+    unused_params.install()  # DDP's "finished reduction" error names the parameters and the fix
+    launchers.install()  # notebook_launcher(fn, args) runs fn(*args) in every rank
+    return info
+
+
+def cleanup() -> None:
+    """Wait for every rank, then leave the process group. Safe to call twice or without ``setup()``.
+
+    The wait and the moment after it are what keep a finished rank from aborting at exit (``sync``).
+    """
+    import torch.distributed as dist
+
+    from . import sync
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            sync.wait_for_every_rank(rank_info().device)
+        dist.destroy_process_group()
+        sync.settle_workers()
+
+
+def _record_uncaught_errors() -> None:
+    """Write uncaught exceptions to torchrun's per-rank error file, in torch elastic's ``error.json`` format.
+
+    ``@record`` does this for a function; a notebook's code runs at module level, so an excepthook does it
+    here, with the traceback of the exception itself.
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or getattr(sys.excepthook, "_nbddp", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        with contextlib.suppress(Exception):
+            write_error_file(os.environ["TORCHELASTIC_ERROR_FILE"], exc_type, exc, tb)
+        previous(exc_type, exc, tb)
+
+    hook._nbddp = True
+    sys.excepthook = hook
+
+
+def write_error_file(path: str, exc_type, exc, tb) -> None:
+    """torch elastic's error record (``records.error_record``) of this rank, written atomically: the agent
+    may read it while this rank dies."""
+    import json
+
+    from .io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(records.error_record(exc_type, exc, tb, rank=env_int("RANK", 0))))
+
+
+#: Where ``faulthandler`` writes this rank's stacks; kept open for the life of the process.
+_stacks_file = None
+
+
+def _record_stacks_on_termination() -> None:
+    """Dump every thread's Python stack to ``stacks.txt`` beside the rank's error file when the launcher asks
+    before stopping the job (SIGUSR1), when the rank is stopped (SIGTERM, sent by torchrun or the launcher)
+    or when it crashes (segfault, abort).
+
+    A rank stuck in a collective or killed on a timeout raises nothing, so this is the only record of what
+    it was doing; ``faulthandler`` writes it from the signal handler even while the rank waits inside C
+    code, then lets SIGTERM end the process as before. The launcher maps the frames to cells.
+
+    Called again after the process group is joined: NCCL installs its own SIGABRT handler there, and its
+    watchdog ends a rank whose collective timed out with an abort, whose stack is the one that matters.
+    """
+    global _stacks_file
+    import faulthandler
+    import signal
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    try:
+        if _stacks_file is None:
+            path = os.path.join(os.path.dirname(error_file), records.STACKS_FILE)
+            _stacks_file = open(path, "w", encoding="utf-8")
+            _stacks_file.write(records.stacks_header(env_int("RANK", 0), os.getpid()))
+            _stacks_file.flush()
+            faulthandler.register(signal.SIGTERM, file=_stacks_file, all_threads=True, chain=True)
+            if hasattr(signal, "SIGUSR1"):  # the launcher's "say where you are" (``launch.ask_for_stacks``)
+                faulthandler.register(signal.SIGUSR1, file=_stacks_file, all_threads=True, chain=False)
+        faulthandler.enable(file=_stacks_file, all_threads=True)
+    except (OSError, ValueError, AttributeError):  # no such folder; not the main thread; no SIGTERM here
+        pass

@@ -1,0 +1,184 @@
+"""The records a job leaves in its run directory: their file names, their formats, and how each is read back.
+
+Ranks and torchrun's agent write them; the launcher reads them when the job ends. Both sides import this
+module, so a format is spelled once:
+
+- ``error.json`` per failed rank: torch elastic's error file (its path is ``TORCHELASTIC_ERROR_FILE``),
+  written by the rank's excepthook, with the global rank and the time to a fraction of a second added;
+- ``stacks.txt`` per rank, beside it: a header naming the rank and its pid, then every ``faulthandler`` dump;
+- ``failures.json``: every failed rank's exit code or signal, from torch elastic's ``ChildFailedError``
+  (``nbddp.agent``);
+- ``metrics.jsonl``: rank 0's events, one JSON object a line, each with an ``event`` (``Event``);
+- ``last_step``: the last Trainer step completed, overwritten in place at every step.
+
+Imported in every rank: nothing here imports torch, IPython, nbformat or libcst.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+#: torch elastic's per-rank error file, in ``<log dir>/<run id>/attempt_N/<local rank>/``.
+ERROR_FILE = "error.json"
+#: Each rank's stack dumps, beside its error file.
+STACKS_FILE = "stacks.txt"
+#: The agent's record of how each failed rank ended, in the run directory.
+FAILURES_FILE = "failures.json"
+#: Rank 0's events, in the run directory (``NBDDP_METRICS`` names it for the ranks).
+METRICS_FILE = "metrics.jsonl"
+#: The last completed step, beside the metrics file.
+LAST_STEP_FILE = "last_step"
+
+
+class Event:
+    """The ``event`` of a line of ``metrics.jsonl``."""
+
+    BEGIN = "begin"  # a Trainer starts training; carries its ``output_dir``
+    STEP = "step"  # a step ended (written at most every ``metrics.STEP_INTERVAL_S``)
+    LOG = "log"  # the Trainer logged (loss, learning rate, …)
+    END = "end"  # the Trainer's training ended
+    DISPLAY = "display"  # rank 0 displayed a rich object: its MIME bundle
+
+
+# --- error.json -----------------------------------------------------------------------------------------
+
+
+def error_record(exc_type, exc, tb, rank: int, now: float | None = None) -> dict:
+    """torch elastic's error record of an exception; beyond torch's fields, ``extraInfo`` carries the global
+    ``rank`` (the file's folder only names the local rank) and ``time`` in fractions of a second, which orders
+    failures that fall within one second."""
+    import traceback
+
+    now = time.time() if now is None else now
+    return {
+        "message": {
+            "message": f"{exc_type.__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                "timestamp": str(int(now)),
+                "time": now,
+                "rank": rank,
+            },
+        }
+    }
+
+
+class RankError(NamedTuple):
+    """What a rank's ``error.json`` says: which global rank raised what, when, and its traceback."""
+
+    rank: int
+    time: float
+    message: str
+    callstack: str
+
+
+def read_error(path: Path) -> RankError | None:
+    """A rank's ``error.json`` (ours or one torch wrote itself); None when it cannot be read.
+
+    A file without our ``rank`` is taken as the rank its folder names; torch writes a plain string message
+    for some failures, and only a whole second.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message", {})
+    if isinstance(msg, str):
+        msg = {"message": msg, "extraInfo": {}}
+    info = msg.get("extraInfo", {})
+    return RankError(
+        rank=int(info.get("rank", Path(path).parent.name)),
+        time=float(info.get("time") or info.get("timestamp") or 0),
+        message=msg.get("message", ""),
+        callstack=info.get("py_callstack", ""),
+    )
+
+
+# --- stacks.txt -----------------------------------------------------------------------------------------
+
+
+class StacksHeader(NamedTuple):
+    rank: int
+    pid: int
+
+
+def stacks_header(rank: int, pid: int) -> str:
+    """The first line of a rank's ``stacks.txt``: the launcher finds the rank and the pid to signal there."""
+    return f"nbddp: stacks of rank {rank} (pid {pid})\n"
+
+
+_HEADER = re.compile(r"nbddp: stacks of rank (\d+) \(pid (\d+)\)")
+
+
+def read_stacks_file(path: Path) -> tuple[StacksHeader | None, str]:
+    """A ``stacks.txt``: its header (None when it has none) and the dumps below it ("" while none is written).
+
+    Raises ``OSError`` when the file cannot be read.
+    """
+    header, _, dumps = Path(path).read_text(errors="replace").partition("\n")
+    m = _HEADER.search(header)
+    return (StacksHeader(int(m.group(1)), int(m.group(2))) if m else None), dumps
+
+
+# --- failures.json --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one failed rank ended, as torch elastic's ``ProcessFailure`` says: a negative ``exitcode`` is the
+    signal that killed it; ``timestamp`` is whole seconds, when the agent noticed."""
+
+    rank: int
+    exitcode: int
+    timestamp: int
+    local_rank: int | None = None
+    pid: int | None = None
+    signal: str | None = None
+    error_file: str | None = None
+
+
+def failures_record(root_rank: int, exits: Iterable[RankExit]) -> dict:
+    """``failures.json``'s content: torch elastic's root cause and every failed rank."""
+    return {"root_rank": int(root_rank), "failures": [asdict(e) for e in exits]}
+
+
+def read_failures(path: Path | None) -> list[RankExit]:
+    """Every failed rank of ``failures.json``; none when there is no such file or it cannot be read."""
+    if path is None:
+        return []
+    try:
+        entries = json.loads(Path(path).read_text()).get("failures", [])
+        return [RankExit(rank=e["rank"], exitcode=e["exitcode"], timestamp=e["timestamp"],
+                         local_rank=e.get("local_rank"), pid=e.get("pid"), signal=e.get("signal"),
+                         error_file=e.get("error_file")) for e in entries]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []
+
+
+# --- last_step ------------------------------------------------------------------------------------------
+
+
+def last_step_path(metrics_path: str | os.PathLike) -> str:
+    """The file holding ``"<step> <max_steps>"`` of the last completed step, beside the metrics file."""
+    return os.path.join(os.path.dirname(os.fspath(metrics_path)), LAST_STEP_FILE)
+
+
+def write_last_step(fd: int, step: int, max_steps: int) -> None:
+    """One ``pwrite``, same width each time: the file always holds one whole record."""
+    os.pwrite(fd, b"%20d %20d\n" % (step, max_steps or 0), 0)
+
+
+def read_last_step(metrics_path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(step, max_steps)`` from ``last_step_path``, or None when there is none (no Trainer ran)."""
+    try:
+        with open(last_step_path(metrics_path), "rb") as fh:
+            step, total = fh.read().split()[:2]
+        return int(step), int(total)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,247 @@
+"""The job's strategy in a rank (``NBDDP_STRATEGY``: ddp, fsdp, split or deepspeed; the launcher sets it).
+
+- ``fsdp``: the Trainer's training arguments get ``fsdp=True`` with an FSDP2 ``fsdp_config`` (accelerate's
+  plugin then shards each decoder layer with ``fully_shard``); ``_nbddp.ddp(model)`` in a plain loop shards
+  with ``fully_shard`` itself (``shard``); a 4-bit ``BitsAndBytesConfig`` stores its weights in the compute
+  dtype (``bnb_4bit_quant_storage``), without which FSDP cannot shard them. accelerate picks FSDP only for
+  GPU-like devices and silently falls back to DDP under gloo on CPU; there it is told FSDP too, so a CPU job
+  runs what a GPU job runs.
+- ``split``: one process; ``_nbddp.device_map()`` is ``"balanced"``, so accelerate spreads the layers over
+  every GPU.
+- ``deepspeed``: the training arguments get a generated ZeRO config (stage ``NBDDP_DEEPSPEED_STAGE``, 3 by
+  default), the rest left to the Trainer's ``"auto"`` values.
+
+A notebook's own ``fsdp``/``deepspeed`` arguments are kept. Libraries are patched when the notebook imports
+them; nothing here imports transformers or accelerate itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from .patching import wrap, when_imported
+
+STRATEGIES = ("ddp", "fsdp", "split", "deepspeed")
+
+#: The FSDP2 settings the Trainer gets: each decoder layer (the model's ``_no_split_modules``) sharded,
+#: a full state dict gathered for saving (written by rank 0 alone).
+FSDP_CONFIG = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "FULL_STATE_DICT",
+               "reshard_after_forward": True}
+
+
+def current() -> str:
+    value = os.environ.get("NBDDP_STRATEGY", "ddp").strip().lower() or "ddp"
+    if value not in STRATEGIES:
+        raise ValueError(f"NBDDP_STRATEGY must be one of {', '.join(STRATEGIES)}, not {value!r}")
+    return value
+
+
+def install(log: Callable[[str], None] = print) -> None:
+    """Patch what the strategy needs, once the notebook imports the library; say it on rank 0."""
+    strategy = current()
+    if strategy == "fsdp":
+        when_imported("transformers.training_args", lambda m: wrap(m.TrainingArguments, "__post_init__", _with_fsdp))
+        when_imported("transformers.utils.quantization_config", _store_4bit_in_compute_dtype)
+        when_imported("accelerate.state", _fsdp_on_cpu_too)
+        when_imported("transformers.trainer", lambda m: wrap(m.Trainer, "train", _gathering_after_training))
+        when_imported("accelerate.accelerator", lambda m: wrap(m.Accelerator, "get_state_dict", _gathered_state_dict))
+        when_imported("transformers.modeling_utils",
+                      lambda m: wrap(m.PreTrainedModel, "save_pretrained", _saving_the_gathered_state_dict))
+        when_imported("peft.peft_model", lambda m: wrap(m.PeftModel, "save_pretrained", _saving_the_gathered_state_dict))
+        log("nbddp: strategy fsdp: the Trainer shards each layer with FSDP2 (fsdp_config version 2), "
+            "_nbddp.ddp(model) with fully_shard; saving gathers a full state dict on rank 0")
+    elif strategy == "deepspeed":
+        when_imported("transformers.training_args", lambda m: wrap(m.TrainingArguments, "__post_init__", _with_deepspeed))
+        log(f"nbddp: strategy deepspeed: the Trainer runs ZeRO stage {deepspeed_stage()} from a generated config")
+    elif strategy == "split":
+        _one_plain_process()
+        log("nbddp: strategy split: one process, the model spread over every GPU (device_map='balanced'); "
+            "layers run one GPU after another")
+
+
+#: torchrun's variables that make accelerate (and so the Trainer) take one process for a distributed job.
+TORCHRUN_RANK_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                           "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+
+
+def _one_plain_process() -> None:
+    """Split mode's single process, started by torchrun, is not a distributed job: with torchrun's
+    ``LOCAL_RANK`` accelerate would call it one, and refuse a model spread over several GPUs ("You can't
+    train a model that has been loaded with device_map='auto' in any distributed mode"). The rank is already
+    known (``dist.rank_info``); the variables go."""
+    for name in TORCHRUN_RANK_VARIABLES:
+        os.environ.pop(name, None)
+
+
+# ---- fsdp ------------------------------------------------------------------------------------------------
+
+
+def _with_fsdp(post_init):
+    def __post_init__(self, *args, **kwargs):
+        if not getattr(self, "fsdp", None) and not getattr(self, "deepspeed", None):
+            self.fsdp = True
+            self.fsdp_config = {**FSDP_CONFIG, **(self.fsdp_config if isinstance(self.fsdp_config, dict) else {})}
+        return post_init(self, *args, **kwargs)
+
+    return __post_init__
+
+
+def _store_4bit_in_compute_dtype(module) -> bool:
+    """FSDP flattens and shards tensors of one dtype: 4-bit weights packed in uint8 cannot be sharded beside
+    16-bit ones, so they are stored in the compute dtype (bitsandbytes' ``bnb_4bit_quant_storage``)."""
+
+    def make(init):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if getattr(self, "load_in_4bit", False) and "bnb_4bit_quant_storage" not in kwargs:
+                self.bnb_4bit_quant_storage = self.bnb_4bit_compute_dtype
+
+        return __init__
+
+    return wrap(module.BitsAndBytesConfig, "__init__", make)
+
+
+def _fsdp_on_cpu_too(module) -> bool:
+    """accelerate keeps its FSDP plugin only for GPU-like devices; under gloo (MULTI_CPU) it drops it and
+    runs DDP. Told FSDP there too, the CPU job shards as a GPU job does (FSDP2's ``fully_shard`` runs on gloo)."""
+    state = module
+
+    def make(init):
+        def __init__(self, *args, fsdp_plugin=None, **kwargs):
+            init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+            if fsdp_plugin is not None and self.distributed_type == state.DistributedType.MULTI_CPU:
+                self.distributed_type = state.DistributedType.FSDP
+                self.fsdp_plugin = fsdp_plugin
+                # later AcceleratorState() calls copy PartialState's type back over this one
+                state.PartialState._shared_state["distributed_type"] = state.DistributedType.FSDP
+
+        return __init__
+
+    return wrap(module.AcceleratorState, "__init__", make)
+
+
+#: Where a model keeps the whole state dict gathered when its training ended (rank 0; empty elsewhere).
+GATHERED = "_nbddp_gathered_state_dict"
+
+
+def _gathering_after_training(train):
+    """Saving comes after training on rank 0 alone (the converter puts it there), but gathering a sharded
+    model's state dict is a collective every rank must join: so every rank gathers it as ``train()`` ends,
+    while all are still there, and rank 0 keeps it on the CPU for the saves that follow (trainable weights
+    only where some are frozen: a LoRA adapter, not the base model)."""
+
+    def wrapper(self, *args, **kwargs):
+        model = getattr(self, "model", None)
+        if model is not None:
+            model.__dict__.pop(GATHERED, None)  # a second training makes new weights
+        result = train(self, *args, **kwargs)
+        if getattr(self, "is_fsdp_enabled", False) and _is_sharded(self.model):
+            self.model.__dict__[GATHERED] = gather(self.model)
+        return result
+
+    return wrapper
+
+
+def gather(model) -> dict:
+    """The model's whole state dict on rank 0 (CPU), {} on the others; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
+    return get_model_state_dict(model, options=options)
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _gathered_state_dict(get_state_dict):
+    def wrapper(self, model, *args, **kwargs):
+        gathered = getattr(model, "__dict__", {}).get(GATHERED)
+        return gathered if gathered is not None else get_state_dict(self, model, *args, **kwargs)
+
+    return wrapper
+
+
+def _saving_the_gathered_state_dict(save_pretrained):
+    def wrapper(self, *args, **kwargs):
+        gathered = self.__dict__.get(GATHERED)
+        if gathered is not None and kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = gathered
+        return save_pretrained(self, *args, **kwargs)
+
+    return wrapper
+
+
+def shard(model):
+    """``fully_shard`` each of the model's repeated blocks (its ``_no_split_modules`` classes, else the
+    items of its largest ``ModuleList``), then the whole model; returns the model, sharded in place."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return model
+    for block in _blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _blocks(model) -> list:
+    import torch
+
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len, default=[]))
+
+
+def local_numel(model) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole model): a sharded parameter counts its local shard."""
+    held = total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        held += local.numel()
+        total += p.numel()
+    return held, total
+
+
+# ---- deepspeed -------------------------------------------------------------------------------------------
+
+
+def deepspeed_stage() -> int:
+    stage = os.environ.get("NBDDP_DEEPSPEED_STAGE", "3").strip()
+    if stage not in ("2", "3"):
+        raise ValueError(f"NBDDP_DEEPSPEED_STAGE must be 2 or 3, not {stage!r}")
+    return int(stage)
+
+
+def deepspeed_config(stage: int) -> dict:
+    """A ZeRO config whose sizes and precisions the Trainer fills in from its own arguments ("auto")."""
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # save_model writes whole weights on rank 0
+    return {
+        "zero_optimization": zero,
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "fp16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto"},
+    }
+
+
+def _with_deepspeed(post_init):
+    def __post_init__(self, *args, **kwargs):
+        if not getattr(self, "deepspeed", None) and not getattr(self, "fsdp", None):
+            self.deepspeed = deepspeed_config(deepspeed_stage())
+        return post_init(self, *args, **kwargs)
+
+    return __post_init__

@@ -1,0 +1,428 @@
+"""Which way to spread a job over the GPUs, from what its script loads and how it trains.
+
+``decide(script_text, cwd, requested)`` reads the converted script (``ast``, no import of the user's
+libraries): the model it loads (the id or folder given to a loader's ``from_pretrained``; its
+``config.json`` from the folder or the Hugging Face cache, never the network), the dtype and 4/8-bit
+quantization, the LoRA rank and target modules, the per-device batch size, the sequence length and
+gradient checkpointing. ``estimate`` turns these into the bytes one rank needs under each strategy, and
+``choose`` picks for ``auto``: DDP where one GPU holds a whole replica, else FSDP (weights, gradients and
+optimizer states sharded over the ranks), else split (one process, the model's layers spread over every
+GPU). The ``Decision`` says what it picked and why (``summary()``).
+
+Light on purpose: nothing here imports torch; the GPUs' free memory comes from a child process, so the
+kernel never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import NbddpError
+
+STRATEGIES = ("auto", "ddp", "fsdp", "split", "deepspeed")
+GiB = 2**30
+#: What a GPU keeps for itself beyond the tensors: the CUDA context, the allocator's slack, NCCL's buffers.
+OVERHEAD_BYTES = int(0.9 * GiB)
+#: The share of a GPU's free memory the estimate may fill: estimates are rough, out-of-memory is costly.
+HEADROOM = 0.9
+
+#: Unsloth's loader classes: FSDP cannot shard what they build.
+_UNSLOTH = ("FastLanguageModel", "FastModel", "FastVisionModel", "FastTextModel")
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
+#: Optimizers whose two states take 2 bytes a parameter instead of 8.
+_EIGHT_BIT_OPTIM = ("8bit", "bnb")
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What the script says about its model and training; None where it does not say."""
+
+    model: str | None = None
+    unsloth: bool = False
+    dtype: str | None = None  # "float16", "bfloat16", "float32", "auto" or None (the checkpoint's)
+    bits: int = 16  # 4 or 8 with bitsandbytes
+    lora_r: int | None = None
+    lora_targets: tuple[str, ...] | str | None = None
+    batch: int = 8  # the Trainer's default per-device batch size
+    seq_len: int | None = None
+    checkpointing: bool = False
+    optim: str = "adamw_torch"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes one rank needs, and how they add up (``parts``: name → bytes for a DDP rank)."""
+
+    params: int
+    trainable: int
+    ddp: int
+    fsdp: int  # per rank, sharded over ``world`` ranks
+    split_total: int  # all GPUs together, one process
+    world: int
+    parts: dict[str, int] = field(default_factory=dict)
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The strategy a job runs with, why, and the estimate behind it (None where the size was unknown)."""
+
+    strategy: str
+    reason: str
+    requested: str = "auto"
+    estimate: Estimate | None = None
+    gpu_free: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        lines = [f"nbddp: strategy {self.strategy}" + ("" if self.requested == self.strategy else
+                                                       f" ({self.requested} chose it)") + f": {self.reason}"]
+        e = self.estimate
+        if e:
+            parts = ", ".join(f"{name} {_gib(n)}" for name, n in e.parts.items() if n)
+            lines.append(f"nbddp: memory per GPU: ddp {_gib(e.ddp)} ({parts}); fsdp over {e.world} {_gib(e.fsdp)}; "
+                         f"split {_gib(e.split_total)} in all ({e.source})")
+        if self.gpu_free:
+            lines.append(f"nbddp: GPUs: {len(self.gpu_free)}, smallest free {_gib(min(self.gpu_free))}")
+        lines += [f"nbddp: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+# ---- the script's facts ----------------------------------------------------------------------------------
+
+
+def read_shape(script_text: str) -> JobShape:
+    """The model and training facts of a converted script (or any Python source)."""
+    tree = ast.parse(script_text)
+    strings = _literal_names(tree)
+    found: dict = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            _read_call(node, strings, found)
+    return JobShape(**found)
+
+
+def _literal_names(tree: ast.Module) -> dict[str, object]:
+    """Top-level ``NAME = literal`` bindings (papermill's parameters, ``model_id = "…"``): the last wins."""
+    names: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                names[node.targets[0].id] = ast.literal_eval(node.value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                names.pop(node.targets[0].id, None)
+    return names
+
+
+def _callee(node: ast.Call) -> tuple[str, str]:
+    """``(owner, attribute)`` of ``Owner.attr(…)``, ``("", name)`` of ``name(…)``."""
+    f = node.func
+    if isinstance(f, ast.Attribute):
+        owner = f.value.attr if isinstance(f.value, ast.Attribute) else getattr(f.value, "id", "")
+        return owner, f.attr
+    return "", getattr(f, "id", "")
+
+
+def _value(node: ast.AST | None, strings: dict) -> object:
+    """A literal, a name bound to one, ``torch.float16`` as ``"float16"``; None otherwise."""
+    if node is None:
+        return None
+    if isinstance(node, ast.Name) and node.id in strings:
+        return strings[node.id]
+    if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "torch":
+        return node.attr
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _keywords(node: ast.Call, strings: dict) -> dict[str, object]:
+    return {k.arg: _value(k.value, strings) for k in node.keywords if k.arg}
+
+
+def _read_call(node: ast.Call, strings: dict, found: dict) -> None:
+    owner, name = _callee(node)
+    kw = _keywords(node, strings)
+    if name == "from_pretrained" and _is_model_loader(owner):
+        first = node.args[0] if node.args else next(
+            (k.value for k in node.keywords if k.arg in ("pretrained_model_name_or_path", "model_name")), None)
+        source = _value(first, strings)
+        if isinstance(source, str) and "model" not in found:
+            found["model"] = source
+            found["unsloth"] = owner in _UNSLOTH
+            dtype = kw.get("dtype") or kw.get("torch_dtype")
+            found["dtype"] = dtype if isinstance(dtype, str) else None
+            if kw.get("load_in_4bit"):
+                found["bits"] = 4
+            elif kw.get("load_in_8bit"):
+                found["bits"] = 8
+            if isinstance(kw.get("max_seq_length"), int):  # Unsloth's loaders take it
+                found.setdefault("seq_len", kw["max_seq_length"])
+    elif name == "BitsAndBytesConfig":
+        if kw.get("load_in_4bit"):
+            found["bits"] = 4
+        elif kw.get("load_in_8bit"):
+            found["bits"] = 8
+    if _turns_on_checkpointing(owner, name, kw):
+        found["checkpointing"] = True
+    if name in ("LoraConfig", "get_peft_model") and kw.get("r") is not None:
+        found["lora_r"] = int(kw["r"])
+        targets = kw.get("target_modules")
+        found["lora_targets"] = tuple(targets) if isinstance(targets, (list, tuple)) else targets
+    elif name in ("LoraConfig", "get_peft_model") and "lora_r" not in found:
+        found["lora_r"] = 8  # PEFT's default rank
+    elif name.endswith("Config") and "per_device_train_batch_size" in kw or name == "TrainingArguments":
+        _read_trainer_config(kw, found)
+
+
+def _turns_on_checkpointing(owner: str, name: str, kw: dict) -> bool:
+    if name == "gradient_checkpointing_enable":
+        return True
+    if "use_gradient_checkpointing" in kw:
+        return bool(kw["use_gradient_checkpointing"])
+    # PEFT's k-bit preparation and Unsloth's get_peft_model checkpoint unless told not to
+    return name == "prepare_model_for_kbit_training" or (name == "get_peft_model" and owner in _UNSLOTH)
+
+
+def _is_model_loader(owner: str) -> bool:
+    return owner in _UNSLOTH or owner.startswith("AutoModel") or "For" in owner
+
+
+def _read_trainer_config(kw: dict, found: dict) -> None:
+    if isinstance(kw.get("per_device_train_batch_size"), int):
+        found["batch"] = kw["per_device_train_batch_size"]
+    for key in ("max_seq_length", "max_length"):
+        if isinstance(kw.get(key), int):
+            found["seq_len"] = kw[key]
+    if kw.get("gradient_checkpointing"):
+        found["checkpointing"] = True
+    if isinstance(kw.get("optim"), str):
+        found["optim"] = kw["optim"]
+
+
+# ---- the model's size ------------------------------------------------------------------------------------
+
+
+def read_config(model: str, cwd: str | os.PathLike | None = None) -> dict | None:
+    """The model's ``config.json``: from its folder, else from the Hugging Face cache; None when neither has it.
+
+    Never reaches the network: a hub id not in the cache stays unknown.
+    """
+    folder = Path(cwd or ".") / model
+    if (folder / "config.json").is_file():
+        return json.loads((folder / "config.json").read_text())
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except Exception:  # not a repository id (a path that does not exist, a malformed name)
+        return None
+    return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A decoder's sizes, from its config."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    q_out: int
+    kv_out: int
+    experts: int
+    tied: bool
+    dtype: str
+
+    @classmethod
+    def of(cls, config: dict) -> "Dims":
+        c = config.get("text_config") or config
+        hidden = int(c["hidden_size"])
+        heads = int(c.get("num_attention_heads") or 1)
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        return cls(
+            vocab=int(c.get("vocab_size") or config.get("vocab_size") or 32000),
+            hidden=hidden,
+            intermediate=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden),
+            layers=int(c.get("num_hidden_layers") or c.get("n_layer") or 1),
+            q_out=heads * head_dim,
+            kv_out=kv_heads * head_dim,
+            experts=int(c.get("num_local_experts") or c.get("num_experts") or 1),
+            tied=bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
+            dtype=str(c.get("torch_dtype") or c.get("dtype") or config.get("torch_dtype") or "float32"),
+        )
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each of a layer's linear modules, by the names LoRA targets."""
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, self.q_out), "k_proj": (h, self.kv_out), "v_proj": (h, self.kv_out),
+                "o_proj": (self.q_out, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_linear_params(self) -> int:
+        return sum(a * b * (self.experts if name in ("gate_proj", "up_proj", "down_proj") else 1)
+                   for name, (a, b) in self.linears().items())
+
+    def params(self) -> tuple[int, int]:
+        """(parameters in linear layers that quantization shrinks, the rest: embeddings, head, norms)."""
+        linear = self.layers * self.layer_linear_params()
+        other = self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+        return linear, other
+
+    def lora_params(self, r: int, targets) -> int:
+        names = self.linears()
+        if targets in (None, ()):
+            chosen = ["q_proj", "v_proj"]  # PEFT's default for Llama-like models
+        elif targets == "all-linear" or not isinstance(targets, (tuple, list)):
+            chosen = list(names)
+        else:
+            chosen = [t for t in targets if t in names]
+        per_layer = sum(r * sum(names[t]) * (self.experts if t in ("gate_proj", "up_proj", "down_proj") else 1)
+                        for t in chosen)
+        return self.layers * per_layer
+
+
+def estimate(shape: JobShape, config: dict, world: int) -> Estimate:
+    """Bytes per rank under DDP and FSDP (over ``world`` ranks), and in all under split."""
+    dims = Dims.of(config)
+    dtype = shape.dtype if shape.dtype not in (None, "auto") else dims.dtype
+    width = _DTYPE_BYTES.get(dtype.replace("torch.", ""), 2)
+    linear, other = dims.params()
+    weight_width = {4: 0.5 + 0.04, 8: 1.0 + 0.03}.get(shape.bits, width)  # bnb's scales add a little
+    weights = int(linear * weight_width + other * width)
+    params = linear + other
+    if shape.lora_r:
+        trainable = dims.lora_params(shape.lora_r, shape.lora_targets)
+        train_width = 4  # PEFT keeps adapters in fp32
+    else:
+        trainable, train_width = params, width
+    optim_width = 2 if any(s in shape.optim for s in _EIGHT_BIT_OPTIM) else 8
+    adapter = trainable * train_width if shape.lora_r else 0
+    grads = trainable * train_width
+    optimizer = trainable * optim_width
+    activations = _activations(dims, shape, min(width, 2))
+    parts = {"weights": weights, "adapter": adapter, "gradients": grads, "optimizer": optimizer,
+             "activations": activations, "overhead": OVERHEAD_BYTES}
+    ddp = sum(parts.values())
+    sharded = weights + adapter + grads + optimizer
+    layer = int(dims.layer_linear_params() * weight_width)
+    fsdp = sharded // max(world, 1) + 2 * layer + activations + OVERHEAD_BYTES  # two layers gathered at a time
+    split_total = weights + adapter + grads + optimizer + activations + OVERHEAD_BYTES * max(world, 1)
+    return Estimate(params, trainable, ddp, fsdp, split_total, world, parts,
+                    source=f"{params / 1e9:.2f}B parameters, {dtype}" + (f", {shape.bits}-bit" if shape.bits < 16 else "")
+                    + (f", LoRA r={shape.lora_r}" if shape.lora_r else ", full fine-tune"))
+
+
+def _activations(dims: Dims, shape: JobShape, width: int) -> int:
+    """Activation memory of one step: about 34·h bytes a token a layer in 16 bits (Korthikanti et al.,
+    attention without its s² term, as SDPA and flash attention keep it), the layer inputs alone under
+    checkpointing plus one layer recomputed; and the logits in fp32 with their gradient."""
+    tokens = shape.batch * (shape.seq_len or 1024)
+    per_layer = 34 * dims.hidden * tokens * width // 2
+    layers = (2 * dims.hidden * tokens * dims.layers + per_layer) if shape.checkpointing else per_layer * dims.layers
+    return int(layers + 2 * tokens * dims.vocab * 4)
+
+
+# ---- the GPUs and the choice -----------------------------------------------------------------------------
+
+_PROBE = ("import json, torch\n"
+          "print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))")
+
+
+def gpu_free_bytes(timeout_s: float = 60.0) -> tuple[int, ...]:
+    """Free bytes on each visible GPU, asked of a child process (this one never initialises CUDA); () when
+    there is none or torch cannot say. ``NBDDP_GPU_MEMORY_GIB`` caps each GPU's share, to choose as on a
+    smaller GPU (a Kaggle T4's 15 GiB on a larger card, with the ranks capped to match)."""
+    free = _ask_gpus(timeout_s)
+    cap = os.environ.get("NBDDP_GPU_MEMORY_GIB", "").strip()
+    return tuple(min(n, int(float(cap) * GiB)) for n in free) if cap else free
+
+
+def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
+    try:
+        import torch
+    except ImportError:
+        return ()
+    if not torch.cuda.device_count():  # NVML's count: no CUDA context
+        return ()
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
+        return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return ()
+
+
+def choose(est: Estimate | None, gpu_free: tuple[int, ...], *, unsloth: bool = False, why_unknown: str = "") -> Decision:
+    """``auto``'s pick: ddp where a replica fits the smallest GPU, else fsdp, else split."""
+    if not gpu_free:
+        return Decision("ddp", "no GPU visible: DDP over gloo on CPU", estimate=est)
+    if est is None:
+        return Decision("ddp", f"{why_unknown}; DDP assumed (--strategy fsdp or split to choose otherwise)",
+                        gpu_free=gpu_free)
+    room = int(min(gpu_free) * HEADROOM)
+    if est.ddp <= room:
+        return Decision("ddp", f"a whole replica ({_gib(est.ddp)}) fits the smallest GPU ({_gib(min(gpu_free))} free)",
+                        estimate=est, gpu_free=gpu_free)
+    too_big = f"a whole replica ({_gib(est.ddp)}) does not fit the smallest GPU ({_gib(min(gpu_free))} free)"
+    notes = ()
+    if unsloth:
+        notes = ("Unsloth's loaders build models FSDP cannot shard (their patched layers and 4-bit kernels "
+                 "expect whole weights on one GPU): FSDP is not an option",)
+    elif len(gpu_free) > 1 and est.fsdp <= room:
+        return Decision("fsdp", f"{too_big}; sharded over {len(gpu_free)} GPUs it needs {_gib(est.fsdp)} each",
+                        estimate=est, gpu_free=gpu_free)
+    if len(gpu_free) > 1 and est.split_total <= int(sum(gpu_free) * HEADROOM):
+        return Decision("split", f"{too_big}; split over {len(gpu_free)} GPUs in one process it needs "
+                        f"{_gib(est.split_total)} in all", estimate=est, gpu_free=gpu_free,
+                        notes=notes + (SPLIT_NOTE,))
+    warning = (f"by this estimate nothing fits {len(gpu_free)} GPU(s) (fsdp {_gib(est.fsdp)} a GPU"
+               f"{', not for Unsloth' if unsloth else ''}; split {_gib(est.split_total)} in all): load the model in 4 "
+               "bits, lower the batch size or sequence length, or turn on gradient checkpointing")
+    return Decision("split", f"{too_big}; split needs the least per GPU", estimate=est, gpu_free=gpu_free,
+                    notes=notes + (warning, SPLIT_NOTE))
+
+
+SPLIT_NOTE = ("split runs the layers one GPU after another in a single process: slower than one GPU would be "
+              "for a model that fits one, and no faster with more GPUs")
+
+
+def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: str = "auto",
+           gpu_free: tuple[int, ...] | None = None) -> Decision:
+    """The strategy a job runs with: ``requested`` itself, checked, or ``auto``'s choice with its estimate."""
+    if requested not in STRATEGIES:
+        raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {requested!r}")
+    shape = read_shape(script_text)
+    if requested == "deepspeed" and not _installed("deepspeed"):
+        raise NbddpError("--strategy deepspeed needs DeepSpeed, which is not installed here: pip install deepspeed "
+                         "(or use --strategy fsdp, which shards the same way with PyTorch alone)")
+    if requested == "fsdp" and shape.unsloth:
+        raise NbddpError("--strategy fsdp cannot shard a model Unsloth loads (its patched layers and 4-bit kernels "
+                         "expect whole weights on one GPU): use --strategy split, or ddp where the model fits one GPU")
+    gpus = gpu_free_bytes() if gpu_free is None and requested == "auto" else (gpu_free or ())
+    config = read_config(shape.model, cwd) if shape.model else None
+    est = estimate(shape, config, max(len(gpus), 2)) if config else None
+    if requested != "auto":
+        notes = (SPLIT_NOTE,) if requested == "split" else ()
+        return Decision(requested, "asked for with --strategy", requested, est, tuple(gpus), notes)
+    unknown = ("no model loader found in the script" if not shape.model else
+               f"the size of {shape.model} is unknown here (no config.json in its folder or the Hugging Face cache)")
+    return choose(est, tuple(gpus), unsloth=shape.unsloth, why_unknown=unknown)
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

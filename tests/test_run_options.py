@@ -1,0 +1,63 @@
+"""``nbddp run`` and ``%%ddp_train`` take the same run options, built from one table, and they reach
+``run_job`` as the same keywords."""
+
+import argparse
+import inspect
+
+import pytest
+
+from nbddp.cli import _parser
+from nbddp.magics import NbddpMagics
+
+SHARED_FLAGS = ("--nproc", "--timeout", "--collective-timeout", "--resume", "--shim", "--no-shim", "--no-checkpointing",
+                "--allow-divergence", "--env", "--skip-installs", "--skip-bad-cells", "--runs-dir", "--nnodes",
+                "--node-rank", "--rdzv-endpoint")
+
+
+def _cli_run_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["run"]
+
+
+def _options(parser: argparse.ArgumentParser) -> dict:
+    """flag → (dest, help, metavar, default) of each optional argument but -h."""
+    return {a.option_strings[-1]: (a.dest, a.help, a.metavar, a.default)
+            for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def test_the_cli_and_the_magic_take_the_same_run_options_with_the_same_help():
+    cli, magic = _options(_cli_run_parser()), _options(NbddpMagics.ddp_train.parser)
+    for flag in SHARED_FLAGS:
+        assert flag in cli and flag in magic, flag
+        assert cli[flag] == magic[flag], flag
+
+
+def test_both_are_built_from_the_table():
+    from nbddp.options import RUN_OPTIONS, dest
+
+    cli, magic = _options(_cli_run_parser()), _options(NbddpMagics.ddp_train.parser)
+    table = {flags[-1]: (dest((flags, kw)), kw["help"]) for flags, kw in RUN_OPTIONS}
+    assert set(table) == set(SHARED_FLAGS)
+    for flag, (name, help_) in table.items():
+        assert cli[flag][:2] == magic[flag][:2] == (name, help_), flag
+    assert set(cli) - set(table) == set()  # the CLI's run options are the table's, no more
+
+
+@pytest.mark.parametrize("parse", [
+    lambda argv: _cli_run_parser().parse_args(["nb.ipynb", *argv]),
+    lambda argv: NbddpMagics.ddp_train.parser.parse_args(argv),
+], ids=["cli", "magic"])
+def test_parsed_options_become_the_same_run_job_keywords(parse):
+    from nbddp.job import run_job
+    from nbddp.options import run_options
+
+    args = parse(["--nproc", "auto", "--timeout", "30", "--collective-timeout", "60", "--resume", "--shim", "unsloth",
+                  "--no-checkpointing", "--env", "A=1", "--nnodes", "2", "--rdzv-endpoint", "host:29400"])
+    keywords = run_options(args, ["--max-restarts=0"])
+    assert keywords == dict(
+        nproc=None, timeout_s=30.0, collective_timeout_s=60.0, resume=True, skip_installs=False, skip_bad_cells=False,
+        runs_dir=None, env={"A": "1", "NBDDP_SHIM_UNSLOTH": "1", "NBDDP_DISABLE_CHECKPOINTING": "1"},
+        torchrun_args=["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=host:29400", "--max-restarts=0"],
+    )
+    assert set(keywords) <= set(inspect.signature(run_job).parameters)  # every option reaches run_job by name
+    assert run_options(parse(["--nproc", "3"]))["nproc"] == 3
