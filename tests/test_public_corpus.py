@@ -60,19 +60,6 @@ XFAIL = {
         I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
     "hf_notebooks/course_chapter3_section4.ipynb":
         I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-    **dict.fromkeys([
-        "peft/LoRA.ipynb", "peft/IA3.ipynb", "peft/prefix_tuning.ipynb", "peft/P_Tuning.ipynb",
-        "peft/Prompt_Tuning.ipynb", "peft/peft_prompt_tuning_clm.ipynb", "peft/peft_lora_seq2seq.ipynb",
-        "peft/peft_ia3_seq2seq.ipynb"],
-        "issue 15 (--explain says only what the script does): set_epoch is added, and explained as reshuffling "
-        "a DistributedSampler, for an evaluation loader that has none"),
-    "peft/multilayer_perceptron_lora.ipynb":
-        I15.format(1) + "the second model (peft_model) trains without DDP; set_epoch on the unsharded eval loader",
-    "peft/peft_lora_token_cls.ipynb":
-        I15.format(3) + "DataLoader(ds, sampler=RandomSampler(ds)) stays unsharded while --explain claims a "
-        "DistributedSampler",
-    "pytorch_dl/03_pytorch_computer_vision.ipynb":
-        I15.format(1) + "model_1, model_2 are not wrapped; set_epoch on the unsharded test loader",
     "pytorch_dl/06_pytorch_transfer_learning.ipynb":
         I15.format(5) + "training through an imported helper (engine.train) is not recognised",
     "pytorch_dl/07_pytorch_experiment_tracking.ipynb":

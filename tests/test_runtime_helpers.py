@@ -27,7 +27,10 @@ RANK = textwrap.dedent(
     first = list(sampler)
     _nbddp.set_epoch(loader, 1)
     _nbddp.set_epoch([1, 2], 1)  # not a loader with a DistributedSampler: nothing happens
+    import copy
+    copied = copy.deepcopy(wrapped)  # the notebook keeps a copy of its model (peft's MLP example)
     out = {
+        "copy": [type(copied).__name__, sorted(dict(copied.named_parameters()))],
         "wrapped": type(wrapped).__name__, "again": _nbddp.ddp(wrapped) is wrapped,
         "head": wrapped.head is model.head, "note": wrapped.note, "unwrap": _nbddp.unwrap(wrapped) is model,
         "device": str(_nbddp.device()), "share": first, "reshuffled": list(sampler) != first,
@@ -54,4 +57,6 @@ def test_ddp_unwrap_sampler_and_set_epoch_on_two_ranks(tmp_path):
     for r in ranks:
         assert r["wrapped"] == "NotebookDDP" and r["again"] and r["head"] and r["note"] == "mine" and r["unwrap"]
         assert r["device"] == "cpu" and r["reshuffled"] and len(r["share"]) == 5
+        # a deep copy of a wrapped model is a copy of the notebook's model: no wrapper, no "module." names
+        assert r["copy"] == ["Sequential", ["body.bias", "body.weight", "head.bias", "head.weight"]]
     assert sorted(ranks[0]["share"] + ranks[1]["share"]) == list(range(10))  # disjoint halves

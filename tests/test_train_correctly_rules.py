@@ -141,6 +141,35 @@ def test_a_loader_factory_shards_when_asked_to_shuffle(rewrite):
     assert any("whole data set otherwise" in m for _, _, m in changes)
 
 
+EVAL_IN_EPOCH = """\
+for epoch in range(3):
+    for batch in tqdm({train}):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+    for batch in tqdm({evaluation}):
+        model(**batch)
+"""
+
+
+@pytest.mark.parametrize("build", [
+    "eval_dataloader = DataLoader(eval_ds, batch_size=8)\n",
+    "def make(ds, shuffle):\n    return DataLoader(ds, batch_size=8, shuffle=shuffle)\n"
+    "eval_dataloader = make(eval_ds, shuffle=False)\n",
+])
+def test_an_evaluation_loader_in_the_epoch_loop_gets_no_set_epoch_nor_a_claim_of_one(rewrite, build):
+    """An evaluation loader keeps its whole data set (no DistributedSampler): set_epoch would reshuffle
+    nothing, and --explain must not say it does."""
+    (_, _, loop), changes = rewrite(
+        "train_dataloader = DataLoader(train_ds, shuffle=True, batch_size=8)\n" + build,
+        "optimizer = SGD(model.parameters())\n",
+        EVAL_IN_EPOCH.format(train="train_dataloader", evaluation="eval_dataloader"),
+    )
+    assert "_nbddp.set_epoch(train_dataloader, epoch)" in loop
+    assert "set_epoch(eval_dataloader" not in loop
+    assert not [m for _, _, m in changes if "eval_dataloader" in m and "DistributedSampler" in m]
+
+
 # ------------------------------------------------------------------ trainers built by a helper
 
 

@@ -209,6 +209,13 @@ def _notebook_ddp():
                     raise
                 return getattr(inner, name)
 
+        def __deepcopy__(self, memo):
+            """``copy.deepcopy(model)`` in the notebook copies its model: the wrapper is nbddp's, and a copy
+            of it would name every weight ``module.…`` (and hold a second reducer on the job's group)."""
+            import copy
+
+            return copy.deepcopy(self.module, memo)
+
     return NotebookDDP
 
 

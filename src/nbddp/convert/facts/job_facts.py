@@ -22,6 +22,8 @@ class JobFacts:
     sharded_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
     helper_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: names bound only to a DataLoader that keeps its whole data set on every rank (evaluation)
+    whole_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name
     train_iterated: set[str] = field(default_factory=set)
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)

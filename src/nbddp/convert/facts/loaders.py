@@ -58,6 +58,8 @@ def plan_loaders(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -
     for own, shuffles, targets in seen.loaders:
         if facts.accelerate_prepared.isdisjoint(targets) and loader_shards(own, shuffles, targets, facts.train_iterated):
             facts.sharded_loaders.update(targets)
+        else:
+            facts.whole_loaders.update(targets)
     factories = {name for name, calls in defs.items() if any(last_name(c.func) == "DataLoader" for c in calls)}
     for targets, call in seen.assigned:
         callee = last_name(call.func) or ""
@@ -66,5 +68,8 @@ def plan_loaders(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -
             shuffles = shuffle is not None and not is_literal(shuffle.value, False, None)
             if loader_shards(False, shuffles, targets, facts.train_iterated):
                 facts.sharded_loaders.update(targets)
+            else:
+                facts.whole_loaders.update(targets)
         elif callee not in defs and "loader" in callee.lower() and loader_shards(False, None, targets, facts.train_iterated):
             facts.helper_loaders.update(targets)  # a helper's loader: sharded when it runs
+    facts.whole_loaders -= facts.sharded_loaders | facts.helper_loaders

@@ -98,10 +98,12 @@ def _loaders_in(body: cst.CSTNode, facts: JobFacts) -> list[str]:
 
 def _used_loader(node: cst.CSTNode, facts: JobFacts) -> str | None:
     """The loader a node uses: a loop over a sharded loader or one named so (not one Accelerate prepared: it
-    sets its loaders' epochs itself), or a sharded loader handed to a function."""
+    sets its loaders' epochs itself; not one built without a DistributedSampler: set_epoch would reshuffle
+    nothing), or a sharded loader handed to a function."""
     if isinstance(node, cst.For):
         name = _iterated(node.iter)
-        if name and name not in facts.accelerate_prepared and (name in facts.sharded_loaders or "loader" in name.lower()):
+        if name and name not in facts.accelerate_prepared | facts.whole_loaders and (
+                name in facts.sharded_loaders or "loader" in name.lower()):
             return name
     elif isinstance(node, cst.Arg) and isinstance(node.value, cst.Name) and node.value.value in facts.sharded_loaders:
         return node.value.value

@@ -1,0 +1,182 @@
+"""Tiny local stand-ins for what the runnable notebooks load from the Hub: models built from a config, data
+sets with the published columns, and a metric module for ``evaluate`` (not installed, and its ``load``
+downloads). ``build(names, folder)`` writes the ones a notebook needs under ``folder/tiny/``; the notebook's
+edited lines (marked ``# nbddp-offline:``) point there.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+WORDS = ("the cat dog sat ran on mat rug a big small red blue quick slow fox jumps over lazy bird sings "
+         "tree house car road river sun moon star day night good bad happy sad").split()
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def sentence(rng: random.Random, label: int = 0, n: int = 6) -> str:
+    """Words from the first half of ``WORDS`` for label 0, the second half for 1: a tiny model learns it fast."""
+    half = len(WORDS) // 2
+    words = WORDS[:half] if label == 0 else WORDS[half:]
+    return " ".join(rng.choice(words) for _ in range(n))
+
+
+def bert(folder: Path) -> None:
+    """A 2-layer BERT (hidden 32) with a word-level vocabulary of ``WORDS``, and its tokenizer."""
+    import torch
+    from tokenizers.implementations import BertWordPieceTokenizer
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(SPECIAL + WORDS) + "\n")
+    pieces = BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=True)._tokenizer
+    BertTokenizerFast(tokenizer_object=pieces, **dict(zip(("pad_token", "unk_token", "cls_token", "sep_token",
+                                                          "mask_token"), SPECIAL))).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(SPECIAL) + len(WORDS), hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
+    BertForSequenceClassification(config).save_pretrained(folder)
+
+
+def glue_mrpc(folder: Path, train: int = 64, validation: int = 8) -> None:
+    """MRPC's columns (sentence1, sentence2, label, idx); the label is the half of ``WORDS`` both are drawn from."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    rng = random.Random(0)
+    features = Features({"sentence1": Value("string"), "sentence2": Value("string"),
+                         "label": ClassLabel(names=["not_equivalent", "equivalent"]), "idx": Value("int32")})
+
+    def split(n, offset):
+        rows = {"sentence1": [], "sentence2": [], "label": [], "idx": []}
+        for i in range(n):
+            label = i % 2
+            a, b = sentence(rng, label), sentence(rng, label)
+            rows["sentence1"].append(a), rows["sentence2"].append(b)
+            rows["label"].append(label), rows["idx"].append(offset + i)
+        return Dataset.from_dict(rows, features=features)
+
+    DatasetDict({"train": split(train, 0), "validation": split(validation, train),
+                 "test": split(validation, train + validation)}).save_to_disk(str(folder))
+
+
+def wav2vec2(folder: Path) -> None:
+    """A 4-layer wav2vec2 (hidden 16) with wav2vec2-base's LayerDrop (0.1), and its feature extractor."""
+    import torch
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2Model
+
+    Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
+                             return_attention_mask=False).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,
+                            conv_dim=(8, 8), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+                            num_conv_pos_embedding_groups=2, layerdrop=0.1, classifier_proj_size=16)
+    Wav2Vec2Model(config).save_pretrained(folder)  # no head, as wav2vec2-base: the notebook's gets its labels
+
+
+KS_LABELS = ["yes", "no", "up", "down", "left", "right", "on", "off", "stop", "go", "_silence_", "_unknown_"]
+
+
+def superb_ks(folder: Path, train: int = 32, other: int = 8, samples: int = 4000) -> None:
+    """SUPERB keyword spotting's columns (file, audio, label of its 12 names): a quarter second of a tone
+    whose pitch gives the label ("yes" or "no"). ``audio`` is a plain dict (no decoder needed)."""
+    import math
+
+    from datasets import ClassLabel, Dataset, DatasetDict
+
+    rng = random.Random(0)
+
+    def split(n, name):
+        rows = {"file": [], "audio": [], "label": []}
+        for i in range(n):
+            label, phase = i % 2, rng.random()
+            tone = [0.5 * math.sin(2 * math.pi * (200 + 600 * label) * t / 16000 + phase) for t in range(samples)]
+            rows["file"].append(f"{name}/{i}.wav")
+            rows["audio"].append({"array": tone, "sampling_rate": 16000, "path": f"{name}/{i}.wav"})
+            rows["label"].append(label)
+        data = Dataset.from_dict(rows)
+        return data.cast_column("label", ClassLabel(names=KS_LABELS))
+
+    DatasetDict({"train": split(train, "train"), "validation": split(other, "validation"),
+                 "test": split(other, "test")}).save_to_disk(str(folder))
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def llama_chat(folder: Path) -> None:
+    """nbddp's tiny character-level Llama (``demo``) with a chat template."""
+    from transformers import AutoTokenizer
+
+    from nbddp import demo
+
+    demo.tiny_model(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+
+def multilingual_thinking(folder: Path, n: int = 32) -> None:
+    """HuggingFaceH4/Multilingual-Thinking's columns: ``messages`` (role, content, thinking) and the five
+    columns the notebook removes; short arithmetic chats."""
+    from datasets import Dataset, DatasetDict
+
+    rows = {k: [] for k in ("reasoning_language", "developer", "user", "analysis", "final", "messages")}
+    for i in range(n):
+        a, b = i % 7, i % 5
+        question, answer = f"what is {a} plus {b}", f"{a} plus {b} is {a + b}"
+        rows["reasoning_language"].append("English"), rows["developer"].append("answer briefly")
+        rows["user"].append(question), rows["analysis"].append("add them"), rows["final"].append(answer)
+        rows["messages"].append([
+            {"role": "system", "content": "answer briefly", "thinking": None},
+            {"role": "user", "content": question, "thinking": None},
+            {"role": "assistant", "content": answer, "thinking": "add them"},
+        ])
+    DatasetDict({"train": Dataset.from_dict(rows)}).save_to_disk(str(folder))
+
+
+EVALUATE = '''"""Stands in for ``evaluate`` offline: ``load(...)`` gives accuracy (and F1 for two classes)."""
+
+
+def load(*names, **kwargs):
+    return Metric()
+
+
+class Metric:
+    def __init__(self):
+        self.predictions, self.references = [], []
+
+    def add_batch(self, predictions, references):
+        self.predictions += [int(p) for p in predictions]
+        self.references += [int(r) for r in references]
+
+    def compute(self, predictions=None, references=None, **kwargs):
+        if predictions is not None:
+            self.add_batch(predictions, references)
+        pairs = list(zip(self.predictions, self.references))
+        self.predictions, self.references = [], []
+        accuracy = sum(p == r for p, r in pairs) / max(len(pairs), 1)
+        tp = sum(p == r == 1 for p, r in pairs)
+        f1 = 2 * tp / max(sum(p == 1 for p, _ in pairs) + sum(r == 1 for _, r in pairs), 1)
+        return {"accuracy": accuracy, "f1": f1}
+'''
+
+
+def offline_evaluate(folder: Path) -> None:
+    (folder.parent.parent / "offline_evaluate.py").write_text(EVALUATE)
+
+
+BUILDERS = {"bert": bert, "glue_mrpc": glue_mrpc, "offline_evaluate": offline_evaluate, "wav2vec2": wav2vec2,
+            "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
+
+
+def build(names, folder: Path) -> Path:
+    """Write the named stand-ins under ``folder/tiny/`` (``offline_evaluate`` next to the notebook)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        target = folder / "tiny" / name
+        if target.exists():
+            shutil.rmtree(target)
+        BUILDERS[name](target)
+    return folder
