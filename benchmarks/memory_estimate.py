@@ -115,7 +115,8 @@ def measure(out: Path, shapes: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for shape in shapes:
         proc = subprocess.run([sys.executable, __file__, "one", shape], capture_output=True, text=True)
-        (out / f"{shape}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+        with open(out / "measure.log", "a") as log:  # one file: a device call brings back few
+            log.write(f"==== {shape} (rc {proc.returncode})\n{proc.stdout[-8000:]}{proc.stderr[-8000:]}\n")
         line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
         record = json.loads(line) if proc.returncode == 0 and line else {"shape": shape, "error": proc.stderr[-600:]}
         with open(out / "peaks.jsonl", "a") as f:
