@@ -133,7 +133,7 @@ def estimate_for(shape: str):
     name, bits, r, targets, batch, seq, ckpt = SHAPES[shape]
     config = dict(MODELS[name], torch_dtype="bfloat16")
     job = JobShape(model=name, dtype="bfloat16", bits=bits, lora_r=r, lora_targets=targets, batch=batch,
-                   seq_len=seq, checkpointing=ckpt)
+                   seq_len=seq, checkpointing=ckpt, upcast=bits < 16)  # measure_one prepares k-bit models
     return estimate(job, config, world=2)
 
 

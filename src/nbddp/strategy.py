@@ -53,6 +53,7 @@ class JobShape:
     seq_len: int | None = None
     checkpointing: bool = False
     optim: str = "adamw_torch"
+    upcast: bool = False  # prepare_model_for_kbit_training: what bitsandbytes left unquantized becomes fp32
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,8 @@ def _read_call(node: ast.Call, strings: dict, found: dict) -> None:
             found["bits"] = 4
         elif kw.get("load_in_8bit"):
             found["bits"] = 8
+    if name == "prepare_model_for_kbit_training":
+        found["upcast"] = True
     if _turns_on_checkpointing(owner, name, kw):
         found["checkpointing"] = True
     if name in ("LoraConfig", "get_peft_model") and kw.get("r") is not None:
@@ -302,14 +305,16 @@ def estimate(shape: JobShape, config: dict, world: int) -> Estimate:
     width = _DTYPE_BYTES.get(dtype.replace("torch.", ""), 2)
     linear, other = dims.params()
     weight_width = {4: 0.5 + 0.04, 8: 1.0 + 0.03}.get(shape.bits, width)  # bnb's scales add a little
-    weights = int(linear * weight_width + other * width)
+    # bitsandbytes leaves embeddings, head and norms unquantized; prepare_model_for_kbit_training casts them to fp32
+    weights = int(linear * weight_width + other * (4 if shape.upcast and shape.bits < 16 else width))
     params = linear + other
     if shape.lora_r:
         trainable = dims.lora_params(shape.lora_r, shape.lora_targets)
         train_width = 4  # PEFT keeps adapters in fp32
     else:
         trainable, train_width = params, width
-    optim_width = 2 if any(s in shape.optim for s in _EIGHT_BIT_OPTIM) else 8
+    # AdamW's two states in the parameter's dtype (fp32 adapters: 8 bytes; a bf16 full fine-tune: 4)
+    optim_width = 2 if any(s in shape.optim for s in _EIGHT_BIT_OPTIM) else 2 * train_width
     adapter = trainable * train_width if shape.lora_r else 0
     grads = trainable * train_width
     optimizer = trainable * optim_width
@@ -327,13 +332,20 @@ def estimate(shape: JobShape, config: dict, world: int) -> Estimate:
 
 
 def _activations(dims: Dims, shape: JobShape, width: int) -> int:
-    """Activation memory of one step: about 34·h bytes a token a layer in 16 bits (Korthikanti et al.,
-    attention without its s² term, as SDPA and flash attention keep it), the layer inputs alone under
-    checkpointing plus one layer recomputed; and the logits in fp32 with their gradient."""
+    """Activation memory of one step, fitted to peaks measured on a GPU (``benchmarks/memory_estimate.py``,
+    ``benchmarks/results/memory_estimate.md``: six shapes from 0.5B to 8B, LoRA and full, 4 and 16 bits,
+    with and without checkpointing; the estimate lands within 0.97–1.14 of each peak, the allocator's slack
+    left to ``HEADROOM``): a layer keeps about 12·h + 4·i values a token (attention's inputs and outputs, the
+    gated MLP's four i-wide tensors; SDPA keeps no s² term); under checkpointing each layer keeps its input
+    and a few h-wide tensors (4·h) while two layers are recomputed whole; the loss holds 14 bytes a token
+    and vocabulary entry (16-bit logits, transformers' fp32 copy, the log-softmax and its gradient)."""
     tokens = shape.batch * (shape.seq_len or 1024)
-    per_layer = 34 * dims.hidden * tokens * width // 2
-    layers = (2 * dims.hidden * tokens * dims.layers + per_layer) if shape.checkpointing else per_layer * dims.layers
-    return int(layers + 2 * tokens * dims.vocab * 4)
+    per_layer = (12 * dims.hidden + 4 * dims.intermediate) * tokens * width
+    if shape.checkpointing:
+        layers = 4 * dims.hidden * tokens * width * dims.layers + 2 * per_layer
+    else:
+        layers = per_layer * dims.layers
+    return int(layers + 14 * tokens * dims.vocab)
 
 
 # ---- the GPUs and the choice -----------------------------------------------------------------------------
