@@ -52,16 +52,8 @@ MORE_TRAINING = re.compile(r"\bengine\.train\(|\btrain_step\(|\bnotebook_launche
 #: Calls every rank must make, which nbddp leaves on every rank on purpose ("needs every rank").
 COLLECTIVE = re.compile(r"\.(evaluate|predict)\(")
 
-I15 = "issue 15 item {}: "
 #: Notebook → the open issue item it waits on. Strict xfails: remove an entry when its fix lands.
-XFAIL = {
-    "hf_notebooks/accelerate_simple_cv_example.ipynb":
-        I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-    "hf_notebooks/accelerate_simple_nlp_example.ipynb":
-        I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-    "hf_notebooks/course_chapter3_section4.ipynb":
-        I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-}
+XFAIL: dict[str, str] = {}
 
 #: Unsloth notebook (``nb/…`` in the archive) → the open issue item it waits on; strict, as above. Empty now:
 #: the Colab form cells (issue 18 item 1), the notebooks Jupyter opens that nbformat's schema rejects (item 2)

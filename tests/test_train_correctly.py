@@ -351,9 +351,9 @@ PLAIN_THEN_ACCELERATE = [
     "            accelerator.backward(loss)\n"
     "            optimizer.step()\n"
     "    with open(f\"accel-{os.environ['RANK']}.json\", 'w') as fh:\n"
-    "        json.dump({'processes': accelerator.num_processes,\n"
+    "        json.dump({'processes': accelerator.num_processes, 'precision': accelerator.mixed_precision,\n"
     "                   'weights': {k: v.tolist() for k, v in accelerator.unwrap_model(model).named_parameters()}}, fh)",
-    "notebook_launcher(training_function, (0.01,), num_processes=2)",
+    "notebook_launcher(training_function, (0.01,), num_processes=2, mixed_precision='bf16')",
 ]
 
 
@@ -363,6 +363,7 @@ def test_an_accelerate_loop_leaves_the_plain_loops_to_nbddp_and_notebook_launche
     assert same_on_both_ranks(tmp_path, "plain")  # the plain loop was wrapped in DDP
     accel = [json.loads((tmp_path / f"accel-{r}.json").read_text()) for r in (0, 1)]
     assert accel[0] == accel[1] and accel[0]["processes"] == 2  # one job of 2, not a nested one per rank
+    assert accel[0]["precision"] == "bf16"  # the launcher's mixed_precision= reaches the Accelerator
     assert "model = _nbddp.ddp(model)" not in script.text  # Accelerate's own model is left to it
 
 

@@ -312,3 +312,15 @@ def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(re
     assert "train_loader = _nbddp.shard_loader(create_dataloader(ds, batch_size=8), name='train_loader')" in code
     assert "test_loader = create_dataloader(ts, batch_size=8)\n" in code
     assert any("a helper's loader, sharded when it runs" in m for _, _, m in changes)
+
+
+def test_notebook_launcher_becomes_a_call_of_its_function_in_every_rank(rewrite):
+    (a, b, c, d), changes = rewrite(
+        "args = ('fp16', 42, 64)\nnotebook_launcher(training_loop, args, num_processes=2)\n",
+        "notebook_launcher(training_function, (model,), num_processes=2)\n",
+        "notebook_launcher(training_function)\n",
+        "notebook_launcher(training_function, args, mixed_precision='fp16')\n",
+    )
+    assert a.endswith("\ntraining_loop(*args)\n") and b == "training_function(model)\n" and c == "training_function()\n"
+    assert d == "notebook_launcher(training_function, args, mixed_precision='fp16')\n"  # the runtime's, with its precision
+    assert sum("every rank of the job is already one of its processes" in m for _, _, m in changes) == 3

@@ -15,6 +15,7 @@ from .autocast import AutocastRule
 from .ddp_wrap import DDPWrapRule
 from .device import DeviceRule
 from .device_map import DeviceMapRule
+from .launcher import LauncherRule
 from .loop_output import LoopOutputRule
 from .main_process_first import MainProcessFirstRule
 from .rank_zero import RankZeroRule
@@ -36,5 +37,6 @@ RULES: tuple[type[Rule], ...] = (
     SetEpochRule,
     UnwrapRule,
     AccelerateHandoffRule,
+    LauncherRule,
     LoopOutputRule,
 )
