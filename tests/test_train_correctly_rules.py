@@ -247,6 +247,35 @@ def test_an_accelerator_leaves_other_plain_loops_to_nbddp(rewrite):
     assert "_nbddp" not in accel
 
 
+def test_plain_loops_over_what_a_later_cell_hands_to_accelerate_are_distributed_and_it_gets_them_whole(rewrite):
+    """Course ch3 §4: plain loops train ``model`` over ``train_dataloader``, then a later cell hands that loader
+    to ``accelerator.prepare``. The plain loops are nbddp's (sampler, DDP); Accelerate gets the loader as the
+    notebook made it (it shards it itself: nbddp's sampler under it would shard twice)."""
+    (loader, plain, accel), changes = rewrite(
+        "train_dataloader = DataLoader(ds, shuffle=True, batch_size=8)\n",
+        "model = Net()\noptimizer = SGD(model.parameters())\n" + LOOP.format(loader="train_dataloader"),
+        "accelerator = Accelerator()\nmodel = Net()\noptimizer = SGD(model.parameters())\n"
+        "train_dl, model, optimizer = accelerator.prepare(train_dataloader, model, optimizer)\n"
+        "for epoch in range(2):\n    for xb in train_dl:\n        accelerator.backward(model(xb).sum())\n",
+    )
+    assert "sampler=_nbddp.distributed_sampler(ds, shuffle=True)" in loader
+    assert "model = _nbddp.ddp(model)" in plain and "_nbddp.set_epoch(train_dataloader, epoch)" in plain
+    assert "accelerator.prepare(_nbddp.for_accelerate(train_dataloader), model, optimizer)" in accel
+    assert "_nbddp.ddp" not in accel and "set_epoch" not in accel
+    assert any("train_dataloader goes to Accelerate as the notebook made it" in m for _, _, m in changes)
+
+
+def test_a_model_trained_plainly_then_prepared_goes_to_accelerate_unwrapped(rewrite):
+    (plain, accel), _ = rewrite(
+        "model = Net()\noptimizer = SGD(model.parameters())\n" + LOOP.format(loader="train_loader"),
+        "accelerator = Accelerator()\nmodel, optimizer = accelerator.prepare(model, optimizer)\n"
+        "for xb in dl:\n    accelerator.backward(model(xb).sum())\n",
+    )
+    assert "model = _nbddp.ddp(model)" in plain
+    assert "accelerator.prepare(_nbddp.for_accelerate(model), optimizer)" in accel
+    assert "_nbddp.ddp" not in accel
+
+
 def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(rewrite):
     (code, _, _), changes = rewrite(
         "from helpers import create_dataloader\ntrain_loader = create_dataloader(ds, batch_size=8)\n"

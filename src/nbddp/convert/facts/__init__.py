@@ -40,9 +40,10 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     facts.module_names = set().union(*(stmt.binds for stmt in top))
     plan_trainers(seen, defs, facts)
     plan_training_functions(defs, facts)
-    plan_accelerate(seen, facts)
-    plan_loaders(seen, defs, facts)
     trains = [any(is_training_call(c, facts) for c in stmt.calls) for stmt in top]
+    plan_accelerate(seen, facts, top, trains)
+    plan_loaders(seen, defs, facts)
+    facts.handed_to_accelerate &= facts.ddp_models | facts.sharded_loaders | facts.helper_loaders
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:
         _plan_around_training(top, trains, facts)

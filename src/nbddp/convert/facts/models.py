@@ -45,12 +45,32 @@ def is_peft(call: ast.Call) -> bool:
     return is_trainer_class(name) and keyword(call, "peft_config") is not None
 
 
-def plan_accelerate(seen: Seen, facts: JobFacts) -> None:
-    """What an ``Accelerator`` prepares is Accelerate's: no DDP wrap, no sampler from nbddp."""
-    for call, targets in seen.prepared:
-        if isinstance(call.func.value, ast.Name) and call.func.value.id in facts.accelerators:
-            facts.accelerate_prepared.update(targets)
-            facts.accelerate_prepared.update(a.id for a in call.args if isinstance(a, ast.Name))
+def plan_accelerate(seen: Seen, facts: JobFacts, top: list[Statement], trains: list[bool]) -> None:
+    """What an ``Accelerator`` prepares is Accelerate's: no DDP wrap, no sampler from nbddp.
+
+    Except a name a training statement before the ``prepare`` reads: course ch3 §4 trains ``model`` over
+    ``train_dataloader`` in plain loops, then hands the loader to Accelerate. That training is nbddp's (the
+    loader is sharded, the model wrapped), and where the object it trained is the one ``prepare`` gets (the
+    name not bound again in between), it is handed over as the notebook made it (``handed_to_accelerate``).
+    What ``prepare`` binds is Accelerate's from there on (``prepare_binds``; no wrap after it).
+
+    ``top``: every top-level statement in notebook order; ``trains``: which of them train."""
+    position = {id(stmt): i for i, stmt in enumerate(top)}
+    plain_first = set()
+    for call, targets, stmt in seen.prepared:
+        if not (isinstance(call.func.value, ast.Name) and call.func.value.id in facts.accelerators):
+            continue
+        at = position[id(stmt)]
+        facts.prepare_binds[stmt] = set(targets)
+        for name in (a.id for a in call.args if isinstance(a, ast.Name)):
+            last = next((i for i in range(at - 1, -1, -1) if trains[i] and name in top[i].reads), None)
+            if last is None:
+                facts.accelerate_prepared.add(name)
+                continue
+            plain_first.add(name)
+            if not any(name in s.binds for s in top[last + 1 : at]):
+                facts.handed_to_accelerate.add(name)
+        facts.accelerate_prepared.update(t for t in targets if t not in plain_first)
     facts.ddp_models -= facts.accelerate_prepared
 
 
@@ -61,7 +81,7 @@ def plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
     is wrapped before the training that follows it."""
     training = {id(s) for s in facts.training}
     for name in sorted(facts.ddp_models):
-        for stmt in _last_placements(top, training, name):
+        for stmt in _last_placements(top, training, name, facts.prepare_binds):
             facts.ddp_wrap_after.setdefault(stmt, []).append(name)
     for stmt in top:
         if is_compound(stmt.nodes[0]):
@@ -72,14 +92,17 @@ def plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
                 facts.ddp_wraps_inside.add(stmt)
 
 
-def _last_placements(top: list[Statement], training: set[int], name: str) -> list[Statement]:
-    """The top-level statements that make or move ``name`` last before some training statement."""
+def _last_placements(top: list[Statement], training: set[int], name: str, prepared: dict) -> list[Statement]:
+    """The top-level statements that make or move ``name`` last before some training statement, unless an
+    Accelerate ``prepare`` binds it in between (``prepared``: ``JobFacts.prepare_binds``)."""
     found, last = [], None
     for stmt in top:
         if id(stmt) in training:
             if last is not None:
                 found.append(last)
             last = None
+        elif name in prepared.get(stmt, ()):
+            last = None  # Accelerate wraps what its prepare binds
         elif not is_compound(stmt.nodes[0]) and _places(stmt.nodes, name):
             last = stmt
     return found

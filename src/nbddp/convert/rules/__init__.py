@@ -10,6 +10,7 @@ before/after tests in ``tests/test_rules.py``.
 from __future__ import annotations
 
 from ..engine.rule import Rule
+from .accelerate_handoff import AccelerateHandoffRule
 from .autocast import AutocastRule
 from .ddp_wrap import DDPWrapRule
 from .device import DeviceRule
@@ -34,5 +35,6 @@ RULES: tuple[type[Rule], ...] = (
     DistributedSamplerRule,
     SetEpochRule,
     UnwrapRule,
+    AccelerateHandoffRule,
     LoopOutputRule,
 )
