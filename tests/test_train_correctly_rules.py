@@ -276,6 +276,32 @@ def test_a_model_trained_plainly_then_prepared_goes_to_accelerate_unwrapped(rewr
     assert "_nbddp.ddp" not in accel
 
 
+HELPER_TRAINING = (
+    "from going_modular import data_setup, engine\n"
+    "train_dataloader, test_dataloader, class_names = data_setup.create_dataloaders(train_dir, test_dir, 32)\n",
+    "model = torchvision.models.efficientnet_b0(weights=weights).to(device)\n"
+    "for param in model.features.parameters():\n    param.requires_grad = False\n"
+    "model.classifier = torch.nn.Sequential(torch.nn.Dropout(p=0.2), torch.nn.Linear(1280, 3)).to(device)\n"
+    "summary(model)\n",
+    "optimizer = torch.optim.Adam(model.parameters(), lr=0.001)\n",
+    "results = engine.train(model=model, train_dataloader=train_dataloader, test_dataloader=test_dataloader,\n"
+    "                       optimizer=optimizer, loss_fn=loss_fn, epochs=5, device=device)\n",
+    "plot_loss_curves(results)\nprint(len(train_dataloader))\ntorch.save(model.state_dict(), 'model.pth')\n",
+)
+
+
+def test_training_through_an_imported_helper_is_recognised_and_distributed(rewrite):
+    """pytorch_dl 06–09: ``engine.train(model=…, optimizer=…)`` from an imported module trains: the model is
+    wrapped after its last change (head replaced, features frozen: DDP must see which weights train), the
+    training loader it gets is sharded when the call runs, and what follows runs on rank 0."""
+    (loaders, build, _, train, tail), changes = rewrite(*HELPER_TRAINING)
+    assert build.endswith("model = _nbddp.ddp(model)\nsummary(model)\n"), build
+    assert "train_dataloader=_nbddp.shard_loader(train_dataloader, name='train_dataloader')" in train
+    assert "test_dataloader=test_dataloader" in train
+    assert tail.startswith("if _nbddp.is_main_process():") and "print(len(train_dataloader))" in tail
+    assert not any("no training call found" in m for _, _, m in changes)
+
+
 def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(rewrite):
     (code, _, _), changes = rewrite(
         "from helpers import create_dataloader\ntrain_loader = create_dataloader(ds, batch_size=8)\n"

@@ -154,6 +154,19 @@ def _notebook_ddp():
                     raise
                 return getattr(inner, name)
 
+        def __getitem__(self, index):
+            """``model[0]`` of an ``nn.Sequential``/``ModuleList`` the notebook indexes after the wrap."""
+            return self.module[index]
+
+        def __len__(self):
+            return len(self.module)
+
+        def __bool__(self):  # a module is true, whether or not it has a length
+            return True
+
+        def __iter__(self):
+            return iter(self.module)
+
         def __deepcopy__(self, memo):
             """``copy.deepcopy(model)`` in the notebook copies its model: the wrapper is nbddp's, and a copy
             of it would name every weight ``module.…`` (and hold a second reducer on the job's group)."""

@@ -20,7 +20,7 @@ import ast
 
 from ..code import CellCode, Statement
 from .job_facts import JobFacts, Seen
-from .loaders import plan_loaders
+from .loaders import plan_helper_training_loaders, plan_loaders
 from .models import plan_accelerate, plan_ddp_wraps
 from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves
 from .scan import scan
@@ -58,6 +58,7 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
     plan_shared_saves(top, first, facts)
     plan_data_prep(top, facts)
     if facts.plain_loop:
+        plan_helper_training_loaders(facts.training, facts)
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
         if facts.ddp_models:
             plan_ddp_wraps(top, first, facts)

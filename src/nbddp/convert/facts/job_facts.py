@@ -18,10 +18,15 @@ class JobFacts:
     collective_functions: set[str] = field(default_factory=set)
     #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
     ddp_models: set[str] = field(default_factory=set)
+    #: plain PyTorch: names bound to an optimizer (``optimizer = torch.optim.Adam(model.parameters())``)
+    optimizers: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
     sharded_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
     helper_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: training loaders handed to an imported training helper (``engine.train(…,
+    #: train_dataloader=train_dataloader)``), sharded as the call is made
+    helper_training_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound only to a DataLoader that keeps its whole data set on every rank (evaluation)
     whole_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name

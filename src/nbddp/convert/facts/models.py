@@ -103,7 +103,7 @@ def _last_placements(top: list[Statement], training: set[int], name: str, prepar
             last = None
         elif name in prepared.get(stmt, ()):
             last = None  # Accelerate wraps what its prepare binds
-        elif not is_compound(stmt.nodes[0]) and _places(stmt.nodes, name):
+        elif _places(stmt.nodes, name):
             last = stmt
     return found
 
@@ -121,19 +121,49 @@ def _plan_block(block: list[ast.stmt], cell: CellCode, facts: JobFacts) -> None:
 
 def placement(groups: list[list[ast.stmt]], name: str) -> list[ast.stmt] | None:
     """The last statement that makes or moves model ``name``: DDP wraps it right after."""
-    return next((g for g in reversed(groups) if not is_compound(g[0]) and _places(g, name)), None)
+    return next((g for g in reversed(groups) if _places(g, name)), None)
 
 
 def _places(group: list[ast.stmt], name: str) -> bool:
-    """``name = …`` or ``name.to(…)`` / ``name.cuda()``: the statement makes the model or moves it."""
+    """Whether the statement makes model ``name``, moves it, or changes which of its weights train: DDP
+    wraps it after, since DDP fixes at the wrap which weights it syncs. ``name = …``, ``name.to(…)`` /
+    ``name.cuda()``, a part replaced (``name.classifier = …``), weights frozen (``name.x.requires_grad_()``,
+    ``for p in name.features.parameters(): p.requires_grad = False``)."""
     for small in group:
-        if isinstance(small, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in small.targets):
+        if isinstance(small, ast.Assign) and any(_is_or_part_of(t, name) or _unpacks_to(t, name) for t in small.targets):
             return True
         if isinstance(small, ast.Expr) and isinstance(small.value, ast.Call):
             func = small.value.func
             if isinstance(func, ast.Attribute) and func.attr in ("to", "cuda") and isinstance(func.value, ast.Name) and func.value.id == name:
                 return True
+            if isinstance(func, ast.Attribute) and func.attr == "requires_grad_" and _is_or_part_of(func.value, name):
+                return True
+        if isinstance(small, ast.For) and _freezes(small, name):
+            return True
     return False
+
+
+def _is_or_part_of(node: ast.AST, name: str) -> bool:
+    """``name``, or a part of it (``name.classifier``, ``name.fc.weight``, ``name[0]``, ``name.layers[-1]``)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _unpacks_to(target: ast.AST, name: str) -> bool:
+    """``name, transforms = create_model(…)``."""
+    return isinstance(target, (ast.Tuple, ast.List)) and any(
+        isinstance(el, ast.Name) and el.id == name for el in target.elts)
+
+
+def _freezes(loop: ast.For, name: str) -> bool:
+    """``for p in name….parameters(): p.requires_grad = …`` (or ``named_parameters``, ``modules``, ``children``)."""
+    it = loop.iter
+    if not (isinstance(it, ast.Call) and last_name(it.func) in ("parameters", "named_parameters", "modules", "children")
+            and isinstance(it.func, ast.Attribute) and _is_or_part_of(it.func.value, name)):
+        return False
+    return any(isinstance(n, ast.Attribute) and n.attr == "requires_grad" and isinstance(n.ctx, ast.Store)
+               or isinstance(n, ast.Call) and last_name(n.func) == "requires_grad_" for n in ast.walk(loop))
 
 
 def _blocks(node: ast.stmt, cell: CellCode):

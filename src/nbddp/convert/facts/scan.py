@@ -109,6 +109,8 @@ class _Scan:
                 self.facts.trainer_names.update(targets)
             if callee == "Accelerator":
                 self.facts.accelerators.update(targets)
+            if is_optimizer(call):
+                self.facts.optimizers.update(targets)
             if callee == "prepare" and isinstance(call.func, ast.Attribute):
                 bound = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
                 self.seen.prepared.append((call, bound, self.stmt))
