@@ -123,7 +123,8 @@ PLAIN_CELLS = [
     "for xb, yb in loader:\n    loss = ((model(xb) - yb) ** 2).mean()\n    opt.zero_grad()\n    loss.backward()\n"
     "    opt.step()",
 ]
-SAVE = 'os.makedirs("llama_lora", exist_ok=True)\nsave_file(dict(model.state_dict()), "llama_lora/adapter_model.safetensors")'
+SAVE = ('os.makedirs("llama_lora", exist_ok=True)\n'
+        'save_file(dict(model.state_dict()), "llama_lora/adapter_model.safetensors")')
 
 
 @pytest.mark.e2e
