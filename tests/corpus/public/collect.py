@@ -36,6 +36,7 @@ REPOS = {
     "huggingface/trl": ("trl", "Apache-2.0", "f2cd57710ae345ea6428ae95363267fcf38a3dc8"),
     "huggingface/peft": ("peft", "Apache-2.0", "5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40"),
     "mrdbourke/pytorch-deep-learning": ("pytorch_dl", "MIT", "baa27b691617461c173ecf3439793cd8cde74e13"),
+    "bentrevett/pytorch-sentiment-analysis": ("sentiment", "MIT", "329f654b2cfaed22fee432569ebd7a2674584f79"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -126,6 +127,10 @@ PATHS = {
         "08_pytorch_paper_replicating.ipynb",
         "09_pytorch_model_deployment.ipynb",
         "going_modular/05_pytorch_going_modular_cell_mode.ipynb",
+    ],
+    "bentrevett/pytorch-sentiment-analysis": [
+        "1 - Neural Bag of Words.ipynb",
+        "4 - Transformers.ipynb",
     ],
 }
 
@@ -242,7 +247,7 @@ def name_for(path: str) -> str:
         return "course_" + "_".join(parts[-2:])
     if parts[-2:-1] == ("accelerate_examples",):
         return "accelerate_" + parts[-1]
-    return parts[-1]
+    return parts[-1].replace(" - ", "_").replace(" ", "_")  # "4 - Transformers" → 4_Transformers
 
 
 def collect(mirrors: Path) -> list[dict]:

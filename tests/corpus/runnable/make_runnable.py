@@ -158,6 +158,21 @@ NOTEBOOKS = {
         "tiny": ["llama_chat", "multilingual_thinking"],
         "train_size": 32,
     },
+    "loader_factory_imdb_nbow": {
+        "source": "sentiment/1_Neural_Bag_of_Words.ipynb",
+        "style": "loaders from a factory",
+        "edits": [
+            (5, "import torchtext",
+             f"import offline_torchtext as torchtext  {MARK} not installed; its GloVe() downloads (tiny.py)"),
+            (9, 'train_data, test_data = datasets.load_dataset("imdb", split=["train", "test"])',
+             f'train_data, test_data = [datasets.load_from_disk("tiny/imdb")[s] for s in ("train", "test")]  {MARK} '
+             "64 and 24 reviews with IMDB's columns (tiny.py)"),
+            (73, "batch_size = 512", f"batch_size = 8  {MARK} 48 training reviews"),
+        ],
+        "tiny": ["imdb", "offline_torchtext"],
+        "train_size": 48,
+        "whole": [16, 24],
+    },
 }
 
 
@@ -185,8 +200,9 @@ def write_all(folder: Path = HERE) -> list[Path]:
         path = folder / f"{name}.ipynb"
         nbformat.write(runnable(spec), str(path))
         written.append(path)
-    manifest = [{"file": f"{name}.ipynb", "original": spec["source"], "style": spec["style"],
-                 "tiny": spec["tiny"], "train_size": spec["train_size"]} for name, spec in NOTEBOOKS.items()]
+    manifest = [{"file": f"{name}.ipynb", "original": spec["source"], "style": spec["style"], "tiny": spec["tiny"],
+                 "train_size": spec["train_size"], **({"whole": spec["whole"]} if "whole" in spec else {})}
+                for name, spec in NOTEBOOKS.items()]
     (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return written
 

@@ -60,6 +60,22 @@ def glue_mrpc(folder: Path, train: int = 64, validation: int = 8) -> None:
                  "test": split(validation, train + validation)}).save_to_disk(str(folder))
 
 
+def imdb(folder: Path, train: int = 64, test: int = 24) -> None:
+    """IMDB's columns (text, label of neg/pos): short reviews whose words give the label, as ``glue_mrpc``'s;
+    each joins two halves with "and" (a word the notebooks look up)."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    rng = random.Random(0)
+    features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+
+    def split(n):
+        labels = [i % 2 for i in range(n)]
+        text = [f"{sentence(rng, label)} and {sentence(rng, label)}" for label in labels]
+        return Dataset.from_dict({"text": text, "label": labels}, features=features)
+
+    DatasetDict({"train": split(train), "test": split(test)}).save_to_disk(str(folder))
+
+
 def wav2vec2(folder: Path) -> None:
     """A 4-layer wav2vec2 (hidden 16) with wav2vec2-base's LayerDrop (0.1), and its feature extractor."""
     import torch
@@ -167,12 +183,83 @@ def offline_evaluate(folder: Path) -> None:
     (folder.parent.parent / "offline_evaluate.py").write_text(EVALUATE)
 
 
-BUILDERS = {"bert": bert, "glue_mrpc": glue_mrpc, "offline_evaluate": offline_evaluate, "wav2vec2": wav2vec2,
-            "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
+TORCHTEXT = '''"""Stands in for the few parts of ``torchtext`` a notebook uses (torchtext is not installed, and its
+``GloVe()`` downloads): ``data.utils.get_tokenizer("basic_english")``, ``vocab.build_vocab_from_iterator``
+and ``vocab.GloVe`` (a fixed random 300-dimensional vector per word)."""
+
+import collections
+import re
+import types
+import zlib
+
+import torch
+
+
+def get_tokenizer(name):
+    assert name == "basic_english", name
+    return lambda text: re.findall(r"[a-z0-9]+|[^a-z0-9\\s]", text.lower())
+
+
+class Vocab:
+    def __init__(self, itos):
+        self.itos, self.stoi, self.default = list(itos), {t: i for i, t in enumerate(itos)}, None
+
+    def __len__(self):
+        return len(self.itos)
+
+    def __contains__(self, token):
+        return token in self.stoi
+
+    def __getitem__(self, token):
+        if token not in self.stoi and self.default is None:
+            raise RuntimeError(f"token {token} not found and default index is not set")
+        return self.stoi.get(token, self.default)
+
+    def set_default_index(self, index):
+        self.default = index
+
+    def get_itos(self):
+        return list(self.itos)
+
+    def lookup_indices(self, tokens):
+        return [self[t] for t in tokens]
+
+    def lookup_tokens(self, indices):
+        return [self.itos[i] for i in indices]
+
+
+def build_vocab_from_iterator(iterator, min_freq=1, specials=None):
+    counts = collections.Counter(t for tokens in iterator for t in tokens)
+    words = sorted((t for t, n in counts.items() if n >= min_freq), key=lambda t: (-counts[t], t))
+    return Vocab(list(specials or []) + [t for t in words if t not in (specials or [])])
+
+
+class GloVe:
+    dim = 300
+
+    def get_vecs_by_tokens(self, tokens):
+        single = isinstance(tokens, str)
+        rows = [torch.randn(self.dim, generator=torch.Generator().manual_seed(zlib.crc32(t.encode())))
+                for t in ([tokens] if single else tokens)]
+        return rows[0] if single else torch.stack(rows)
+
+
+data = types.SimpleNamespace(utils=types.SimpleNamespace(get_tokenizer=get_tokenizer))
+vocab = types.SimpleNamespace(build_vocab_from_iterator=build_vocab_from_iterator, GloVe=GloVe, Vocab=Vocab)
+'''
+
+
+def offline_torchtext(folder: Path) -> None:
+    (folder.parent.parent / "offline_torchtext.py").write_text(TORCHTEXT)
+
+
+BUILDERS = {"bert": bert, "glue_mrpc": glue_mrpc, "imdb": imdb, "offline_evaluate": offline_evaluate,
+            "offline_torchtext": offline_torchtext,
+            "wav2vec2": wav2vec2, "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
 
 
 def build(names, folder: Path) -> Path:
-    """Write the named stand-ins under ``folder/tiny/`` (``offline_evaluate`` next to the notebook)."""
+    """Write the named stand-ins under ``folder/tiny/`` (the ``offline_*`` modules next to the notebook)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in names:
         target = folder / "tiny" / name
