@@ -173,6 +173,26 @@ NOTEBOOKS = {
         "train_size": 48,
         "whole": [16, 24],
     },
+    "save_then_load_spam_gpt2": {
+        "source": "llms_from_scratch/ch06.ipynb",
+        "style": "save-then-load",
+        "skip": {3: "prints the versions of tiktoken and tensorflow, which are not installed"},
+        "edits": [
+            (29, "import tiktoken",
+             f"import offline_tiktoken as tiktoken  {MARK} not installed; a word-level stand-in (tiny.py)"),
+            (44, '"gpt2-small (124M)": {"emb_dim": 768, "n_layers": 12, "n_heads": 12},',
+             f'"gpt2-small (124M)": {{"emb_dim": 32, "n_layers": 2, "n_heads": 2}},  {MARK} a 2-layer GPT-2 for a CPU test'),
+            (45, "from gpt_download import download_and_load_gpt2",
+             f"from offline_gpt2 import download_and_load_gpt2  {MARK} random weights in OpenAI's layout; the real "
+             "one downloads and needs tensorflow"),
+            (99, "optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.1)",
+             f"optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)  {MARK} a random tiny "
+             "model learns faster"),
+        ],
+        "tiny": ["sms_spam", "offline_tiktoken", "offline_gpt2", "previous_chapters"],
+        "train_size": 112,
+        "whole": [16, 32],
+    },
 }
 
 

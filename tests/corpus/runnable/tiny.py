@@ -252,9 +252,101 @@ vocab = types.SimpleNamespace(build_vocab_from_iterator=build_vocab_from_iterato
 def offline_torchtext(folder: Path) -> None:
     (folder.parent.parent / "offline_torchtext.py").write_text(TORCHTEXT)
 
+TIKTOKEN = '''"""Stands in for ``tiktoken`` (not installed; its encodings download): ``get_encoding("gpt2")`` gives a
+word-level encoder over GPT-2's 50257 ids, ``<|endoftext|>`` being 50256 as in GPT-2."""
+
+import re
+import zlib
+
+END = "<|endoftext|>"
+
+
+class Encoding:
+    n_vocab = 50257
+
+    def __init__(self):
+        self.pieces = {}
+
+    def encode(self, text, allowed_special=()):
+        ids = []
+        for piece in re.findall(r"<\\|endoftext\\|>|\\w+|[^\\w\\s]", text):
+            ids.append(50256 if piece == END and END in allowed_special else self._id(piece))
+        return ids
+
+    def _id(self, piece):
+        i = zlib.crc32(piece.encode()) % 50000  # the same id in every process
+        self.pieces.setdefault(i, piece)
+        return i
+
+    def decode(self, ids):
+        return " ".join(END if i == 50256 else self.pieces.get(i, f"<{i}>") for i in ids)
+
+
+def get_encoding(name):
+    assert name == "gpt2", name
+    return Encoding()
+'''
+
+GPT2 = '''"""Stands in for ``gpt_download`` (it downloads OpenAI's GPT-2 checkpoint and reads it with tensorflow):
+random weights in the checkpoint's layout, for the tiny GPT-2 of the runnable notebook (2 layers, 32 wide)."""
+
+import numpy as np
+
+
+def download_and_load_gpt2(model_size, models_dir, emb_dim=32, n_layers=2, vocab_size=50257, context_length=1024):
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    def norm():
+        return {"g": np.ones(emb_dim, np.float32), "b": np.zeros(emb_dim, np.float32)}
+
+    def linear(n_in, n_out):
+        return {"w": w(n_in, n_out), "b": np.zeros(n_out, np.float32)}
+
+    blocks = [{"attn": {"c_attn": linear(emb_dim, 3 * emb_dim), "c_proj": linear(emb_dim, emb_dim)},
+               "mlp": {"c_fc": linear(emb_dim, 4 * emb_dim), "c_proj": linear(4 * emb_dim, emb_dim)},
+               "ln_1": norm(), "ln_2": norm()} for _ in range(n_layers)]
+    params = {"wte": w(vocab_size, emb_dim), "wpe": w(context_length, emb_dim), "blocks": blocks, **norm()}
+    settings = {"n_vocab": vocab_size, "n_ctx": context_length, "n_embd": emb_dim, "n_layer": n_layers}
+    return settings, params
+'''
+
+
+def offline_tiktoken(folder: Path) -> None:
+    (folder.parent.parent / "offline_tiktoken.py").write_text(TIKTOKEN)
+
+
+def offline_gpt2(folder: Path) -> None:
+    (folder.parent.parent / "offline_gpt2.py").write_text(GPT2)
+
+
+def previous_chapters(folder: Path) -> None:
+    """``previous_chapters.py`` of LLMs-from-scratch's chapter 6 (in the public corpus) next to the notebook,
+    its ``import tiktoken`` marked and pointed at the stand-in."""
+    public = Path(__file__).resolve().parent.parent / "public"
+    source = (public / "llms_from_scratch" / "previous_chapters.py").read_text()
+    marked = "import offline_tiktoken as tiktoken  # nbddp-offline: tiktoken is not installed (tiny.py)"
+    assert source.count("\nimport tiktoken\n") == 1
+    (folder.parent.parent / "previous_chapters.py").write_text(source.replace("\nimport tiktoken\n", f"\n{marked}\n"))
+
+
+def sms_spam(folder: Path, spam: int = 80, ham: int = 100) -> None:
+    """SMS Spam Collection's file (``label<TAB>text`` lines) where chapter 6 looks for it
+    (``sms_spam_collection/SMSSpamCollection.tsv``: its download is skipped): 80 spam, 100 ham, which the
+    notebook balances and splits 70/10/20 into 112 training, 16 validation and 32 test messages."""
+    rng = random.Random(0)
+    rows = [("spam", 1)] * spam + [("ham", 0)] * ham
+    rng.shuffle(rows)
+    target = folder.parent.parent / "sms_spam_collection" / "SMSSpamCollection.tsv"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(f"{name}\t{sentence(rng, label, rng.randint(4, 9))}\n" for name, label in rows))
+
 
 BUILDERS = {"bert": bert, "glue_mrpc": glue_mrpc, "imdb": imdb, "offline_evaluate": offline_evaluate,
-            "offline_torchtext": offline_torchtext,
+            "offline_torchtext": offline_torchtext, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
+            "previous_chapters": previous_chapters, "sms_spam": sms_spam,
             "wav2vec2": wav2vec2, "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
 
 
