@@ -38,6 +38,10 @@ KNOWN = {
         "plain loops over train_dataloader, which a later cell hands to accelerator.prepare(), are not "
         "distributed: the loader gets no DistributedSampler and the model no DDP wrapper, so each rank trains "
         "on the whole data set",
+    "custom_head_bert_imdb":
+        "the head reads last_hidden_state, so BERT's pooler never gets a gradient; nbddp wraps the model in "
+        "DistributedDataParallel with find_unused_parameters=False, and the second step fails with "
+        "UnusedParameters (transformer.pooler.dense.weight, .bias), where one process trains",
 }
 #: Files a Trainer writes once per process by design (its RNG state in each checkpoint).
 PER_PROCESS = ("rng_state",)

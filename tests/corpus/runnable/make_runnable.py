@@ -193,6 +193,30 @@ NOTEBOOKS = {
         "train_size": 112,
         "whole": [16, 32],
     },
+    "custom_head_bert_imdb": {
+        "source": "sentiment/4_Transformers.ipynb",
+        "style": "plain loop: own head on a pretrained encoder",
+        "skip": {12: 'tokenizer.vocab["!"]: the tiny vocabulary has words only'},
+        "edits": [
+            (1, "import torchtext", f"# import torchtext  {MARK} not installed, and this notebook never uses it"),
+            (3, 'train_data, test_data = datasets.load_dataset("imdb", split=["train", "test"])',
+             f'train_data, test_data = [datasets.load_from_disk("tiny/imdb")[s] for s in ("train", "test")]  {MARK} '
+             "64 and 24 reviews with IMDB's columns (tiny.py)"),
+            (4, 'transformer_name = "bert-base-uncased"',
+             f'transformer_name = "tiny/bert"  {MARK} a 2-layer BERT built from a config'),
+            (23, "transformer = transformers.AutoModel.from_pretrained(transformer_name)",
+             f'transformer = transformers.AutoModel.from_pretrained(transformer_name, attn_implementation="eager")  '
+             f"{MARK} output_attentions=True needs eager attention in transformers 5 (sdpa gives none)"),
+            (25, 'output_dim = len(train_data["label"].unique())',
+             f'output_dim = len(train_data[:]["label"].unique())  {MARK} ds["label"] is a Column since datasets 4; '
+             'ds[:]["label"] is the tensor'),
+            (27, "lr = 1e-5", f"lr = 1e-3  {MARK} a random tiny model learns faster"),
+            (34, "n_epochs = 3", f"n_epochs = 10  {MARK} a random tiny model needs more steps"),
+        ],
+        "tiny": ["bert", "imdb"],
+        "train_size": 48,
+        "whole": [16, 24],
+    },
 }
 
 
