@@ -258,6 +258,40 @@ def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_
     assert "_nbddp.set_epoch(train_dl, epoch)" in script.text
 
 
+#: The factory's own loader and the training function's parameter share a name (``data_loader``), as in
+#: bentrevett/pytorch-sentiment-analysis: the factory's loader is not the one the training loop iterates.
+FACTORY_SAME_NAME = [
+    IMPORTS,
+    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "def get_data_loader(dataset, batch_size, shuffle=False):\n"
+    "    data_loader = torch.utils.data.DataLoader(dataset=dataset, batch_size=batch_size, shuffle=shuffle)\n"
+    "    return data_loader\n"
+    "train_dl = get_data_loader(train_ds, 8, shuffle=True)\n"
+    "test_dl = get_data_loader(test_ds, 8)",
+    "model = nn.Linear(1, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=1e-4)",
+    "def train(data_loader, model, optimizer):\n"
+    "    for xb, yb in data_loader:\n"
+    "        loss = ((model(xb) - yb) ** 2).mean()\n"
+    "        optimizer.zero_grad()\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "def evaluate(data_loader, model):\n"
+    "    return sum(len(xb) for xb, yb in data_loader)",
+    "for epoch in range(2):\n"
+    "    train(train_dl, model, optimizer)\n"
+    "    print(f'epoch {epoch}: validated on {evaluate(test_dl, model)} samples')",
+    "print(f'tested on {evaluate(test_dl, model)} samples')",
+]
+
+
+def test_a_factory_loader_named_as_a_training_functions_parameter_stays_whole_for_evaluation(tmp_path, notebook):
+    script, result, out = run(tmp_path, notebook(FACTORY_SAME_NAME))
+    assert result.ok, (out[-3000:], result.failure)
+    assert out.count("validated on 32 samples") == 2 and "tested on 32 samples" in out, out[-2000:]  # not half
+    assert "sampler=_nbddp.distributed_sampler(dataset, shuffle=shuffle) if shuffle else None" in script.text
+
+
 # ----------------------------------------------------------------------- 5. a trainer built by a helper
 
 HELPER_TRAINER = [

@@ -11,6 +11,7 @@ repository, as a snapshot store lays them out). Nothing here runs in the tests.
 - ``unsloth_nb.tar.xz``: every notebook of ``unslothai/notebooks``'s ``nb/`` folder, compact: the same with
   outputs dropped, and markdown cells kept with an empty source (their text dropped); format version, cell
   ids, cell and notebook metadata kept. Only notebooks go in, no other file of that repository.
+- ``<source>/<name>.py``: a module a notebook imports from its folder (``MODULES``), as published.
 - ``MANIFEST.json``: for each notebook its repository, path, commit, licence and style tags (the tags are
   computed from the code cells by the patterns below, plus the few hand-given ones in ``EXTRA_TAGS``).
 
@@ -36,6 +37,8 @@ REPOS = {
     "huggingface/trl": ("trl", "Apache-2.0", "f2cd57710ae345ea6428ae95363267fcf38a3dc8"),
     "huggingface/peft": ("peft", "Apache-2.0", "5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40"),
     "mrdbourke/pytorch-deep-learning": ("pytorch_dl", "MIT", "baa27b691617461c173ecf3439793cd8cde74e13"),
+    "bentrevett/pytorch-sentiment-analysis": ("sentiment", "MIT", "329f654b2cfaed22fee432569ebd7a2674584f79"),
+    "rasbt/LLMs-from-scratch": ("llms_from_scratch", "Apache-2.0", "28c65cdfbc3338e2e040016eea4b7fdf556e4d57"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -127,6 +130,19 @@ PATHS = {
         "09_pytorch_model_deployment.ipynb",
         "going_modular/05_pytorch_going_modular_cell_mode.ipynb",
     ],
+    "bentrevett/pytorch-sentiment-analysis": [
+        "1 - Neural Bag of Words.ipynb",
+        "4 - Transformers.ipynb",
+    ],
+    "rasbt/LLMs-from-scratch": [
+        "ch06/01_main-chapter-code/ch06.ipynb",
+    ],
+}
+
+#: Python modules a notebook imports from its own folder, taken byte for byte (the runnable copies put them
+#: next to the notebook).
+MODULES = {
+    "rasbt/LLMs-from-scratch": ["ch06/01_main-chapter-code/previous_chapters.py"],
 }
 
 #: Style tags read from the code cells.
@@ -242,7 +258,7 @@ def name_for(path: str) -> str:
         return "course_" + "_".join(parts[-2:])
     if parts[-2:-1] == ("accelerate_examples",):
         return "accelerate_" + parts[-1]
-    return parts[-1]
+    return parts[-1].replace(" - ", "_").replace(" ", "_")  # "4 - Transformers" → 4_Transformers
 
 
 def collect(mirrors: Path) -> list[dict]:
@@ -262,6 +278,10 @@ def collect(mirrors: Path) -> list[dict]:
                              "outputs": "dropped",
                              "markdown": "kept; attachments and inline image data dropped",
                              "tags": tags_for(key, nb)})
+        for path in MODULES.get(repo, []):
+            key = f"{folder}/{Path(path).name}"
+            (HERE / key).write_bytes(git_show(mirrors, repo, commit, path))
+            manifest.append({"file": key, "repository": repo, "path": path, "commit": commit, "license": licence})
     return manifest
 
 

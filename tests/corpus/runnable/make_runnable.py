@@ -158,6 +158,65 @@ NOTEBOOKS = {
         "tiny": ["llama_chat", "multilingual_thinking"],
         "train_size": 32,
     },
+    "loader_factory_imdb_nbow": {
+        "source": "sentiment/1_Neural_Bag_of_Words.ipynb",
+        "style": "loaders from a factory",
+        "edits": [
+            (5, "import torchtext",
+             f"import offline_torchtext as torchtext  {MARK} not installed; its GloVe() downloads (tiny.py)"),
+            (9, 'train_data, test_data = datasets.load_dataset("imdb", split=["train", "test"])',
+             f'train_data, test_data = [datasets.load_from_disk("tiny/imdb")[s] for s in ("train", "test")]  {MARK} '
+             "64 and 24 reviews with IMDB's columns (tiny.py)"),
+            (73, "batch_size = 512", f"batch_size = 8  {MARK} 48 training reviews"),
+        ],
+        "tiny": ["imdb", "offline_torchtext"],
+        "train_size": 48,
+        "whole": [16, 24],
+    },
+    "save_then_load_spam_gpt2": {
+        "source": "llms_from_scratch/ch06.ipynb",
+        "style": "save-then-load",
+        "skip": {3: "prints the versions of tiktoken and tensorflow, which are not installed"},
+        "edits": [
+            (29, "import tiktoken",
+             f"import offline_tiktoken as tiktoken  {MARK} not installed; a word-level stand-in (tiny.py)"),
+            (44, '"gpt2-small (124M)": {"emb_dim": 768, "n_layers": 12, "n_heads": 12},',
+             f'"gpt2-small (124M)": {{"emb_dim": 32, "n_layers": 2, "n_heads": 2}},  {MARK} a 2-layer GPT-2 for a CPU test'),
+            (45, "from gpt_download import download_and_load_gpt2",
+             f"from offline_gpt2 import download_and_load_gpt2  {MARK} random weights in OpenAI's layout; the real "
+             "one downloads and needs tensorflow"),
+            (99, "optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.1)",
+             f"optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)  {MARK} a random tiny "
+             "model learns faster"),
+        ],
+        "tiny": ["sms_spam", "offline_tiktoken", "offline_gpt2", "previous_chapters"],
+        "train_size": 112,
+        "whole": [16, 32],
+    },
+    "custom_head_bert_imdb": {
+        "source": "sentiment/4_Transformers.ipynb",
+        "style": "plain loop: own head on a pretrained encoder",
+        "skip": {12: 'tokenizer.vocab["!"]: the tiny vocabulary has words only'},
+        "edits": [
+            (1, "import torchtext", f"# import torchtext  {MARK} not installed, and this notebook never uses it"),
+            (3, 'train_data, test_data = datasets.load_dataset("imdb", split=["train", "test"])',
+             f'train_data, test_data = [datasets.load_from_disk("tiny/imdb")[s] for s in ("train", "test")]  {MARK} '
+             "64 and 24 reviews with IMDB's columns (tiny.py)"),
+            (4, 'transformer_name = "bert-base-uncased"',
+             f'transformer_name = "tiny/bert"  {MARK} a 2-layer BERT built from a config'),
+            (23, "transformer = transformers.AutoModel.from_pretrained(transformer_name)",
+             f'transformer = transformers.AutoModel.from_pretrained(transformer_name, attn_implementation="eager")  '
+             f"{MARK} output_attentions=True needs eager attention in transformers 5 (sdpa gives none)"),
+            (25, 'output_dim = len(train_data["label"].unique())',
+             f'output_dim = len(train_data[:]["label"].unique())  {MARK} ds["label"] is a Column since datasets 4; '
+             'ds[:]["label"] is the tensor'),
+            (27, "lr = 1e-5", f"lr = 1e-3  {MARK} a random tiny model learns faster"),
+            (34, "n_epochs = 3", f"n_epochs = 10  {MARK} a random tiny model needs more steps"),
+        ],
+        "tiny": ["bert", "imdb"],
+        "train_size": 48,
+        "whole": [16, 24],
+    },
 }
 
 
@@ -185,8 +244,9 @@ def write_all(folder: Path = HERE) -> list[Path]:
         path = folder / f"{name}.ipynb"
         nbformat.write(runnable(spec), str(path))
         written.append(path)
-    manifest = [{"file": f"{name}.ipynb", "original": spec["source"], "style": spec["style"],
-                 "tiny": spec["tiny"], "train_size": spec["train_size"]} for name, spec in NOTEBOOKS.items()]
+    manifest = [{"file": f"{name}.ipynb", "original": spec["source"], "style": spec["style"], "tiny": spec["tiny"],
+                 "train_size": spec["train_size"], **({"whole": spec["whole"]} if "whole" in spec else {})}
+                for name, spec in NOTEBOOKS.items()]
     (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return written
 

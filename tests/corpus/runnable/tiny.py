@@ -60,6 +60,22 @@ def glue_mrpc(folder: Path, train: int = 64, validation: int = 8) -> None:
                  "test": split(validation, train + validation)}).save_to_disk(str(folder))
 
 
+def imdb(folder: Path, train: int = 64, test: int = 24) -> None:
+    """IMDB's columns (text, label of neg/pos): short reviews whose words give the label, as ``glue_mrpc``'s;
+    each joins two halves with "and" (a word the notebooks look up)."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    rng = random.Random(0)
+    features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+
+    def split(n):
+        labels = [i % 2 for i in range(n)]
+        text = [f"{sentence(rng, label)} and {sentence(rng, label)}" for label in labels]
+        return Dataset.from_dict({"text": text, "label": labels}, features=features)
+
+    DatasetDict({"train": split(train), "test": split(test)}).save_to_disk(str(folder))
+
+
 def wav2vec2(folder: Path) -> None:
     """A 4-layer wav2vec2 (hidden 16) with wav2vec2-base's LayerDrop (0.1), and its feature extractor."""
     import torch
@@ -167,12 +183,175 @@ def offline_evaluate(folder: Path) -> None:
     (folder.parent.parent / "offline_evaluate.py").write_text(EVALUATE)
 
 
-BUILDERS = {"bert": bert, "glue_mrpc": glue_mrpc, "offline_evaluate": offline_evaluate, "wav2vec2": wav2vec2,
-            "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
+TORCHTEXT = '''"""Stands in for the few parts of ``torchtext`` a notebook uses (torchtext is not installed, and its
+``GloVe()`` downloads): ``data.utils.get_tokenizer("basic_english")``, ``vocab.build_vocab_from_iterator``
+and ``vocab.GloVe`` (a fixed random 300-dimensional vector per word)."""
+
+import collections
+import re
+import types
+import zlib
+
+import torch
+
+
+def get_tokenizer(name):
+    assert name == "basic_english", name
+    return lambda text: re.findall(r"[a-z0-9]+|[^a-z0-9\\s]", text.lower())
+
+
+class Vocab:
+    def __init__(self, itos):
+        self.itos, self.stoi, self.default = list(itos), {t: i for i, t in enumerate(itos)}, None
+
+    def __len__(self):
+        return len(self.itos)
+
+    def __contains__(self, token):
+        return token in self.stoi
+
+    def __getitem__(self, token):
+        if token not in self.stoi and self.default is None:
+            raise RuntimeError(f"token {token} not found and default index is not set")
+        return self.stoi.get(token, self.default)
+
+    def set_default_index(self, index):
+        self.default = index
+
+    def get_itos(self):
+        return list(self.itos)
+
+    def lookup_indices(self, tokens):
+        return [self[t] for t in tokens]
+
+    def lookup_tokens(self, indices):
+        return [self.itos[i] for i in indices]
+
+
+def build_vocab_from_iterator(iterator, min_freq=1, specials=None):
+    counts = collections.Counter(t for tokens in iterator for t in tokens)
+    words = sorted((t for t, n in counts.items() if n >= min_freq), key=lambda t: (-counts[t], t))
+    return Vocab(list(specials or []) + [t for t in words if t not in (specials or [])])
+
+
+class GloVe:
+    dim = 300
+
+    def get_vecs_by_tokens(self, tokens):
+        single = isinstance(tokens, str)
+        rows = [torch.randn(self.dim, generator=torch.Generator().manual_seed(zlib.crc32(t.encode())))
+                for t in ([tokens] if single else tokens)]
+        return rows[0] if single else torch.stack(rows)
+
+
+data = types.SimpleNamespace(utils=types.SimpleNamespace(get_tokenizer=get_tokenizer))
+vocab = types.SimpleNamespace(build_vocab_from_iterator=build_vocab_from_iterator, GloVe=GloVe, Vocab=Vocab)
+'''
+
+
+def offline_torchtext(folder: Path) -> None:
+    (folder.parent.parent / "offline_torchtext.py").write_text(TORCHTEXT)
+
+TIKTOKEN = '''"""Stands in for ``tiktoken`` (not installed; its encodings download): ``get_encoding("gpt2")`` gives a
+word-level encoder over GPT-2's 50257 ids, ``<|endoftext|>`` being 50256 as in GPT-2."""
+
+import re
+import zlib
+
+END = "<|endoftext|>"
+
+
+class Encoding:
+    n_vocab = 50257
+
+    def __init__(self):
+        self.pieces = {}
+
+    def encode(self, text, allowed_special=()):
+        ids = []
+        for piece in re.findall(r"<\\|endoftext\\|>|\\w+|[^\\w\\s]", text):
+            ids.append(50256 if piece == END and END in allowed_special else self._id(piece))
+        return ids
+
+    def _id(self, piece):
+        i = zlib.crc32(piece.encode()) % 50000  # the same id in every process
+        self.pieces.setdefault(i, piece)
+        return i
+
+    def decode(self, ids):
+        return " ".join(END if i == 50256 else self.pieces.get(i, f"<{i}>") for i in ids)
+
+
+def get_encoding(name):
+    assert name == "gpt2", name
+    return Encoding()
+'''
+
+GPT2 = '''"""Stands in for ``gpt_download`` (it downloads OpenAI's GPT-2 checkpoint and reads it with tensorflow):
+random weights in the checkpoint's layout, for the tiny GPT-2 of the runnable notebook (2 layers, 32 wide)."""
+
+import numpy as np
+
+
+def download_and_load_gpt2(model_size, models_dir, emb_dim=32, n_layers=2, vocab_size=50257, context_length=1024):
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    def norm():
+        return {"g": np.ones(emb_dim, np.float32), "b": np.zeros(emb_dim, np.float32)}
+
+    def linear(n_in, n_out):
+        return {"w": w(n_in, n_out), "b": np.zeros(n_out, np.float32)}
+
+    blocks = [{"attn": {"c_attn": linear(emb_dim, 3 * emb_dim), "c_proj": linear(emb_dim, emb_dim)},
+               "mlp": {"c_fc": linear(emb_dim, 4 * emb_dim), "c_proj": linear(4 * emb_dim, emb_dim)},
+               "ln_1": norm(), "ln_2": norm()} for _ in range(n_layers)]
+    params = {"wte": w(vocab_size, emb_dim), "wpe": w(context_length, emb_dim), "blocks": blocks, **norm()}
+    settings = {"n_vocab": vocab_size, "n_ctx": context_length, "n_embd": emb_dim, "n_layer": n_layers}
+    return settings, params
+'''
+
+
+def offline_tiktoken(folder: Path) -> None:
+    (folder.parent.parent / "offline_tiktoken.py").write_text(TIKTOKEN)
+
+
+def offline_gpt2(folder: Path) -> None:
+    (folder.parent.parent / "offline_gpt2.py").write_text(GPT2)
+
+
+def previous_chapters(folder: Path) -> None:
+    """``previous_chapters.py`` of LLMs-from-scratch's chapter 6 (in the public corpus) next to the notebook,
+    its ``import tiktoken`` marked and pointed at the stand-in."""
+    public = Path(__file__).resolve().parent.parent / "public"
+    source = (public / "llms_from_scratch" / "previous_chapters.py").read_text()
+    marked = "import offline_tiktoken as tiktoken  # nbddp-offline: tiktoken is not installed (tiny.py)"
+    assert source.count("\nimport tiktoken\n") == 1
+    (folder.parent.parent / "previous_chapters.py").write_text(source.replace("\nimport tiktoken\n", f"\n{marked}\n"))
+
+
+def sms_spam(folder: Path, spam: int = 80, ham: int = 100) -> None:
+    """SMS Spam Collection's file (``label<TAB>text`` lines) where chapter 6 looks for it
+    (``sms_spam_collection/SMSSpamCollection.tsv``: its download is skipped): 80 spam, 100 ham, which the
+    notebook balances and splits 70/10/20 into 112 training, 16 validation and 32 test messages."""
+    rng = random.Random(0)
+    rows = [("spam", 1)] * spam + [("ham", 0)] * ham
+    rng.shuffle(rows)
+    target = folder.parent.parent / "sms_spam_collection" / "SMSSpamCollection.tsv"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(f"{name}\t{sentence(rng, label, rng.randint(4, 9))}\n" for name, label in rows))
+
+
+BUILDERS = {"bert": bert, "glue_mrpc": glue_mrpc, "imdb": imdb, "offline_evaluate": offline_evaluate,
+            "offline_torchtext": offline_torchtext, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
+            "previous_chapters": previous_chapters, "sms_spam": sms_spam,
+            "wav2vec2": wav2vec2, "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
 
 
 def build(names, folder: Path) -> Path:
-    """Write the named stand-ins under ``folder/tiny/`` (``offline_evaluate`` next to the notebook)."""
+    """Write the named stand-ins under ``folder/tiny/`` (the ``offline_*`` modules next to the notebook)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in names:
         target = folder / "tiny" / name

@@ -49,6 +49,14 @@ def loader_name(expr: ast.AST) -> str | None:
     return expr.id if isinstance(expr, ast.Name) else None
 
 
+def trained_in(function: ast.AST, facts: JobFacts) -> set[str]:
+    """The loaders a training loop inside ``function`` itself iterates (``JobFacts.train_iterated`` holds such
+    names from anywhere: a parameter of another function may share a factory's local name)."""
+    return {name for loop in ast.walk(function) if isinstance(loop, (ast.For, ast.AsyncFor))
+            and (name := loader_name(loop.iter)) is not None
+            and any(isinstance(c, ast.Call) and is_training_call(c, facts) for c in ast.walk(loop))}
+
+
 def plan_loaders(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
     """Which loaders are training loaders: those ``loader_shards`` says so of, and those a function of the
     notebook builds (``get_data_loader(ds, shuffle=…)``) when called with ``shuffle=True`` or for a training

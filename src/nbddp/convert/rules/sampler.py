@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 
 from .. import ast_helpers
@@ -18,7 +19,7 @@ from ..cst_helpers import (
     walk,
 )
 from ..engine.rule import Rule
-from ..facts.loaders import PLAIN_SAMPLERS, loader_shards
+from ..facts.loaders import PLAIN_SAMPLERS, loader_shards, trained_in
 from ..facts.training import TRAINS_BY_NAME
 
 
@@ -58,6 +59,20 @@ class DistributedSamplerRule(Rule):
         super().__init__(facts, chunk)
         self._assigned: dict[cst.Call, list[str]] = {}  # a call assigned to names → those names
         self._preparing = 0  # inside ``accelerator.prepare(…)``
+        self._functions: list[set[str]] = []  # per enclosing function: the loaders its own training loops iterate
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._functions.append(self._trained_in(node.name.value))
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self._functions.pop()
+        return updated
+
+    def _trained_in(self, name: str) -> set[str]:
+        """``trained_in`` of the chunk's function ``name`` (its ast), or every training loader if not found."""
+        found = next((n for s in self.chunk.statements for top in s.nodes for n in ast.walk(top)
+                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None)
+        return self.facts.train_iterated if found is None else trained_in(found, self.facts)
 
     def visit_Assign(self, node: cst.Assign) -> None:
         if isinstance(node.value, cst.Call):
@@ -93,9 +108,10 @@ class DistributedSamplerRule(Rule):
                 self.note(original, "DataLoader: has a sampler of its own, left alone: every rank reads what it "
                                     "gives (nbddp says so at the first step if the batches are the same)")
             return updated
-        # ``shuffle=shuffle`` in a loader factory: a training loader when it shuffles, else whole
+        # ``shuffle=shuffle`` in a loader factory: a training loader when it shuffles, else whole (unless
+        # named as one, or the factory's own training loop reads it: the caller's loops read the caller's)
         depends = shuffle is not None and _decided_at_run_time(shuffle.value) and not loader_shards(
-            own, None, targets, self.facts.train_iterated)
+            own, None, targets, self._functions[-1] if self._functions else self.facts.train_iterated)
         return self._shard(original, updated, depends)
 
     def _is_helper_training(self, call: cst.Call) -> bool:
