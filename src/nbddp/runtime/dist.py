@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -97,7 +98,17 @@ def seed_everything(seed: int | str | None = None) -> int | None:
 
 
 def is_main_process() -> bool:
-    """True on global rank 0 (and in a plain single process)."""
+    """True on global rank 0 (and in a plain single process).
+
+    Asked by the script's own code (a rank-0 guard the converter wrote, which every rank reaches) under FSDP,
+    it first has every rank gather the plain loop's sharded models, so the code rank 0 then runs alone saves
+    whole weights (``strategy.gather_for_rank0_code``).
+    """
+    if sys._getframe(1).f_globals.get("__name__") == "__main__":
+        from . import strategy
+
+        if strategy.current() == "fsdp":
+            strategy.gather_for_rank0_code()
     return rank_info().rank == 0
 
 

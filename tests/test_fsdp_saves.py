@@ -1,0 +1,105 @@
+"""Saving under FSDP on two gloo ranks: what a plain PyTorch loop writes after training (and in its loop)
+holds the whole trained weights, as the same notebook under DDP writes them; ``--resume`` continues a
+Trainer's sharded training from its last checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from nbddp.job import run_job
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: A plain loop on the tiny Llama with LoRA: a checkpoint in the loop, the weights and the adapter after it.
+PLAIN_LOOP = [
+    """import torch
+from nbddp import demo
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(demo.tiny_model())
+model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), dtype=torch.float32)
+model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+data = demo.arithmetic_dataset(64).map(
+    lambda row: tokenizer(row["text"], padding="max_length", max_length=16, truncation=True), remove_columns=["text"])
+train_loader = torch.utils.data.DataLoader(data.with_format("torch", columns=["input_ids"]), batch_size=4, shuffle=True)
+optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)""",
+    """for epoch in range(2):
+    for batch in train_loader:
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(model.state_dict(), f"epoch{epoch}.pt")
+    print("epoch", epoch, loss.item())""",
+    """torch.save(model.state_dict(), "model.pt")
+model.save_pretrained("adapter")
+print("saved")""",
+]
+
+#: In a fresh process: each file loads into a fresh plain model, and the two runs' weights agree.
+COMPARE = """
+import json, sys, torch
+from nbddp import demo
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+def fresh():
+    model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), dtype=torch.float32)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+fsdp, ddp = sys.argv[1], sys.argv[2]
+report = {}
+for name in ("epoch0.pt", "epoch1.pt", "model.pt"):
+    saved = torch.load(f"{fsdp}/{name}", weights_only=False)
+    kinds = sorted({type(t).__name__ for t in saved.values()})
+    model = fresh()
+    model.load_state_dict(saved, strict=True)  # every key, every shape: the whole model
+    reference = torch.load(f"{ddp}/{name}", weights_only=False)
+    worst = max((saved[k] - reference[k]).abs().max().item() for k in reference)
+    moved = max((saved[k] - fresh().state_dict()[k]).abs().max().item() for k in reference if "lora_B" in k)
+    report[name] = {"kinds": kinds, "keys": sorted(saved) == sorted(reference), "worst": worst, "moved": moved}
+adapter = load_file(f"{fsdp}/adapter/adapter_model.safetensors")
+reference = load_file(f"{ddp}/adapter/adapter_model.safetensors")
+report["adapter"] = {"keys": sorted(adapter) == sorted(reference),
+                     "shapes": sorted({tuple(t.shape) for t in adapter.values()}),
+                     "worst": max((adapter[k] - reference[k]).abs().max().item() for k in reference)}
+print(json.dumps(report))
+"""
+
+
+def train(folder: Path, cells: list[str], again: bool = False, **options) -> str:
+    folder.mkdir(exist_ok=again)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(nb, folder / "nb.ipynb")
+    chunks = []
+    job = run_job(folder / "nb.ipynb", nproc=2, runs_dir=folder / "runs", timeout_s=600,
+                  sink=lambda stream, text: chunks.append(text), **options)
+    out = "".join(chunks)
+    assert job.ok, (job.failure and job.failure.message[-3000:]) or out[-3000:]
+    return out
+
+
+@pytest.mark.e2e
+def test_a_plain_loop_under_fsdp_saves_the_whole_trained_weights(tmp_path):
+    out = train(tmp_path / "fsdp", PLAIN_LOOP, strategy="fsdp")
+    assert "strategy fsdp" in out and "saved" in out
+    train(tmp_path / "ddp", PLAIN_LOOP, strategy="ddp")
+    proc = subprocess.run([sys.executable, "-c", COMPARE, str(tmp_path / "fsdp"), str(tmp_path / "ddp")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    for name in ("epoch0.pt", "epoch1.pt", "model.pt"):
+        saved = report[name]
+        assert saved["kinds"] == ["Tensor"] and saved["keys"], saved  # plain tensors, not a rank's DTensor shards
+        assert saved["moved"] > 1e-3, saved  # trained, not the initial weights
+        assert saved["worst"] < 1e-4, saved  # what DDP trains from the same start on the same batches
+    adapter = report["adapter"]
+    assert adapter["keys"] and adapter["shapes"] == [[4, 64], [32, 4], [64, 4]], adapter  # whole, not a shard
+    assert adapter["worst"] < 1e-4, adapter
+
