@@ -4,6 +4,7 @@ Trainer's sharded training from its last checkpoint."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,57 @@ def test_a_plain_loop_under_fsdp_saves_the_whole_trained_weights(tmp_path):
     assert adapter["keys"] and adapter["shapes"] == [[4, 64], [32, 4], [64, 4]], adapter  # whole, not a shard
     assert adapter["worst"] < 1e-4, adapter
 
+
+#: A Trainer on the tiny Llama with LoRA saving a checkpoint every 4 steps; rank 0 says each step it trains.
+TRAINER = [
+    """import json, os, torch
+from nbddp import demo
+from peft import LoraConfig, get_peft_model
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,
+                          TrainerCallback, TrainingArguments)
+tokenizer = AutoTokenizer.from_pretrained(demo.tiny_model())
+model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), dtype=torch.float32)
+model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+data = demo.arithmetic_dataset(64).map(
+    lambda row: tokenizer(row["text"], padding="max_length", max_length=16, truncation=True), remove_columns=["text"])
+
+class Steps(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print("TRAINED STEP", state.global_step, flush=True)""",
+    """args = TrainingArguments(output_dir="out", max_steps=int(os.environ["STEPS"]), per_device_train_batch_size=4,
+                         learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=2, save_strategy="steps",
+                         save_steps=4, report_to="none")
+trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Steps()],
+                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+trainer.train()""",
+    """print("LOSSES", json.dumps({r["step"]: r["loss"] for r in trainer.state.log_history if "loss" in r}))""",
+]
+
+
+def trained_steps(out: str) -> list[int]:
+    return [int(step) for step in re.findall(r"TRAINED STEP (\d+)", out)]  # between the progress bar's redraws
+
+
+def logged_losses(out: str) -> dict[int, float]:
+    losses = json.loads(re.search(r"LOSSES (\{.*\})", out).group(1))
+    return {int(step): loss for step, loss in losses.items()}
+
+
+@pytest.mark.e2e
+def test_resume_continues_a_trainer_sharded_with_fsdp(tmp_path):
+    folder = tmp_path / "job"
+    first = train(folder, TRAINER, strategy="fsdp", env={"STEPS": "8"})
+    assert "strategy fsdp" in first and trained_steps(first) == list(range(1, 9))
+    assert sorted(p.name for p in (folder / "out").iterdir()) == ["checkpoint-4", "checkpoint-8"]
+    saved = {p.name for p in (folder / "out" / "checkpoint-4").iterdir()}
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin", "rng_state_0.pth", "rng_state_1.pth"} <= saved, saved
+    (folder / "out" / "checkpoint-8" / "trainer_state.json").unlink()  # as a run stopped while saving leaves it
+    second = train(folder, TRAINER, strategy="fsdp", env={"STEPS": "16"}, resume=True, again=True)
+    assert f"resuming from out{os.sep}checkpoint-4" in second
+    assert trained_steps(second) == list(range(5, 17))  # steps 1-4 were not trained again
+    before, after = logged_losses(first), logged_losses(second)
+    assert [after[s] for s in (2, 4)] == [before[s] for s in (2, 4)]  # the history the checkpoint held
+    # steps 5 to 8 as the first run trained them: the checkpoint's weights, optimizer state and data order
+    assert all(abs(after[s] - before[s]) < 1e-4 * before[s] for s in (6, 8)), (before, after)
+    assert after[16] < before[2] - 0.1, after  # and it keeps learning
