@@ -128,6 +128,29 @@ def test_split_launches_one_process_and_tells_the_ranks(llama_8b):
     assert "strategy split" in said[0] and "slower than one GPU" in said[0]
 
 
+PLAIN_LOOP = """import torch
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for x in torch.randn(8, 4):
+    model(x).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_fsdp_refuses_a_plain_loop_saving_its_whole_model_before_launch(llama_8b):
+    from nbddp.job import strategy_launch
+
+    def launch_with(strategy_name, save):
+        converted = convert_cells(cells_from_sources([PLAIN_LOOP, "print('done')\n" + save]))
+        return strategy_launch(converted, llama_8b, strategy_name, 2, {}, lambda stream, text: None)
+
+    with pytest.raises(NbddpError, match=r"^cell 2, line 2: torch.save of the whole model cannot work under "
+                                         r"--strategy fsdp.*torch.save\(model.state_dict\(\), PATH\)"):
+        launch_with("fsdp", "torch.save(model, 'model.pt')")
+    assert launch_with("ddp", "torch.save(model, 'model.pt')")[1]["NBDDP_STRATEGY"] == "ddp"  # DDP pickles it whole
+    assert launch_with("fsdp", "torch.save(model.state_dict(), 'model.pt')")[1]["NBDDP_STRATEGY"] == "fsdp"
+
+
 # ---- in the ranks ----------------------------------------------------------------------------------------
 
 

@@ -434,6 +434,23 @@ def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: st
     return choose(est, tuple(gpus), unsloth=shape.unsloth, why_unknown=unknown)
 
 
+def whole_model_saves(script_text: str) -> list[int]:
+    """Script lines where a plain loop pickles its whole model, ``torch.save(_nbddp.unwrap(model), …)`` (the
+    converter's spelling of ``torch.save(model, …)``): under FSDP that model is held in shards of a class
+    made at run time, which pickle cannot name, so the save would fail after the training."""
+    if "_nbddp.ddp(" not in script_text:  # no plain loop's model to shard
+        return []
+    return sorted(node.lineno for node in ast.walk(ast.parse(script_text)) if isinstance(node, ast.Call)
+                  and _callee(node) == ("torch", "save") and node.args and isinstance(node.args[0], ast.Call)
+                  and _callee(node.args[0]) == ("_nbddp", "unwrap"))
+
+
+#: Why a whole-model save is refused under FSDP, and what to write instead.
+WHOLE_MODEL_SAVE = ("torch.save of the whole model cannot work under --strategy fsdp: the model is held in shards "
+                    "across the ranks; save its weights, torch.save(model.state_dict(), PATH) (nbddp gathers them "
+                    "whole on rank 0), or run with --strategy ddp or split")
+
+
 def _installed(name: str) -> bool:
     import importlib.util
 
