@@ -151,6 +151,19 @@ def test_fsdp_refuses_a_plain_loop_saving_its_whole_model_before_launch(llama_8b
     assert launch_with("fsdp", "torch.save(model.state_dict(), 'model.pt')")[1]["NBDDP_STRATEGY"] == "fsdp"
 
 
+def test_a_kaggle_export_under_fsdp_refuses_a_whole_model_save_too(llama_8b):
+    import nbformat
+
+    from nbddp.export import export_kaggle
+
+    cells = [PLAIN_LOOP, "torch.save(model, 'model.pt')"]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), llama_8b / "nb.ipynb")
+    with pytest.raises(NbddpError, match=r"^cell 2, line 1: torch.save of the whole model cannot work"):
+        export_kaggle(llama_8b / "nb.ipynb", llama_8b / "fsdp", kernel_id="me/plain-loop", strategy="fsdp")
+    assert not (llama_8b / "fsdp").exists()
+    export_kaggle(llama_8b / "nb.ipynb", llama_8b / "ddp", kernel_id="me/plain-loop", strategy="ddp")
+
+
 # ---- in the ranks ----------------------------------------------------------------------------------------
 
 

@@ -209,24 +209,11 @@ def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env:
     from . import strategy
 
     decision = strategy.decide(script.text, cwd, requested)
-    if decision.strategy == "fsdp":
-        _refuse_whole_model_saves(script)
+    strategy.refuse_what_it_cannot_run(decision, script)
     if requested != "auto" or decision.gpu_free:
         (sink or _launch._stdout_sink)("stdout", decision.summary() + "\n")
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env
-
-
-def _refuse_whole_model_saves(script: Script) -> None:
-    """Under FSDP a plain loop's ``torch.save(model, …)`` would fail once training is over: refused before
-    launch, at the notebook's cell and line."""
-    from . import strategy
-
-    lines = strategy.whole_model_saves(script.text)
-    if lines:
-        where = script.source_map.lookup(lines[0])
-        at = f"cell {where[0]}, line {where[1]}: " if where else f"script line {lines[0]}: "
-        raise NbddpError(at + strategy.WHOLE_MODEL_SAVE)
 
 
 #: Keys nbddp adds to each Trainer log record (``runtime/metrics.py``); the rest is the Trainer's own.

@@ -451,6 +451,17 @@ WHOLE_MODEL_SAVE = ("torch.save of the whole model cannot work under --strategy 
                     "whole on rank 0), or run with --strategy ddp or split")
 
 
+def refuse_what_it_cannot_run(decision: Decision, script) -> None:
+    """Before launch (``nbddp run``, a magic, an export): under FSDP a plain loop's ``torch.save(model, …)``
+    would fail once training is over, so it is refused now, at the notebook's cell and line. ``script`` is the
+    converted ``Script`` (its text and source map)."""
+    lines = whole_model_saves(script.text) if decision.strategy == "fsdp" else []
+    if lines:
+        where = script.source_map.lookup(lines[0])
+        at = f"cell {where[0]}, line {where[1]}: " if where else f"script line {lines[0]}: "
+        raise NbddpError(at + WHOLE_MODEL_SAVE)
+
+
 def _installed(name: str) -> bool:
     import importlib.util
 
