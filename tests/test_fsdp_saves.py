@@ -158,3 +158,48 @@ def test_resume_continues_a_trainer_sharded_with_fsdp(tmp_path):
     # steps 5 to 8 as the first run trained them: the checkpoint's weights, optimizer state and data order
     assert all(abs(after[s] - before[s]) < 1e-4 * before[s] for s in (6, 8)), (before, after)
     assert after[16] < before[2] - 0.1, after  # and it keeps learning
+
+
+#: A full fine-tune in a plain loop, saved with ``save_pretrained`` and ``torch.save`` after training.
+FULL_FINE_TUNE = [
+    """import torch
+from nbddp import demo
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(demo.tiny_model())
+model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), dtype=torch.float32)
+data = demo.arithmetic_dataset(32).map(
+    lambda row: tokenizer(row["text"], padding="max_length", max_length=16, truncation=True), remove_columns=["text"])
+train_loader = torch.utils.data.DataLoader(data.with_format("torch", columns=["input_ids"]), batch_size=4, shuffle=True)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for batch in train_loader:
+    model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()""",
+    """model.save_pretrained("full")
+torch.save(model.state_dict(), "full.pt")""",
+]
+
+LOAD_PRETRAINED = """
+import json, sys, torch
+from nbddp import demo
+from transformers import AutoModelForCausalLM
+
+folder = sys.argv[1]
+model, info = AutoModelForCausalLM.from_pretrained(f"{folder}/full", output_loading_info=True)
+start = AutoModelForCausalLM.from_pretrained(demo.tiny_model()).state_dict()
+saved, weights = torch.load(f"{folder}/full.pt", weights_only=False), model.state_dict()
+print(json.dumps({"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+                  "same_as_state_dict": all(weights[k].equal(saved[k]) for k in weights),
+                  "moved": max((weights[k] - start[k]).abs().max().item() for k in weights)}))
+"""
+
+
+@pytest.mark.e2e
+def test_a_full_fine_tune_in_a_plain_loop_under_fsdp_saves_pretrained_whole(tmp_path):
+    train(tmp_path / "job", FULL_FINE_TUNE, strategy="fsdp")
+    proc = subprocess.run([sys.executable, "-c", LOAD_PRETRAINED, str(tmp_path / "job")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["missing"] == [] and report["unexpected"] == [], report  # every weight, whole
+    assert report["same_as_state_dict"] and report["moved"] > 1e-4, report  # the trained weights
