@@ -151,6 +151,22 @@ def test_fsdp_refuses_a_plain_loop_saving_its_whole_model_before_launch(llama_8b
     assert launch_with("fsdp", "torch.save(model.state_dict(), 'model.pt')")[1]["NBDDP_STRATEGY"] == "fsdp"
 
 
+def test_fsdp_refuses_a_plain_loop_running_its_model_on_rank_0_alone_before_launch(llama_8b):
+    from nbddp.job import strategy_launch
+
+    def launch_with(strategy_name, tail):
+        converted = convert_cells(cells_from_sources([PLAIN_LOOP, tail]))
+        return strategy_launch(converted, llama_8b, strategy_name, 2, {}, lambda stream, text: None)
+
+    evaluate = "model.eval()\nwith torch.no_grad():\n    print(model(torch.ones(4)))"
+    with pytest.raises(NbddpError, match=r"^cell 2, line 3: rank 0 alone runs the model here .* --strategy ddp or split"):
+        launch_with("fsdp", evaluate)
+    assert launch_with("ddp", evaluate)[1]["NBDDP_STRATEGY"] == "ddp"
+    reloaded = ("torch.save(model.state_dict(), 'w.pt')\nmodel = torch.nn.Linear(4, 1)\n"
+                "model.load_state_dict(torch.load('w.pt'))\nprint(model(torch.ones(4)))")
+    assert launch_with("fsdp", reloaded)[1]["NBDDP_STRATEGY"] == "fsdp"  # a plain model, loaded from the weights
+
+
 def test_a_kaggle_export_under_fsdp_refuses_a_whole_model_save_too(llama_8b):
     import nbformat
 
