@@ -502,7 +502,8 @@ def refuse_what_it_cannot_run(decision: Decision, script) -> None:
     rank 0 alone. ``script`` is the converted ``Script`` (its text and source map)."""
     if decision.strategy != "fsdp":
         return
-    for lines, why in ((whole_model_saves(script.text), WHOLE_MODEL_SAVE), (rank0_forwards(script.text), RANK0_FORWARD)):
+    for find, why in ((whole_model_saves, WHOLE_MODEL_SAVE), (rank0_forwards, RANK0_FORWARD)):
+        lines = find(script.text)
         if lines:
             where = script.source_map.lookup(lines[0])
             at = f"cell {where[0]}, line {where[1]}: " if where else f"script line {lines[0]}: "

@@ -3,10 +3,10 @@
 - ``fsdp``: the Trainer's training arguments get ``fsdp=True`` with an FSDP2 ``fsdp_config`` (accelerate's
   plugin then shards each decoder layer with ``fully_shard``); ``_nbddp.ddp(model)`` in a plain loop shards
   with ``fully_shard`` itself (``shard``), and the whole weights are gathered at each rank-0 guard every rank
-  reaches, so rank 0's saves write them (``gather_for_rank0_code``); a 4-bit ``BitsAndBytesConfig`` stores its weights in the compute
-  dtype (``bnb_4bit_quant_storage``), without which FSDP cannot shard them. accelerate picks FSDP only for
-  GPU-like devices and silently falls back to DDP under gloo on CPU; there it is told FSDP too, so a CPU job
-  runs what a GPU job runs.
+  reaches, so rank 0's saves write them (``gather_for_rank0_code``); a 4-bit ``BitsAndBytesConfig`` stores
+  its weights in the compute dtype (``bnb_4bit_quant_storage``), without which FSDP cannot shard them.
+  accelerate picks FSDP only for GPU-like devices and silently falls back to DDP under gloo on CPU; there it
+  is told FSDP too, so a CPU job runs what a GPU job runs.
 - ``split``: one process; ``_nbddp.device_map()`` is ``"balanced"``, so accelerate spreads the layers over
   every GPU.
 - ``deepspeed``: the training arguments get a generated ZeRO config (stage ``NBDDP_DEEPSPEED_STAGE``, 3 by
