@@ -128,6 +128,59 @@ def test_split_launches_one_process_and_tells_the_ranks(llama_8b):
     assert "strategy split" in said[0] and "slower than one GPU" in said[0]
 
 
+PLAIN_LOOP = """import torch
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for x in torch.randn(8, 4):
+    model(x).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_fsdp_refuses_a_plain_loop_saving_its_whole_model_before_launch(llama_8b):
+    from nbddp.job import strategy_launch
+
+    def launch_with(strategy_name, save):
+        converted = convert_cells(cells_from_sources([PLAIN_LOOP, "print('done')\n" + save]))
+        return strategy_launch(converted, llama_8b, strategy_name, 2, {}, lambda stream, text: None)
+
+    with pytest.raises(NbddpError, match=r"^cell 2, line 2: torch.save of the whole model cannot work under "
+                                         r"--strategy fsdp.*torch.save\(model.state_dict\(\), PATH\)"):
+        launch_with("fsdp", "torch.save(model, 'model.pt')")
+    assert launch_with("ddp", "torch.save(model, 'model.pt')")[1]["NBDDP_STRATEGY"] == "ddp"  # DDP pickles it whole
+    assert launch_with("fsdp", "torch.save(model.state_dict(), 'model.pt')")[1]["NBDDP_STRATEGY"] == "fsdp"
+
+
+def test_fsdp_refuses_a_plain_loop_running_its_model_on_rank_0_alone_before_launch(llama_8b):
+    from nbddp.job import strategy_launch
+
+    def launch_with(strategy_name, tail):
+        converted = convert_cells(cells_from_sources([PLAIN_LOOP, tail]))
+        return strategy_launch(converted, llama_8b, strategy_name, 2, {}, lambda stream, text: None)
+
+    evaluate = "model.eval()\nwith torch.no_grad():\n    print(model(torch.ones(4)))"
+    with pytest.raises(NbddpError, match=r"^cell 2, line 3: rank 0 alone runs the model here .* --strategy ddp or"):
+        launch_with("fsdp", evaluate)
+    assert launch_with("ddp", evaluate)[1]["NBDDP_STRATEGY"] == "ddp"
+    reloaded = ("torch.save(model.state_dict(), 'w.pt')\nmodel = torch.nn.Linear(4, 1)\n"
+                "model.load_state_dict(torch.load('w.pt'))\nprint(model(torch.ones(4)))")
+    assert launch_with("fsdp", reloaded)[1]["NBDDP_STRATEGY"] == "fsdp"  # a plain model, loaded from the weights
+
+
+def test_a_kaggle_export_under_fsdp_refuses_a_whole_model_save_too(llama_8b):
+    import nbformat
+
+    from nbddp.export import export_kaggle
+
+    cells = [PLAIN_LOOP, "torch.save(model, 'model.pt')"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(nb, llama_8b / "nb.ipynb")
+    with pytest.raises(NbddpError, match=r"^cell 2, line 1: torch.save of the whole model cannot work"):
+        export_kaggle(llama_8b / "nb.ipynb", llama_8b / "fsdp", kernel_id="me/plain-loop", strategy="fsdp")
+    assert not (llama_8b / "fsdp").exists()
+    export_kaggle(llama_8b / "nb.ipynb", llama_8b / "ddp", kernel_id="me/plain-loop", strategy="ddp")
+
+
 # ---- in the ranks ----------------------------------------------------------------------------------------
 
 

@@ -211,6 +211,7 @@ def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env:
     decision = strategy.decide(script.text, cwd, requested)
     if requested != "auto" or decision.gpu_free:
         (sink or _launch._stdout_sink)("stdout", decision.summary() + "\n")
+    strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env
 

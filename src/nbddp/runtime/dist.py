@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 
+from . import rank
 from .rank import (  # noqa: F401 (the script's and the runtime's names for where the rank sits)
     RankInfo,
     env_int,
     is_local_main_process,
-    is_main_process,
     rank_info,
     remember,
     remembered,
@@ -49,6 +50,21 @@ def seed_everything(seed: int | str | None = None) -> int | None:
 
         numpy.random.seed(number % 2**32)
     return number
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a plain single process).
+
+    Asked by the script's own code (a rank-0 guard the converter wrote, which every rank reaches) under FSDP,
+    it first has every rank gather the plain loop's sharded models, so the code rank 0 then runs alone saves
+    whole weights (``strategy.gather_for_rank0_code``).
+    """
+    if sys._getframe(1).f_globals.get("__name__") == "__main__":
+        from . import strategy
+
+        if strategy.current() == "fsdp":
+            strategy.gather_for_rank0_code()
+    return rank.is_main_process()
 
 
 @contextlib.contextmanager

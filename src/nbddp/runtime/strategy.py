@@ -2,10 +2,11 @@
 
 - ``fsdp``: the Trainer's training arguments get ``fsdp=True`` with an FSDP2 ``fsdp_config`` (accelerate's
   plugin then shards each decoder layer with ``fully_shard``); ``_nbddp.ddp(model)`` in a plain loop shards
-  with ``fully_shard`` itself (``shard``); a 4-bit ``BitsAndBytesConfig`` stores its weights in the compute
-  dtype (``bnb_4bit_quant_storage``), without which FSDP cannot shard them. accelerate picks FSDP only for
-  GPU-like devices and silently falls back to DDP under gloo on CPU; there it is told FSDP too, so a CPU job
-  runs what a GPU job runs.
+  with ``fully_shard`` itself (``shard``), and the whole weights are gathered at each rank-0 guard every rank
+  reaches, so rank 0's saves write them (``gather_for_rank0_code``); a 4-bit ``BitsAndBytesConfig`` stores
+  its weights in the compute dtype (``bnb_4bit_quant_storage``), without which FSDP cannot shard them.
+  accelerate picks FSDP only for GPU-like devices and silently falls back to DDP under gloo on CPU; there it
+  is told FSDP too, so a CPU job runs what a GPU job runs.
 - ``split``: one process; ``_nbddp.device_map()`` is ``"balanced"``, so accelerate spreads the layers over
   every GPU.
 - ``deepspeed``: the training arguments get a generated ZeRO config (stage ``NBDDP_DEEPSPEED_STAGE``, 3 by
@@ -18,6 +19,7 @@ them; nothing here imports transformers or accelerate itself.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Callable
 
 from .patching import wrap, when_imported
@@ -143,11 +145,12 @@ def _gathering_after_training(train):
     return wrapper
 
 
-def gather(model) -> dict:
-    """The model's whole state dict on rank 0 (CPU), {} on the others; every rank must call it."""
+def gather(model, frozen_too: bool = False) -> dict:
+    """The model's whole state dict on rank 0 (CPU), {} on the others; every rank must call it. Frozen
+    weights are left out where some are trainable, unless ``frozen_too``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    frozen = any(not p.requires_grad for p in model.parameters())
+    frozen = not frozen_too and any(not p.requires_grad for p in model.parameters())
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
     return get_model_state_dict(model, options=options)
 
@@ -160,7 +163,7 @@ def _is_sharded(model) -> bool:
 
 def _gathered_state_dict(get_state_dict):
     def wrapper(self, model, *args, **kwargs):
-        gathered = getattr(model, "__dict__", {}).get(GATHERED)
+        gathered = gathered_state_dict(model)
         return gathered if gathered is not None else get_state_dict(self, model, *args, **kwargs)
 
     return wrapper
@@ -168,7 +171,7 @@ def _gathered_state_dict(get_state_dict):
 
 def _saving_the_gathered_state_dict(save_pretrained):
     def wrapper(self, *args, **kwargs):
-        gathered = self.__dict__.get(GATHERED)
+        gathered = gathered_state_dict(self)
         if gathered is not None and kwargs.get("state_dict") is None:
             kwargs["state_dict"] = gathered
         return save_pretrained(self, *args, **kwargs)
@@ -186,7 +189,58 @@ def shard(model):
     for block in _blocks(model):
         fully_shard(block)
     fully_shard(model)
+    _sharded.append(weakref.ref(model))
+    model.register_state_dict_post_hook(_whole_once_gathered)
     return model
+
+
+# ---- a plain loop's saves ---------------------------------------------------------------------------------
+
+#: The models ``shard`` sharded, in the order they were (the same on every rank): a plain loop's.
+_sharded: list[weakref.ref] = []
+#: The parameters' version counters when a model's state dict was gathered: it is whole while they hold.
+GATHERED_AT = "_nbddp_gathered_at"
+
+
+def gathered_state_dict(model) -> dict | None:
+    """The whole state dict gathered for ``model`` while every rank was there (rank 0's; {} on the others),
+    or None: none was, or the weights changed since (a plain loop's model trained on)."""
+    state = getattr(model, "__dict__", {})
+    gathered = state.get(GATHERED)
+    if gathered is None or (GATHERED_AT in state and state[GATHERED_AT] != _weights_stamp(model)):
+        return None
+    return gathered
+
+
+def gather_for_rank0_code() -> None:
+    """Every rank is at a rank-0 guard the converter wrote (``if _nbddp.is_main_process():``), before code
+    rank 0 alone runs: the saves after training, a checkpoint in the loop. Gathering a sharded model is a
+    collective, so it happens here, while every rank is, for each plain loop's model whose weights changed
+    since it was last gathered (the check is local: every rank trains alike, so all agree without asking);
+    rank 0 keeps the whole state dict (frozen weights too: a ``state_dict()`` is saved whole) on the CPU."""
+    for ref in list(_sharded):
+        model = ref()
+        if model is None:
+            _sharded.remove(ref)
+            continue
+        stamp = _weights_stamp(model)
+        if model.__dict__.get(GATHERED_AT) != stamp:
+            model.__dict__.pop(GATHERED, None)  # while gathering, state_dict() is the sharded one
+            model.__dict__[GATHERED] = gather(model, frozen_too=True)
+            model.__dict__[GATHERED_AT] = stamp
+
+
+def _weights_stamp(model) -> tuple[int, ...]:
+    """Each parameter's version counter: an optimizer's step (or any in-place change) moves it."""
+    return tuple(p._version for p in model.parameters())
+
+
+def _whole_once_gathered(model, state_dict, prefix, local_metadata) -> None:
+    """``state_dict()`` of a plain loop's sharded model on rank 0, after every rank gathered it: the whole
+    weights, which a ``torch.save`` there writes (its own would be this rank's shards)."""
+    gathered = gathered_state_dict(model)
+    if gathered and not prefix and gathered.keys() == state_dict.keys():
+        state_dict.update(gathered)
 
 
 def _blocks(model) -> list:
