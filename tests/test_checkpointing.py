@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nbddp.runtime import checkpointing, ddp_patch
 from nbddp.runtime.checkpointing import CheckpointFacts
-from nbddp.runtime import shims
+from nbddp.runtime import rank, shims
 from nbddp.runtime.shims import grad_ckpt
 
 
@@ -206,7 +206,7 @@ def test_install_wraps_once(process_group):
 
 
 def test_grad_ckpt_adjusts_a_checkpointed_model_at_construction(process_group, wrapper, tiny_llama, monkeypatch):
-    monkeypatch.setattr(shims, "_said", set())
+    monkeypatch.setattr(rank, "_said", set())
     grad_ckpt.apply()
     model = tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})

@@ -396,3 +396,18 @@ def test_the_stacks_header_a_rank_writes_is_the_one_the_launcher_reads(tmp_path)
     pid = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
     header, dumps = records.read_stacks_file(tmp_path / records.STACKS_FILE)
     assert header == records.StacksHeader(rank=3, pid=pid) and dumps == ""
+
+
+def test_stacks_files_that_cannot_be_read_are_passed_over(tmp_path):
+    """The launcher reads every rank's ``stacks.txt`` while ranks come and go: a file it cannot read is skipped."""
+    from nbddp.runtime import records
+
+    written = tmp_path / "0" / records.STACKS_FILE
+    written.parent.mkdir()
+    written.write_text(records.stacks_header(rank=1, pid=77) + "Thread 0x1 (most recent call first):\n")
+    unreadable = tmp_path / "1" / records.STACKS_FILE
+    unreadable.mkdir(parents=True)  # a folder: reading it raises an OSError
+    gone = tmp_path / "2" / records.STACKS_FILE
+    found = list(records.read_stacks_files([unreadable, written, gone]))
+    assert found == [records.StacksFile(written, records.StacksHeader(rank=1, pid=77),
+                                        "Thread 0x1 (most recent call first):\n")]

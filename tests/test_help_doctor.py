@@ -1,7 +1,11 @@
 """What ``%ddp_train?`` and the other magics' help show, and ``%ddp_doctor`` showing each check as it comes."""
 
+import os
 import re
+import subprocess
+import sys
 
+from conftest import ROOT
 from nbddp import doctor
 from nbddp.magics import NbddpMagics
 from nbddp.options import SHIM_NAMES
@@ -18,7 +22,18 @@ def test_help_texts_are_plain_and_complete():
     assert "\n  %ddp_train NOTEBOOK.ipynb [options] [-- TORCHRUN_ARGS]" in train
     no_shim = re.search(r"--no-shim NAME(.*?)\n  --", train, re.S).group(1)
     assert all(n in no_shim for n in SHIM_NAMES)
-    assert SHIM_NAMES == tuple(load(m).NAME for m in SHIMS)  # the help names every shim there is
+    assert SHIM_NAMES == tuple(sorted(load(m).NAME for m in SHIMS))  # the help names every shim there is
+
+
+def test_the_shim_names_come_from_the_shims_folder_without_importing_the_runtime():
+    """The help text's names are the module files of runtime/shims; reading them loads neither torch nor the
+    runtime (a magic's or the CLI's parser is built in a kernel that may never train)."""
+    code = ("import sys, nbddp.options as o; print(' '.join(o.SHIM_NAMES)); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('nbddp.runtime')))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    files = sorted(p.stem for p in (ROOT / "src" / "nbddp" / "runtime" / "shims").glob("*.py") if p.stem[0] != "_")
+    assert out.splitlines() == [" ".join(files), "[]"]
 
 
 def test_doctor_shows_each_check_as_it_is_done(monkeypatch):

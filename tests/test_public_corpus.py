@@ -45,30 +45,15 @@ PUBLISHED_BROKEN = {
 #: A refusal that names the Python version a cell needs (issue 18, item 10).
 NEEDS_PYTHON = re.compile(r"Python 3\.\d+")
 
-#: Training that the test recognises besides ``test_corpus.TRAINING``: a helper module's loop, a launcher.
-MORE_TRAINING = re.compile(r"\bengine\.train\(|\bnotebook_launcher\(")
+#: Training that the test recognises besides ``test_corpus.TRAINING``: a helper module's loop or step (pytorch_dl's
+#: ``going_modular.engine``), a launcher.
+MORE_TRAINING = re.compile(r"\bengine\.train\(|\btrain_step\(|\bnotebook_launcher\(")
 
 #: Calls every rank must make, which nbddp leaves on every rank on purpose ("needs every rank").
 COLLECTIVE = re.compile(r"\.(evaluate|predict)\(")
 
-I15 = "issue 15 item {}: "
 #: Notebook → the open issue item it waits on. Strict xfails: remove an entry when its fix lands.
-XFAIL = {
-    "hf_notebooks/accelerate_simple_cv_example.ipynb":
-        I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-    "hf_notebooks/accelerate_simple_nlp_example.ipynb":
-        I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-    "hf_notebooks/course_chapter3_section4.ipynb":
-        I15.format(4) + "notebook_launcher(fn, args) must become fn(*args) in every rank",
-    "pytorch_dl/06_pytorch_transfer_learning.ipynb":
-        I15.format(5) + "training through an imported helper (engine.train) is not recognised",
-    "pytorch_dl/07_pytorch_experiment_tracking.ipynb":
-        I15.format(5) + "training through an imported helper (engine.train) is not recognised",
-    "pytorch_dl/08_pytorch_paper_replicating.ipynb":
-        I15.format(5) + "training through an imported helper (engine.train) is not recognised",
-    "pytorch_dl/09_pytorch_model_deployment.ipynb":
-        I15.format(5) + "training through an imported helper (engine.train) is not recognised",
-}
+XFAIL: dict[str, str] = {}
 
 #: Unsloth notebook (``nb/…`` in the archive) → the open issue item it waits on; strict, as above. Empty now:
 #: the Colab form cells (issue 18 item 1), the notebooks Jupyter opens that nbformat's schema rejects (item 2)
@@ -208,7 +193,7 @@ def check_rank_zero_tail(script: Script) -> None:
     """After the last training statement, saving/printing/generating runs on rank 0 only."""
     stmts = script.top_level()
     defs = {s.name: code for s, code in stmts if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    trainers = {name for name, code in defs.items() if TRAINING.search(code)}
+    trainers = {name for name, code in defs.items() if TRAINING.search(code) or MORE_TRAINING.search(code)}
     while True:  # a function that calls a training function trains too
         calling = re.compile(r"\b(%s)\(" % "|".join(map(re.escape, trainers))) if trainers else None
         more = {name for name, code in defs.items() if calling and calling.search(code)} - trainers

@@ -34,10 +34,6 @@ import tiny  # noqa: E402
 MANIFEST = {e["file"].removesuffix(".ipynb"): e for e in json.loads((RUNNABLE / "MANIFEST.json").read_text())}
 #: Runnable notebook → the bug its two-rank run shows, not fixed yet. Strict: a fix makes it pass, and its entry goes.
 KNOWN = {
-    "accelerate_and_plain_loops_mrpc":
-        "plain loops over train_dataloader, which a later cell hands to accelerator.prepare(), are not "
-        "distributed: the loader gets no DistributedSampler and the model no DDP wrapper, so each rank trains "
-        "on the whole data set",
     "custom_head_bert_imdb":
         "the head reads last_hidden_state, so BERT's pooler never gets a gradient; nbddp wraps the model in "
         "DistributedDataParallel with find_unused_parameters=False, and the second step fails with "

@@ -34,6 +34,8 @@ RANK = textwrap.dedent(
         "wrapped": type(wrapped).__name__, "again": _nbddp.ddp(wrapped) is wrapped,
         "head": wrapped.head is model.head, "note": wrapped.note, "unwrap": _nbddp.unwrap(wrapped) is model,
         "device": str(_nbddp.device()), "share": first, "reshuffled": list(sampler) != first,
+        "indexed": wrapped[1] is model.head and [m for m in wrapped] == [model.body, model.head]
+                   and len(wrapped) == 2 and bool(_nbddp.ddp(torch.nn.Linear(1, 1))),
     }
     with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as fh:
         json.dump(out, fh)
@@ -56,7 +58,7 @@ def test_ddp_unwrap_sampler_and_set_epoch_on_two_ranks(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["wrapped"] == "NotebookDDP" and r["again"] and r["head"] and r["note"] == "mine" and r["unwrap"]
-        assert r["device"] == "cpu" and r["reshuffled"] and len(r["share"]) == 5
+        assert r["device"] == "cpu" and r["reshuffled"] and len(r["share"]) == 5 and r["indexed"]
         # a deep copy of a wrapped model is a copy of the notebook's model: no wrapper, no "module." names
         assert r["copy"] == ["Sequential", ["body.bias", "body.weight", "head.bias", "head.weight"]]
     assert sorted(ranks[0]["share"] + ranks[1]["share"]) == list(range(10))  # disjoint halves

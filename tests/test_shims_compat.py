@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbddp.runtime import dist, shims
+from nbddp.runtime import rank, shims
 from nbddp.runtime import patching
 from nbddp.runtime.shims import cuda_amp, peft_kwargs, precision, xformers_bias
 from nbddp.runtime.shims import unsloth as unsloth_shim
@@ -167,7 +167,7 @@ def test_precision_reason_names_the_gpu():
 def training_args_restored(monkeypatch):
     training_args = pytest.importorskip("transformers.training_args")
     restore_after(monkeypatch, training_args.TrainingArguments, "__post_init__")
-    monkeypatch.setattr(shims, "_said", set())
+    monkeypatch.setattr(rank, "_said", set())
     return training_args
 
 
@@ -293,7 +293,7 @@ def fake_unsloth(tmp_path, monkeypatch):
 @pytest.fixture
 def rank_one_of_four(monkeypatch):
     """This process as local rank 1 of a 2×2-GPU job."""
-    monkeypatch.setattr(dist, "_info", dist.RankInfo(rank=3, local_rank=1, world_size=4, backend="nccl", device="cuda:1"))
+    monkeypatch.setattr(rank, "_info", rank.RankInfo(rank=3, local_rank=1, world_size=4, backend="nccl", device="cuda:1"))
 
 
 def test_unsloth_absent_is_silent():
@@ -327,7 +327,7 @@ def test_unsloth_shim_gives_loaders_the_rank_device_map(fake_unsloth, rank_one_o
 
 
 def test_unsloth_shim_leaves_a_single_process_alone(fake_unsloth, monkeypatch):
-    monkeypatch.setattr(dist, "_info", dist.RankInfo(rank=0, local_rank=0, world_size=1, backend="nccl", device="cuda:0"))
+    monkeypatch.setattr(rank, "_info", rank.RankInfo(rank=0, local_rank=0, world_size=1, backend="nccl", device="cuda:0"))
     apply("unsloth")
     import unsloth
 
@@ -382,7 +382,7 @@ def test_precision_wrapper_turns_bf16_into_fp16_on_a_t4(monkeypatch, capsys):
     import types
 
     monkeypatch.setattr(precision, "current_device", lambda use_cpu=False: CPU if use_cpu else T4)
-    monkeypatch.setattr(shims, "_said", set())
+    monkeypatch.setattr(rank, "_said", set())
     seen = []
     post_init = precision._adjusting_precision(lambda self: seen.append((self.bf16, self.fp16)))
     args = types.SimpleNamespace(bf16=True, fp16=False, bf16_full_eval=False, fp16_full_eval=False, use_cpu=False)

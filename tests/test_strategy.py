@@ -225,10 +225,10 @@ def test_a_memory_cap_makes_auto_choose_as_on_a_smaller_gpu(monkeypatch):
 
 @pytest.mark.parametrize("name, expected", [("ddp", {"": "cpu"}), ("split", "balanced"), ("fsdp", None)])
 def test_the_device_map_a_loader_gets_under_each_strategy(monkeypatch, name, expected):
-    from nbddp.runtime import dist
+    from nbddp.runtime import dist, rank
 
     monkeypatch.setenv("NBDDP_STRATEGY", name)
-    monkeypatch.setattr(dist, "_info", None)
+    monkeypatch.setattr(rank, "_info", None)
     assert dist.device_map() == expected
 
 

@@ -247,6 +247,61 @@ def test_an_accelerator_leaves_other_plain_loops_to_nbddp(rewrite):
     assert "_nbddp" not in accel
 
 
+def test_plain_loops_over_what_a_later_cell_hands_to_accelerate_are_distributed_and_it_gets_them_whole(rewrite):
+    """Course ch3 §4: plain loops train ``model`` over ``train_dataloader``, then a later cell hands that loader
+    to ``accelerator.prepare``. The plain loops are nbddp's (sampler, DDP); Accelerate gets the loader as the
+    notebook made it (it shards it itself: nbddp's sampler under it would shard twice)."""
+    (loader, plain, accel), changes = rewrite(
+        "train_dataloader = DataLoader(ds, shuffle=True, batch_size=8)\n",
+        "model = Net()\noptimizer = SGD(model.parameters())\n" + LOOP.format(loader="train_dataloader"),
+        "accelerator = Accelerator()\nmodel = Net()\noptimizer = SGD(model.parameters())\n"
+        "train_dl, model, optimizer = accelerator.prepare(train_dataloader, model, optimizer)\n"
+        "for epoch in range(2):\n    for xb in train_dl:\n        accelerator.backward(model(xb).sum())\n",
+    )
+    assert "sampler=_nbddp.distributed_sampler(ds, shuffle=True)" in loader
+    assert "model = _nbddp.ddp(model)" in plain and "_nbddp.set_epoch(train_dataloader, epoch)" in plain
+    assert "accelerator.prepare(_nbddp.for_accelerate(train_dataloader), model, optimizer)" in accel
+    assert "_nbddp.ddp" not in accel and "set_epoch" not in accel
+    assert any("train_dataloader goes to Accelerate as the notebook made it" in m for _, _, m in changes)
+
+
+def test_a_model_trained_plainly_then_prepared_goes_to_accelerate_unwrapped(rewrite):
+    (plain, accel), _ = rewrite(
+        "model = Net()\noptimizer = SGD(model.parameters())\n" + LOOP.format(loader="train_loader"),
+        "accelerator = Accelerator()\nmodel, optimizer = accelerator.prepare(model, optimizer)\n"
+        "for xb in dl:\n    accelerator.backward(model(xb).sum())\n",
+    )
+    assert "model = _nbddp.ddp(model)" in plain
+    assert "accelerator.prepare(_nbddp.for_accelerate(model), optimizer)" in accel
+    assert "_nbddp.ddp" not in accel
+
+
+HELPER_TRAINING = (
+    "from going_modular import data_setup, engine\n"
+    "train_dataloader, test_dataloader, class_names = data_setup.create_dataloaders(train_dir, test_dir, 32)\n",
+    "model = torchvision.models.efficientnet_b0(weights=weights).to(device)\n"
+    "for param in model.features.parameters():\n    param.requires_grad = False\n"
+    "model.classifier = torch.nn.Sequential(torch.nn.Dropout(p=0.2), torch.nn.Linear(1280, 3)).to(device)\n"
+    "summary(model)\n",
+    "optimizer = torch.optim.Adam(model.parameters(), lr=0.001)\n",
+    "results = engine.train(model=model, train_dataloader=train_dataloader, test_dataloader=test_dataloader,\n"
+    "                       optimizer=optimizer, loss_fn=loss_fn, epochs=5, device=device)\n",
+    "plot_loss_curves(results)\nprint(len(train_dataloader))\ntorch.save(model.state_dict(), 'model.pth')\n",
+)
+
+
+def test_training_through_an_imported_helper_is_recognised_and_distributed(rewrite):
+    """pytorch_dl 06–09: ``engine.train(model=…, optimizer=…)`` from an imported module trains: the model is
+    wrapped after its last change (head replaced, features frozen: DDP must see which weights train), the
+    training loader it gets is sharded when the call runs, and what follows runs on rank 0."""
+    (loaders, build, _, train, tail), changes = rewrite(*HELPER_TRAINING)
+    assert build.endswith("model = _nbddp.ddp(model)\nsummary(model)\n"), build
+    assert "train_dataloader=_nbddp.shard_loader(train_dataloader, name='train_dataloader')" in train
+    assert "test_dataloader=test_dataloader" in train
+    assert tail.startswith("if _nbddp.is_main_process():") and "print(len(train_dataloader))" in tail
+    assert not any("no training call found" in m for _, _, m in changes)
+
+
 def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(rewrite):
     (code, _, _), changes = rewrite(
         "from helpers import create_dataloader\ntrain_loader = create_dataloader(ds, batch_size=8)\n"
@@ -257,3 +312,15 @@ def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(re
     assert "train_loader = _nbddp.shard_loader(create_dataloader(ds, batch_size=8), name='train_loader')" in code
     assert "test_loader = create_dataloader(ts, batch_size=8)\n" in code
     assert any("a helper's loader, sharded when it runs" in m for _, _, m in changes)
+
+
+def test_notebook_launcher_becomes_a_call_of_its_function_in_every_rank(rewrite):
+    (a, b, c, d), changes = rewrite(
+        "args = ('fp16', 42, 64)\nnotebook_launcher(training_loop, args, num_processes=2)\n",
+        "notebook_launcher(training_function, (model,), num_processes=2)\n",
+        "notebook_launcher(training_function)\n",
+        "notebook_launcher(training_function, args, mixed_precision='fp16')\n",
+    )
+    assert a.endswith("\ntraining_loop(*args)\n") and b == "training_function(model)\n" and c == "training_function()\n"
+    assert d == "notebook_launcher(training_function, args, mixed_precision='fp16')\n"  # the runtime's, with its precision
+    assert sum("every rank of the job is already one of its processes" in m for _, _, m in changes) == 3

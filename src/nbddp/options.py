@@ -9,15 +9,22 @@ is, so a new one is one line of the table; the rest are translated in ``run_opti
 from __future__ import annotations
 
 import argparse
+import pkgutil
 from pathlib import Path
 from typing import Iterable
 
 from .errors import NbddpError
 
-#: The names ``--shim``/``--no-shim`` take (each shim module's ``NAME``; a test keeps this in step with
-#: ``runtime/shims``, whose modules import torch, too slow to load for a help text).
-SHIM_NAMES = ("cuda_amp", "precision", "peft_kwargs", "xformers_bias", "unsloth", "no_checkpointing", "grad_ckpt",
-              "ddp_defaults", "loss_filter")
+
+def shim_names() -> tuple[str, ...]:
+    """The names ``--shim``/``--no-shim`` take, in alphabetical order: the module names of ``runtime/shims``,
+    read from its folder (each shim's ``NAME`` is its module's name, a test checks; importing the modules
+    would import torch, too slow for a help text)."""
+    folder = Path(__file__).resolve().parent / "runtime" / "shims"
+    return tuple(sorted(m.name for m in pkgutil.iter_modules([str(folder)]) if not m.name.startswith("_")))
+
+
+SHIM_NAMES = shim_names()
 
 
 def processes(text: str) -> int | None:

@@ -7,6 +7,8 @@
 #   t4-fp16      precision as on a T4: bf16 refused, fp16 with a GradScaler, the quickstart trains, loss falls
 #   templates    tests/gpu/prove_templates_and_export.py: QLoRA 4-bit template via papermill + Kaggle export
 #   each-template  tests/gpu/prove_each_template.py: every template via `nbddp run` and `%ddp_train` in a kernel
+#   unsloth      tests/gpu/prove_unsloth.py: Unsloth's Kaggle Alpaca notebook via `nbddp run` and `%%ddp_train`
+#                (SKIP without Unsloth: on the device machine, tar -xJf .gpu/site.tar.xz -C /tmp first)
 set -u
 cd "$(dirname "$0")/../.."
 LOGS=${LOGS:-gpu-logs}; mkdir -p "$LOGS"
@@ -45,5 +47,6 @@ each_template() {
   python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
   python3 tests/gpu/prove_each_template.py
 }
-for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates each-template}; do check "$c" "${c//-/_}"; done
+unsloth() { python3 tests/gpu/prove_unsloth.py --nproc "$(python3 -c 'import torch; print(torch.cuda.device_count())')"; }
+for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates each-template unsloth}; do check "$c" "${c//-/_}"; done
 printf '%s\n' "== GPU proofs" "${RESULTS[@]}"

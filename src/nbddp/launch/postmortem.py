@@ -184,11 +184,7 @@ def read_stacks(log_dir: Path, script: Path, smap: SourceMap | None) -> tuple[Ra
     module-level code is the rank's main thread.
     """
     stacks = []
-    for path in newest_attempt(log_dir, records.STACKS_FILE):
-        try:
-            header, dump = records.read_stacks_file(path)
-        except OSError:
-            continue
+    for _, header, dump in records.read_stacks_files(newest_attempt(log_dir, records.STACKS_FILE)):
         if not dump.strip() or header is None:
             continue
         threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())

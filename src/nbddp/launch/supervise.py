@@ -210,11 +210,7 @@ def ask_for_stacks(proc: subprocess.Popen, log_dir: Path, wait_s: float = STACKS
     except psutil.NoSuchProcess:
         return
     asked = []
-    for path in newest_attempt(log_dir, records.STACKS_FILE):
-        try:
-            header, _ = records.read_stacks_file(path)
-        except OSError:
-            continue
+    for path, header, _ in records.read_stacks_files(newest_attempt(log_dir, records.STACKS_FILE)):
         if header and header.pid in family:
             with contextlib.suppress(OSError):
                 os.kill(header.pid, signal.SIGUSR1)

@@ -16,6 +16,7 @@ from .dist import (
     set_epoch,
     unwrap,
 )
+from .handoff import for_accelerate
 from .lifecycle import cleanup, setup
 from .loaders import shard_loader
 from .rich import display
@@ -35,6 +36,7 @@ __all__ = [
     "distributed_sampler",
     "display",
     "expand",
+    "for_accelerate",
     "get_multi_gpu_config",
     "getoutput",
     "is_local_main_process",

@@ -30,9 +30,11 @@ fixed-length data keeps the plain order, which is then exactly ``DistributedSamp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from torch.utils.data import DistributedSampler, Sampler
+
+from .rank import say
 
 #: Least samples per rank a window holds: neighbours in length are then close even in a long tail (on a
 #: log-normal of instruction data, 128 keeps the per-step spread under 5% from 2 to 8 ranks; 32 leaves 14%).
@@ -42,26 +44,12 @@ MIN_WINDOW_BATCHES = 4
 #: Columns read as lengths before ``input_ids`` (``length`` is the Trainer's ``length_column_name``).
 LENGTH_COLUMNS = ("length", "lengths")
 
-_said: set[str] = set()
-
 
 def enabled() -> bool:
     """On unless ``NBDDP_BALANCE`` is 0/false/off/no."""
     import os
 
     return os.environ.get("NBDDP_BALANCE", "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-#: How a line reaches rank 0's output: ``attach(log=…)`` passes the set-up's printer (this module does not
-#: import ``dist``, which imports it for ``distributed_sampler``).
-_log: Callable[[str], None] = print
-
-
-def say_once(key: str, line: str) -> None:
-    """One line on rank 0, once per process for each ``key``."""
-    if key not in _said:
-        _said.add(key)
-        _log(line)
 
 
 # ---- lengths ---------------------------------------------------------------------------------------------
@@ -238,18 +226,14 @@ def sampler_for(dataset, num_replicas: int, rank: int, shuffle: bool):
 
 
 def _say_active(n: int, lengths: Sequence[int]) -> None:
-    say_once("active", f"nbddp: token-balanced shards: every rank gets micro-batches of nearly equal token count "
-                       f"({n} samples of {min(lengths)} to {max(lengths)} tokens; each epoch's samples unchanged; "
-                       "NBDDP_BALANCE=0 turns this off)")
+    say(f"nbddp: token-balanced shards: every rank gets micro-batches of nearly equal token count "
+        f"({n} samples of {min(lengths)} to {max(lengths)} tokens; each epoch's samples unchanged; "
+        "NBDDP_BALANCE=0 turns this off)", once="balance: active")
 
 
-def attach(log: Callable[[str], None] = print) -> None:
-    """Balance the Trainer's training sampler once the notebook imports ``transformers.trainer``; say what
-    is balanced, once, through ``log``."""
-    global _log
+def attach() -> None:
+    """Balance the Trainer's training sampler once the notebook imports ``transformers.trainer``."""
     from .patching import installed, when_imported
-
-    _log = log
 
     if enabled() and installed("transformers"):
         when_imported("transformers.trainer", _patch_trainer)
@@ -287,8 +271,8 @@ def trainer_sampler(trainer, dataset, sampler):
         elif not varies(lengths):
             return None  # every sample the same length: nothing to balance, the plain order stays
     if reason:
-        say_once("trainer-skip", f"nbddp: token-balanced shards not used for this Trainer: {reason}; "
-                                 "its own sampler is kept")
+        say(f"nbddp: token-balanced shards not used for this Trainer: {reason}; its own sampler is kept",
+            once="balance: trainer not balanced")
         return None
     _say_active(len(lengths), lengths)
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed

@@ -1,8 +1,7 @@
 """The rank helpers the generated script calls: where this rank sits, its device, its share of the data, DDP.
 
-``lifecycle.setup()`` records the rank here once it has joined the process group; before that (or without
-torchrun, plain ``python script.py``) the rank is read from torchrun's environment, a single process being
-rank 0. Imported by the generated script in every rank; nothing here imports IPython, nbformat or libcst.
+Where the rank sits is kept by ``rank`` (and passed on from here, as the script reaches it). Imported by the
+generated script in every rank; nothing here imports IPython, nbformat or libcst.
 """
 
 from __future__ import annotations
@@ -10,60 +9,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in the job."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    backend: str
-    device: str
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-_info: RankInfo | None = None
-
-
-def remember(info: RankInfo) -> None:
-    """Keep this rank's place once ``setup()`` has picked its device and joined the group."""
-    global _info
-    _info = info
-
-
-def remembered() -> RankInfo | None:
-    """This rank's place as ``setup()`` kept it; None before ``setup()``."""
-    return _info
-
-
-def env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def rank_info() -> RankInfo:
-    """This process's rank, from torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``)."""
-    if _info is not None:
-        return _info
-    import torch
-
-    local = env_int("LOCAL_RANK", 0)
-    cuda = torch.cuda.is_available()
-    return RankInfo(
-        rank=env_int("RANK", 0),
-        local_rank=local,
-        world_size=env_int("WORLD_SIZE", 1),
-        backend="nccl" if cuda else "gloo",
-        device=f"cuda:{local}" if cuda else "cpu",
-    )
+from .rank import (  # noqa: F401 (the script's and the runtime's names for where the rank sits)
+    RankInfo,
+    env_int,
+    is_local_main_process,
+    is_main_process,
+    rank_info,
+    remember,
+    remembered,
+)
 
 
 #: The seed every rank starts from unless ``NBDDP_SEED`` says otherwise.
@@ -94,16 +49,6 @@ def seed_everything(seed: int | str | None = None) -> int | None:
 
         numpy.random.seed(number % 2**32)
     return number
-
-
-def is_main_process() -> bool:
-    """True on global rank 0 (and in a plain single process)."""
-    return rank_info().rank == 0
-
-
-def is_local_main_process() -> bool:
-    """True on the first process of each machine."""
-    return rank_info().local_rank == 0
 
 
 @contextlib.contextmanager
@@ -208,6 +153,19 @@ def _notebook_ddp():
                 if inner is None or name == "module":
                     raise
                 return getattr(inner, name)
+
+        def __getitem__(self, index):
+            """``model[0]`` of an ``nn.Sequential``/``ModuleList`` the notebook indexes after the wrap."""
+            return self.module[index]
+
+        def __len__(self):
+            return len(self.module)
+
+        def __bool__(self):  # a module is true, whether or not it has a length
+            return True
+
+        def __iter__(self):
+            return iter(self.module)
 
         def __deepcopy__(self, memo):
             """``copy.deepcopy(model)`` in the notebook copies its model: the wrapper is nbddp's, and a copy

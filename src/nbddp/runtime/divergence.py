@@ -245,18 +245,17 @@ def _tensors(obj):
 
 
 def _say_data_not_sharded() -> None:
-    from .dist import is_main_process
+    from .rank import say
 
-    if is_main_process():
-        where = _where()
-        print(
-            "nbddp: warning: the training batches are the same on every rank"
-            + (f" (optimizer step at {where})" if where else "")
-            + ": each rank reads the whole data set, so the ranks repeat each other's work. Give the training "
-            "DataLoader sampler=_nbddp.distributed_sampler(dataset, shuffle=True), or build it with "
-            "DataLoader(dataset, shuffle=True) so nbddp shards it.",
-            flush=True,
-        )
+    where = _where()
+    say(
+        "nbddp: warning: the training batches are the same on every rank"
+        + (f" (optimizer step at {where})" if where else "")
+        + ": each rank reads the whole data set, so the ranks repeat each other's work. Give the training "
+        "DataLoader sampler=_nbddp.distributed_sampler(dataset, shuffle=True), or build it with "
+        "DataLoader(dataset, shuffle=True) so nbddp shards it.",
+        once="divergence: data not sharded",
+    )
 
 
 def _divergence_message(params: list, total: int, step: int) -> str:

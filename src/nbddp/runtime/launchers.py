@@ -30,12 +30,30 @@ def _patch(accelerate) -> None:
 def _in_this_rank(launch):
     @functools.wraps(launch)
     def notebook_launcher(function, args=(), num_processes=None, *more, **kwargs):
-        from .dist import print0, rank_info
+        from .rank import rank_info, say
 
         if rank_info().world_size < 2:
             return launch(function, args, num_processes, *more, **kwargs)
-        print0(f"nbddp: notebook_launcher({getattr(function, '__name__', 'function')}, num_processes="
-               f"{num_processes}): each of the job's {rank_info().world_size} ranks runs it", flush=True)
-        return function(*args)
+        say(f"nbddp: notebook_launcher({getattr(function, '__name__', 'function')}, num_processes="
+            f"{num_processes}): each of the job's {rank_info().world_size} ranks runs it")
+        return _with_precision(kwargs.get("mixed_precision", more[0] if more else None), function, args)
 
     return notebook_launcher
+
+
+def _with_precision(precision, function, args):
+    """``function(*args)`` with ``ACCELERATE_MIXED_PRECISION`` set as Accelerate's launcher sets it from its
+    ``mixed_precision=`` (the ``Accelerator()`` inside reads it), and restored after."""
+    import os
+
+    if precision is None:
+        return function(*args)
+    before = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    os.environ["ACCELERATE_MIXED_PRECISION"] = str(precision).lower()
+    try:
+        return function(*args)
+    finally:
+        if before is None:
+            os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+        else:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = before

@@ -13,7 +13,8 @@ import sys
 from datetime import timedelta
 
 from . import records
-from .dist import RankInfo, env_int, print0, rank_info, remember, remembered, seed_everything
+from .dist import seed_everything
+from .rank import RankInfo, env_int, rank_info, remember, remembered, say
 
 #: Seconds a collective may wait before the process group gives up (``NBDDP_TIMEOUT``).
 DEFAULT_TIMEOUT_S = 1800
@@ -54,15 +55,15 @@ def setup() -> RankInfo:
 
     seed = seed_everything()
     metrics.attach()
-    balance.attach(log=lambda line: print0(line, flush=True))  # the Trainer's training sampler token-balanced (NBDDP_BALANCE=0: off)
+    balance.attach()  # the Trainer's training sampler token-balanced (NBDDP_BALANCE=0: off)
     rich.install()
-    resume.attach(log=lambda line: print0(line, flush=True))
+    resume.attach(log=say)
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
-    shims.apply_all(log=lambda line: print0(line, flush=True))
+    shims.apply_all(log=say)
     from . import strategy
 
-    strategy.install(log=lambda line: print0(line, flush=True))  # fsdp, split, deepspeed (NBDDP_STRATEGY)
+    strategy.install(log=say)  # fsdp, split, deepspeed (NBDDP_STRATEGY)
     from . import divergence, launchers, unused_params
 
     divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)

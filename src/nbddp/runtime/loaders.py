@@ -17,8 +17,6 @@ _KEPT = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "
 
 def shard_loader(loader, name: str = "loader"):
     """``loader`` over this rank's share of its dataset, or ``loader`` itself (said once) where it cannot be."""
-    import inspect
-
     from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
     from .dist import distributed_sampler, print0, rank_info
@@ -34,9 +32,19 @@ def shard_loader(loader, name: str = "loader"):
                "so every rank reads all of it; give it sampler=_nbddp.distributed_sampler(dataset, shuffle=True)",
                flush=True)
         return loader
+    shuffle = isinstance(sampler, RandomSampler)
+    return rebuilt(loader, sampler=distributed_sampler(loader.dataset, shuffle=shuffle))
+
+
+def rebuilt(loader, **changes):
+    """A ``DataLoader`` over ``loader``'s dataset with its arguments (batch size, workers, collate function,
+    drop_last …), ``changes`` put in (a sampler, or ``shuffle``)."""
+    import inspect
+
+    from torch.utils.data import DataLoader
+
     accepted = inspect.signature(DataLoader.__init__).parameters
     kept = {k: getattr(loader, k) for k in _KEPT if k in accepted and hasattr(loader, k)}
     if kept.get("prefetch_factor") is not None and not kept.get("num_workers"):
         kept.pop("prefetch_factor")
-    shuffle = isinstance(sampler, RandomSampler)
-    return DataLoader(loader.dataset, sampler=distributed_sampler(loader.dataset, shuffle=shuffle), **kept)
+    return DataLoader(loader.dataset, **kept, **changes)

@@ -22,7 +22,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 #: torch elastic's per-rank error file, in ``<log dir>/<run id>/attempt_N/<local rank>/``.
 ERROR_FILE = "error.json"
@@ -124,6 +124,25 @@ def read_stacks_file(path: Path) -> tuple[StacksHeader | None, str]:
     header, _, dumps = Path(path).read_text(errors="replace").partition("\n")
     m = _HEADER.search(header)
     return (StacksHeader(int(m.group(1)), int(m.group(2))) if m else None), dumps
+
+
+class StacksFile(NamedTuple):
+    """One rank's ``stacks.txt`` as read: where it is, its header (None when it has none), its dumps."""
+
+    path: Path
+    header: StacksHeader | None
+    dumps: str
+
+
+def read_stacks_files(paths: Iterable[Path]) -> Iterator[StacksFile]:
+    """Each of ``paths`` that can be read, as ``read_stacks_file`` reads it; one that cannot (a rank gone
+    with its folder, a file not yet made) is passed over."""
+    for path in paths:
+        try:
+            header, dumps = read_stacks_file(path)
+        except OSError:
+            continue
+        yield StacksFile(Path(path), header, dumps)
 
 
 # --- failures.json --------------------------------------------------------------------------------------

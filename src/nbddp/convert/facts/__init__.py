@@ -20,7 +20,7 @@ import ast
 
 from ..code import CellCode, Statement
 from .job_facts import JobFacts, Seen
-from .loaders import plan_loaders
+from .loaders import plan_helper_training_loaders, plan_loaders
 from .models import plan_accelerate, plan_ddp_wraps
 from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves
 from .scan import scan
@@ -40,9 +40,10 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     facts.module_names = set().union(*(stmt.binds for stmt in top))
     plan_trainers(seen, defs, facts)
     plan_training_functions(defs, facts)
-    plan_accelerate(seen, facts)
-    plan_loaders(seen, defs, facts)
     trains = [any(is_training_call(c, facts) for c in stmt.calls) for stmt in top]
+    plan_accelerate(seen, facts, top, trains)
+    plan_loaders(seen, defs, facts)
+    facts.handed_to_accelerate &= facts.ddp_models | facts.sharded_loaders | facts.helper_loaders
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:
         _plan_around_training(top, trains, facts)
@@ -57,6 +58,7 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
     plan_shared_saves(top, first, facts)
     plan_data_prep(top, facts)
     if facts.plain_loop:
+        plan_helper_training_loaders(facts.training, facts)
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
         if facts.ddp_models:
             plan_ddp_wraps(top, first, facts)

@@ -18,10 +18,15 @@ class JobFacts:
     collective_functions: set[str] = field(default_factory=set)
     #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
     ddp_models: set[str] = field(default_factory=set)
+    #: plain PyTorch: names bound to an optimizer (``optimizer = torch.optim.Adam(model.parameters())``)
+    optimizers: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
     sharded_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
     helper_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: training loaders handed to an imported training helper (``engine.train(…,
+    #: train_dataloader=train_dataloader)``), sharded as the call is made
+    helper_training_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound only to a DataLoader that keeps its whole data set on every rank (evaluation)
     whole_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name
@@ -34,6 +39,11 @@ class JobFacts:
     #: wraps and shards those; plain loops elsewhere in the notebook are still nbddp's
     accelerators: set[str] = field(default_factory=set)
     accelerate_prepared: set[str] = field(default_factory=set)
+    #: names a plain loop trains with before a later ``prepare(…)`` gets them: nbddp distributes them for
+    #: those loops, and ``prepare`` gets them as the notebook made them (``_nbddp.for_accelerate``)
+    handed_to_accelerate: set[str] = field(default_factory=set)
+    #: top-level ``… = accelerator.prepare(…)`` statements → the names they bind (Accelerate's from there on)
+    prepare_binds: dict[Statement, set[str]] = field(default_factory=dict)
     #: the notebook trains a PEFT adapter (``get_peft_model``, a trainer's ``peft_config=``, a PEFT loader):
     #: every trainable weight takes part in each step, so DDP need not look for unused ones
     peft: bool = False
@@ -79,5 +89,5 @@ class Seen:
     assigned: list = field(default_factory=list)
     #: ``for … in name``: (name, the loop)
     fors: list = field(default_factory=list)
-    #: ``targets = owner.prepare(…)``: (the call, the names it binds)
+    #: ``targets = owner.prepare(…)``: (the call, the names it binds, the top-level statement)
     prepared: list = field(default_factory=list)

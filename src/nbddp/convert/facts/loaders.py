@@ -6,7 +6,7 @@ import ast
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import is_literal, keyword, last_name
-from .training import is_training_call
+from .training import is_helper_training, is_training_call
 
 if TYPE_CHECKING:
     from .job_facts import JobFacts, Seen
@@ -81,3 +81,23 @@ def plan_loaders(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -
         elif callee not in defs and "loader" in callee.lower() and loader_shards(False, None, targets, facts.train_iterated):
             facts.helper_loaders.update(targets)  # a helper's loader: sharded when it runs
     facts.whole_loaders -= facts.sharded_loaders | facts.helper_loaders
+
+
+def helper_training_loaders(call: ast.Call) -> list[str]:
+    """The training loaders an imported training helper is given: ``train_dataloader=train_dataloader`` in
+    ``engine.train(…)``, a name (or keyword) saying both "train" and "loader"/"dl" (not the test loader)."""
+    found = []
+    for given, value in [(None, a) for a in call.args] + [(k.arg, k.value) for k in call.keywords]:
+        said = f"{given or ''} {value.id if isinstance(value, ast.Name) else ''}".lower()
+        if isinstance(value, ast.Name) and "train" in said and ("loader" in said or "dl" in said.split("_")[-1]):
+            found.append(value.id)
+    return found
+
+
+def plan_helper_training_loaders(training: list, facts: JobFacts) -> None:
+    """Loaders handed to an imported training helper (``is_helper_training``) are sharded when it is called:
+    nbddp cannot see the loop inside, only what goes in."""
+    for stmt in training:
+        for call in stmt.calls:
+            if is_helper_training(call, facts):
+                facts.helper_training_loaders.update(n for n in helper_training_loaders(call) if n not in facts.sharded_loaders)

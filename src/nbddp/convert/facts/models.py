@@ -45,12 +45,32 @@ def is_peft(call: ast.Call) -> bool:
     return is_trainer_class(name) and keyword(call, "peft_config") is not None
 
 
-def plan_accelerate(seen: Seen, facts: JobFacts) -> None:
-    """What an ``Accelerator`` prepares is Accelerate's: no DDP wrap, no sampler from nbddp."""
-    for call, targets in seen.prepared:
-        if isinstance(call.func.value, ast.Name) and call.func.value.id in facts.accelerators:
-            facts.accelerate_prepared.update(targets)
-            facts.accelerate_prepared.update(a.id for a in call.args if isinstance(a, ast.Name))
+def plan_accelerate(seen: Seen, facts: JobFacts, top: list[Statement], trains: list[bool]) -> None:
+    """What an ``Accelerator`` prepares is Accelerate's: no DDP wrap, no sampler from nbddp.
+
+    Except a name a training statement before the ``prepare`` reads: course ch3 §4 trains ``model`` over
+    ``train_dataloader`` in plain loops, then hands the loader to Accelerate. That training is nbddp's (the
+    loader is sharded, the model wrapped), and where the object it trained is the one ``prepare`` gets (the
+    name not bound again in between), it is handed over as the notebook made it (``handed_to_accelerate``).
+    What ``prepare`` binds is Accelerate's from there on (``prepare_binds``; no wrap after it).
+
+    ``top``: every top-level statement in notebook order; ``trains``: which of them train."""
+    position = {id(stmt): i for i, stmt in enumerate(top)}
+    plain_first = set()
+    for call, targets, stmt in seen.prepared:
+        if not (isinstance(call.func.value, ast.Name) and call.func.value.id in facts.accelerators):
+            continue
+        at = position[id(stmt)]
+        facts.prepare_binds[stmt] = set(targets)
+        for name in (a.id for a in call.args if isinstance(a, ast.Name)):
+            last = next((i for i in range(at - 1, -1, -1) if trains[i] and name in top[i].reads), None)
+            if last is None:
+                facts.accelerate_prepared.add(name)
+                continue
+            plain_first.add(name)
+            if not any(name in s.binds for s in top[last + 1 : at]):
+                facts.handed_to_accelerate.add(name)
+        facts.accelerate_prepared.update(t for t in targets if t not in plain_first)
     facts.ddp_models -= facts.accelerate_prepared
 
 
@@ -61,7 +81,7 @@ def plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
     is wrapped before the training that follows it."""
     training = {id(s) for s in facts.training}
     for name in sorted(facts.ddp_models):
-        for stmt in _last_placements(top, training, name):
+        for stmt in _last_placements(top, training, name, facts.prepare_binds):
             facts.ddp_wrap_after.setdefault(stmt, []).append(name)
     for stmt in top:
         if is_compound(stmt.nodes[0]):
@@ -72,15 +92,18 @@ def plan_ddp_wraps(top: list[Statement], first: int, facts: JobFacts) -> None:
                 facts.ddp_wraps_inside.add(stmt)
 
 
-def _last_placements(top: list[Statement], training: set[int], name: str) -> list[Statement]:
-    """The top-level statements that make or move ``name`` last before some training statement."""
+def _last_placements(top: list[Statement], training: set[int], name: str, prepared: dict) -> list[Statement]:
+    """The top-level statements that make or move ``name`` last before some training statement, unless an
+    Accelerate ``prepare`` binds it in between (``prepared``: ``JobFacts.prepare_binds``)."""
     found, last = [], None
     for stmt in top:
         if id(stmt) in training:
             if last is not None:
                 found.append(last)
             last = None
-        elif not is_compound(stmt.nodes[0]) and _places(stmt.nodes, name):
+        elif name in prepared.get(stmt, ()):
+            last = None  # Accelerate wraps what its prepare binds
+        elif _places(stmt.nodes, name):
             last = stmt
     return found
 
@@ -98,19 +121,49 @@ def _plan_block(block: list[ast.stmt], cell: CellCode, facts: JobFacts) -> None:
 
 def placement(groups: list[list[ast.stmt]], name: str) -> list[ast.stmt] | None:
     """The last statement that makes or moves model ``name``: DDP wraps it right after."""
-    return next((g for g in reversed(groups) if not is_compound(g[0]) and _places(g, name)), None)
+    return next((g for g in reversed(groups) if _places(g, name)), None)
 
 
 def _places(group: list[ast.stmt], name: str) -> bool:
-    """``name = …`` or ``name.to(…)`` / ``name.cuda()``: the statement makes the model or moves it."""
+    """Whether the statement makes model ``name``, moves it, or changes which of its weights train: DDP
+    wraps it after, since DDP fixes at the wrap which weights it syncs. ``name = …``, ``name.to(…)`` /
+    ``name.cuda()``, a part replaced (``name.classifier = …``), weights frozen (``name.x.requires_grad_()``,
+    ``for p in name.features.parameters(): p.requires_grad = False``)."""
     for small in group:
-        if isinstance(small, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in small.targets):
+        if isinstance(small, ast.Assign) and any(_is_or_part_of(t, name) or _unpacks_to(t, name) for t in small.targets):
             return True
         if isinstance(small, ast.Expr) and isinstance(small.value, ast.Call):
             func = small.value.func
             if isinstance(func, ast.Attribute) and func.attr in ("to", "cuda") and isinstance(func.value, ast.Name) and func.value.id == name:
                 return True
+            if isinstance(func, ast.Attribute) and func.attr == "requires_grad_" and _is_or_part_of(func.value, name):
+                return True
+        if isinstance(small, ast.For) and _freezes(small, name):
+            return True
     return False
+
+
+def _is_or_part_of(node: ast.AST, name: str) -> bool:
+    """``name``, or a part of it (``name.classifier``, ``name.fc.weight``, ``name[0]``, ``name.layers[-1]``)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _unpacks_to(target: ast.AST, name: str) -> bool:
+    """``name, transforms = create_model(…)``."""
+    return isinstance(target, (ast.Tuple, ast.List)) and any(
+        isinstance(el, ast.Name) and el.id == name for el in target.elts)
+
+
+def _freezes(loop: ast.For, name: str) -> bool:
+    """``for p in name….parameters(): p.requires_grad = …`` (or ``named_parameters``, ``modules``, ``children``)."""
+    it = loop.iter
+    if not (isinstance(it, ast.Call) and last_name(it.func) in ("parameters", "named_parameters", "modules", "children")
+            and isinstance(it.func, ast.Attribute) and _is_or_part_of(it.func.value, name)):
+        return False
+    return any(isinstance(n, ast.Attribute) and n.attr == "requires_grad" and isinstance(n.ctx, ast.Store)
+               or isinstance(n, ast.Call) and last_name(n.func) == "requires_grad_" for n in ast.walk(loop))
 
 
 def _blocks(node: ast.stmt, cell: CellCode):

@@ -109,8 +109,11 @@ class _Scan:
                 self.facts.trainer_names.update(targets)
             if callee == "Accelerator":
                 self.facts.accelerators.update(targets)
+            if is_optimizer(call):
+                self.facts.optimizers.update(targets)
             if callee == "prepare" and isinstance(call.func, ast.Attribute):
-                self.seen.prepared.append((call, [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]))
+                bound = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+                self.seen.prepared.append((call, bound, self.stmt))
             if callee == "DataLoader":
                 own = any(k.arg in ("sampler", "batch_sampler") for k in call.keywords)
                 shuffle = keyword(call, "shuffle")

@@ -34,7 +34,8 @@ def is_trainer_factory(name: str | None) -> bool:
 
 def is_training_call(node: ast.Call, facts: JobFacts) -> bool:
     """``trainer.train()`` on a known trainer, ``SomeTrainer(...).train()``, ``unsloth_train(trainer)``,
-    ``loss.backward()``, or a call to a function of the notebook that trains."""
+    ``loss.backward()``, a call to a function of the notebook that trains, or to an imported one that does
+    (``is_helper_training``)."""
     func = node.func
     if isinstance(func, ast.Attribute):
         owner, attr = func.value, func.attr
@@ -43,11 +44,28 @@ def is_training_call(node: ast.Call, facts: JobFacts) -> bool:
         if attr in ("train", "fit"):
             if isinstance(owner, ast.Name) and owner.id in facts.trainer_names:
                 return True
-            return isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func))
-        return False
+            if isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func)):
+                return True
+        return is_helper_training(node, facts)
     if isinstance(func, ast.Name) and func.id == "notebook_launcher":
         return launches(node, facts)
-    return isinstance(func, ast.Name) and (func.id == "unsloth_train" or func.id in facts.training_functions)
+    return isinstance(func, ast.Name) and (func.id == "unsloth_train" or func.id in facts.training_functions) \
+        or is_helper_training(node, facts)
+
+
+#: A function named for training: ``train``, ``engine.train``, ``train_model``, ``fit_one_cycle``.
+TRAINS_BY_NAME = re.compile(r"(?:^|_)(?:train|fit)(?:_|$)", re.I)
+
+
+def is_helper_training(call: ast.Call, facts: JobFacts) -> bool:
+    """``engine.train(model=model, …, optimizer=optimizer)``: a function the notebook imports (pytorch_dl's
+    ``going_modular.engine``) named for training and given a model an optimizer gets and that optimizer.
+    Its loop is out of sight; what it is given is what nbddp distributes."""
+    name = last_name(call.func)
+    if not name or not TRAINS_BY_NAME.search(name) or name in facts.training_functions:
+        return False
+    given = {v.id for v in [*call.args, *(k.value for k in call.keywords)] if isinstance(v, ast.Name)}
+    return not given.isdisjoint(facts.ddp_models) and not given.isdisjoint(facts.optimizers)
 
 
 def is_collective_call(node: ast.Call, facts: JobFacts) -> bool:
@@ -100,5 +118,6 @@ def is_plain_loop(training: list[Statement], facts: JobFacts) -> bool:
     trains (or launch one), with no trainer and no DistributedDataParallel of the notebook's own."""
     return not facts.trainer_names and not facts.self_distributed and any(
         last_name(c.func) == "backward" or last_name(c.func) in facts.training_functions or launches(c, facts)
+        or is_helper_training(c, facts)
         for stmt in training for c in stmt.calls
     )

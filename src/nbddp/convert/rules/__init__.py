@@ -10,10 +10,12 @@ before/after tests in ``tests/test_rules.py``.
 from __future__ import annotations
 
 from ..engine.rule import Rule
+from .accelerate_handoff import AccelerateHandoffRule
 from .autocast import AutocastRule
 from .ddp_wrap import DDPWrapRule
 from .device import DeviceRule
 from .device_map import DeviceMapRule
+from .launcher import LauncherRule
 from .loop_output import LoopOutputRule
 from .main_process_first import MainProcessFirstRule
 from .rank_zero import RankZeroRule
@@ -34,5 +36,7 @@ RULES: tuple[type[Rule], ...] = (
     DistributedSamplerRule,
     SetEpochRule,
     UnwrapRule,
+    AccelerateHandoffRule,
+    LauncherRule,
     LoopOutputRule,
 )

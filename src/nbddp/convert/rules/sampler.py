@@ -20,6 +20,7 @@ from ..cst_helpers import (
 )
 from ..engine.rule import Rule
 from ..facts.loaders import PLAIN_SAMPLERS, loader_shards, trained_in
+from ..facts.training import TRAINS_BY_NAME
 
 
 class DistributedSamplerRule(Rule):
@@ -44,11 +45,13 @@ class DistributedSamplerRule(Rule):
 
     @classmethod
     def could_change(cls, text, facts) -> bool:
-        return super().could_change(text, facts) or any(name in text for name in facts.helper_loaders)
+        return super().could_change(text, facts) or any(
+            name in text for name in facts.helper_loaders | facts.helper_training_loaders)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return any(ast_helpers.last_name(c.func) == "DataLoader" for c in ast_helpers.calls(nodes)) or bool(stmt.binds & facts.helper_loaders)
+        return any(ast_helpers.last_name(c.func) == "DataLoader" for c in ast_helpers.calls(nodes)) or bool(
+            stmt.binds & facts.helper_loaders) or (bool(facts.helper_training_loaders) and bool(stmt.reads & facts.helper_training_loaders))
 
     # -- what it does: libcst
 
@@ -85,6 +88,8 @@ class DistributedSamplerRule(Rule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         self._preparing -= self._prepares(original)
+        if self.facts.helper_training_loaders and self._is_helper_training(updated):
+            updated = self._helper_training(original, updated)
         helper = [t for t in self._assigned.get(original, []) if t in self.facts.helper_loaders]
         if helper and last_name(updated.func) != "DataLoader":
             return self._helper_loader(original, updated, helper[0])
@@ -108,6 +113,27 @@ class DistributedSamplerRule(Rule):
         depends = shuffle is not None and _decided_at_run_time(shuffle.value) and not loader_shards(
             own, None, targets, self._functions[-1] if self._functions else self.facts.train_iterated)
         return self._shard(original, updated, depends)
+
+    def _is_helper_training(self, call: cst.Call) -> bool:
+        """``facts.training.is_helper_training``, on libcst's nodes."""
+        given = {a.value.value for a in call.args if is_name(a.value)}
+        name = last_name(call.func) or ""
+        return bool(TRAINS_BY_NAME.search(name)) and name not in self.facts.training_functions and not (
+            given.isdisjoint(self.facts.ddp_models) or given.isdisjoint(self.facts.optimizers))
+
+    def _helper_training(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        """``engine.train(…, train_dataloader=train_dataloader)``: the loader goes in through
+        ``_nbddp.shard_loader`` (the helper's own epoch loop calls no ``set_epoch``: each epoch deals the
+        same shares)."""
+        args = []
+        for arg in updated.args:
+            if is_name(arg.value) and arg.value.value in self.facts.helper_training_loaders:
+                name = arg.value.value
+                self.note(original, f"{name}: handed to an imported training helper, sharded as it goes in (its "
+                                    "epochs reuse one shuffle of each rank's share: it calls no set_epoch)")
+                arg = arg.with_changes(value=cst.parse_expression(f"_nbddp.shard_loader({name}, name={name!r})"))
+            args.append(arg)
+        return updated.with_changes(args=args)
 
     def _helper_loader(self, original: cst.Call, updated: cst.Call, name: str) -> cst.Call:
         """``name = create_dataloader(…)``: the loader goes through ``_nbddp.shard_loader`` when it runs."""

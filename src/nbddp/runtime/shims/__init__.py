@@ -39,17 +39,11 @@ class ShimReport:
     message: str | None = None
 
 
-#: The lines ``say`` has printed in this process.
-_said: set[str] = set()
-
-
 def say(line: str) -> None:
     """Print ``nbddp: line`` once per process, on rank 0: what a shim changed, at the moment it changes it."""
-    from ..dist import print0
+    from .. import rank
 
-    if line not in _said:
-        _said.add(line)
-        print0(f"nbddp: {line}", flush=True)
+    rank.say(f"nbddp: {line}", once=f"shims: {line}")
 
 
 def switch(name: str) -> bool | None:
