@@ -33,12 +33,7 @@ import tiny  # noqa: E402
 
 MANIFEST = {e["file"].removesuffix(".ipynb"): e for e in json.loads((RUNNABLE / "MANIFEST.json").read_text())}
 #: Runnable notebook → the bug its two-rank run shows, not fixed yet. Strict: a fix makes it pass, and its entry goes.
-KNOWN = {
-    "custom_head_bert_imdb":
-        "the head reads last_hidden_state, so BERT's pooler never gets a gradient; nbddp wraps the model in "
-        "DistributedDataParallel with find_unused_parameters=False, and the second step fails with "
-        "UnusedParameters (transformer.pooler.dense.weight, .bias), where one process trains",
-}
+KNOWN: dict[str, str] = {}
 #: Files a Trainer writes once per process by design (its RNG state in each checkpoint).
 PER_PROCESS = ("rng_state",)
 

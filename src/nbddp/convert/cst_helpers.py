@@ -89,6 +89,20 @@ def has_keyword(call: cst.Call, key: str) -> bool:
     return keyword(call, key) is not None
 
 
+def wrap_named_arguments(call: cst.Call, names: set[str], wrap: str, say_name: bool = False) -> tuple[cst.Call, list[str]]:
+    """``call`` with each argument that is one of ``names`` (``f(x)``, ``f(k=x)``) passed through the function
+    ``wrap`` names (``f(_nbddp.g(x))``; ``say_name``: ``f(_nbddp.g(x, name='x'))``), and the names it wrapped."""
+    args, wrapped = [], []
+    for arg in call.args:
+        if not arg.star and is_name(arg.value) and arg.value.value in names:
+            name = arg.value.value
+            wrapped.append(name)
+            inner = f"{wrap}({name}, name={name!r})" if say_name else f"{wrap}({name})"
+            arg = arg.with_changes(value=cst.parse_expression(inner))
+        args.append(arg)
+    return call.with_changes(args=args), wrapped
+
+
 def code_of(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node)
 

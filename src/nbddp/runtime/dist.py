@@ -124,7 +124,8 @@ def ddp(model):
     """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is).
 
     The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
-    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods). Under
+    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods). DDP looks for
+    parameters a step leaves out unless the model is a PEFT adapter (``looks_for_unused``). Under
     ``NBDDP_STRATEGY=fsdp`` the model is sharded with FSDP2's ``fully_shard`` instead (``strategy.shard``).
     """
     import torch.distributed as dist
@@ -138,7 +139,24 @@ def ddp(model):
         return strategy.shard(_without_inner_wrappers(model))
     info = rank_info()
     ids = [info.local_rank] if info.device.startswith("cuda") else None
-    return _notebook_ddp()(_without_inner_wrappers(model), device_ids=ids)
+    inner = _without_inner_wrappers(model)
+    return _notebook_ddp()(inner, device_ids=ids, find_unused_parameters=looks_for_unused(inner))
+
+
+def looks_for_unused(model) -> bool:
+    """Whether DDP looks for parameters a step leaves out, as the HF Trainer decides for its own wrap: not for
+    a PEFT adapter (every adapter weight takes part in each step: the search would only cost a walk of the
+    graph per step), yes for any other model, which may leave a pooler, an unused head or a dropped layer
+    out (without the search the second step stops). ``NBDDP_FIND_UNUSED_PARAMETERS=0|1`` decides instead."""
+    forced = os.environ.get("NBDDP_FIND_UNUSED_PARAMETERS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if hasattr(model, "peft_config") or getattr(model, "_hf_peft_config_loaded", False):
+        return False
+    rank.say("nbddp: DDP looks for parameters a training step leaves out (the model is not a PEFT adapter: it "
+             "may skip a pooler, a head or a layer); NBDDP_FIND_UNUSED_PARAMETERS=0 saves that search where every "
+             "weight trains in each step", once="ddp: find unused")
+    return True
 
 
 def _without_inner_wrappers(model):

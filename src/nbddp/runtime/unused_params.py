@@ -60,6 +60,7 @@ def message(module, torch_message: str) -> str:
         f"(find_unused_parameters=False), but {said}. The model skips them in some steps (LayerDrop, an unused "
         "head or branch). Fix: let DDP look for unused parameters: TrainingArguments(..., "
         "ddp_find_unused_parameters=True) for a Trainer, DistributedDataParallel(model, "
-        "find_unused_parameters=True) for your own wrapper; or freeze these parameters (requires_grad=False) "
+        "find_unused_parameters=True) for your own wrapper, NBDDP_FIND_UNUSED_PARAMETERS=1 (--env) for the wrapper "
+        "nbddp puts on a plain loop; or freeze these parameters (requires_grad=False) "
         "if they are not meant to train."
     )

@@ -7,7 +7,7 @@ import ast
 import re
 
 from .. import ast_helpers
-from ..cst_helpers import cst, is_attribute, is_name
+from ..cst_helpers import cst, is_attribute, is_name, wrap_named_arguments
 from ..engine.rule import Rule
 
 
@@ -49,12 +49,8 @@ class AccelerateHandoffRule(Rule):
         func = updated.func
         if not (is_attribute(func, "prepare") and is_name(func.value) and func.value.value in self.facts.accelerators):
             return updated
-        args = []
-        for arg in updated.args:
-            if arg.keyword is None and not arg.star and is_name(arg.value) and arg.value.value in self.facts.handed_to_accelerate:
-                name = arg.value.value
-                self.note(original, f"{name} goes to Accelerate as the notebook made it (no nbddp DistributedSampler "
-                                    "or DDP wrapper): Accelerate distributes it itself; the plain loops above are nbddp's")
-                arg = arg.with_changes(value=cst.parse_expression(f"_nbddp.for_accelerate({name})"))
-            args.append(arg)
-        return updated.with_changes(args=args)
+        updated, handed = wrap_named_arguments(updated, self.facts.handed_to_accelerate, "_nbddp.for_accelerate")
+        for name in handed:
+            self.note(original, f"{name} goes to Accelerate as the notebook made it (no nbddp DistributedSampler "
+                                "or DDP wrapper): Accelerate distributes it itself; the plain loops above are nbddp's")
+        return updated

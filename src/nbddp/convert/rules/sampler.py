@@ -17,6 +17,7 @@ from ..cst_helpers import (
     last_name,
     set_keyword,
     walk,
+    wrap_named_arguments,
 )
 from ..engine.rule import Rule
 from ..facts.loaders import PLAIN_SAMPLERS, loader_shards, trained_in
@@ -125,15 +126,12 @@ class DistributedSamplerRule(Rule):
         """``engine.train(…, train_dataloader=train_dataloader)``: the loader goes in through
         ``_nbddp.shard_loader`` (the helper's own epoch loop calls no ``set_epoch``: each epoch deals the
         same shares)."""
-        args = []
-        for arg in updated.args:
-            if is_name(arg.value) and arg.value.value in self.facts.helper_training_loaders:
-                name = arg.value.value
-                self.note(original, f"{name}: handed to an imported training helper, sharded as it goes in (its "
-                                    "epochs reuse one shuffle of each rank's share: it calls no set_epoch)")
-                arg = arg.with_changes(value=cst.parse_expression(f"_nbddp.shard_loader({name}, name={name!r})"))
-            args.append(arg)
-        return updated.with_changes(args=args)
+        updated, sharded = wrap_named_arguments(updated, self.facts.helper_training_loaders, "_nbddp.shard_loader",
+                                                say_name=True)
+        for name in sharded:
+            self.note(original, f"{name}: handed to an imported training helper, sharded as it goes in (its "
+                                "epochs reuse one shuffle of each rank's share: it calls no set_epoch)")
+        return updated
 
     def _helper_loader(self, original: cst.Call, updated: cst.Call, name: str) -> cst.Call:
         """``name = create_dataloader(…)``: the loader goes through ``_nbddp.shard_loader`` when it runs."""
