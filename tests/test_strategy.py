@@ -151,6 +151,18 @@ def test_fsdp_refuses_a_plain_loop_saving_its_whole_model_before_launch(llama_8b
     assert launch_with("fsdp", "torch.save(model.state_dict(), 'model.pt')")[1]["NBDDP_STRATEGY"] == "fsdp"
 
 
+def test_fsdp_refuses_a_whole_model_save_however_the_call_names_its_arguments(llama_8b):
+    """The converter's facts see the save in the notebook's call, not in how the script spells it: the saved
+    object given as ``obj=`` is the whole model too."""
+    from nbddp.job import strategy_launch
+
+    for save in ("torch.save(obj=model, f='model.pt')", "torch.save(f='model.pt', obj=model)"):
+        converted = convert_cells(cells_from_sources([PLAIN_LOOP, "print('done')\n" + save]))
+        assert converted.whole_model_saves == ((2, 2),)
+        with pytest.raises(NbddpError, match=r"^cell 2, line 2: torch.save of the whole model cannot work"):
+            strategy_launch(converted, llama_8b, "fsdp", 2, {}, lambda stream, text: None)
+
+
 def test_fsdp_refuses_a_plain_loop_running_its_model_on_rank_0_alone_before_launch(llama_8b):
     from nbddp.job import strategy_launch
 

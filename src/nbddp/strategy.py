@@ -434,59 +434,10 @@ def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: st
     return choose(est, tuple(gpus), unsloth=shape.unsloth, why_unknown=unknown)
 
 
-def whole_model_saves(script_text: str) -> list[int]:
-    """Script lines where a plain loop pickles its whole model, ``torch.save(_nbddp.unwrap(model), …)`` (the
-    converter's spelling of ``torch.save(model, …)``): under FSDP that model is held in shards of a class
-    made at run time, which pickle cannot name, so the save would fail after the training."""
-    if "_nbddp.ddp(" not in script_text:  # no plain loop's model to shard
-        return []
-    return sorted(node.lineno for node in ast.walk(ast.parse(script_text)) if isinstance(node, ast.Call)
-                  and _callee(node) == ("torch", "save") and node.args and isinstance(node.args[0], ast.Call)
-                  and _callee(node.args[0]) == ("_nbddp", "unwrap"))
-
-
 #: Why a whole-model save is refused under FSDP, and what to write instead.
 WHOLE_MODEL_SAVE = ("torch.save of the whole model cannot work under --strategy fsdp: the model is held in shards "
                     "across the ranks; save its weights, torch.save(model.state_dict(), PATH) (nbddp gathers them "
                     "whole on rank 0), or run with --strategy ddp or split")
-
-
-def rank0_forwards(script_text: str) -> list[int]:
-    """Script lines where rank 0 alone runs a plain loop's sharded model, ``model(…)`` or ``model.generate(…)``
-    in a block the converter left to rank 0 (``if _nbddp.is_main_process():``, after training): under FSDP a
-    forward gathers each layer's shards from every rank, and the others are not there. A block that binds the
-    name to another model first (a plain one loaded from the saved weights) is not counted."""
-    if "_nbddp.ddp(" not in script_text:
-        return []
-    tree = ast.parse(script_text)
-    sharded = {node.targets[0].id for node in ast.walk(tree) if isinstance(node, ast.Assign)
-               and isinstance(node.value, ast.Call) and _callee(node.value) == ("_nbddp", "ddp")
-               and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
-    lines = []
-    for block in tree.body:
-        if isinstance(block, ast.If) and isinstance(block.test, ast.Call) and \
-                _callee(block.test) == ("_nbddp", "is_main_process"):
-            lines += _forwards_in(block.body, set(sharded))
-    return sorted(lines)
-
-
-def _forwards_in(body: list[ast.stmt], sharded: set[str]) -> list[int]:
-    lines = []
-    for stmt in body:
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Call) and _called_model(node.func) in sharded:
-                lines.append(node.lineno)
-        rebound = {t.id for t in getattr(stmt, "targets", ()) if isinstance(t, ast.Name)}
-        if not (isinstance(getattr(stmt, "value", None), ast.Call) and _callee(stmt.value) == ("_nbddp", "unwrap")):
-            sharded -= rebound  # ``model = _nbddp.unwrap(model)`` is still the sharded model; anything else is not
-    return lines
-
-
-def _called_model(func: ast.expr) -> str | None:
-    """``model`` of ``model(…)``, ``model.generate(…)``, ``model.forward(…)``."""
-    if isinstance(func, ast.Attribute) and func.attr in ("generate", "forward"):
-        func = func.value
-    return func.id if isinstance(func, ast.Name) else None
 
 
 #: Why rank 0 alone cannot run a sharded model, and what to do instead.
@@ -499,15 +450,14 @@ RANK0_FORWARD = ("rank 0 alone runs the model here (after training), but under -
 def refuse_what_it_cannot_run(decision: Decision, script) -> None:
     """Before launch (``nbddp run``, a magic, an export), what a plain loop's model cannot do under FSDP once
     training is over, at the notebook's cell and line: be pickled whole (``torch.save(model, …)``), run on
-    rank 0 alone. ``script`` is the converted ``Script`` (its text and source map)."""
+    rank 0 alone. ``script`` is the converted ``Script``: the converter's facts recorded where its notebook
+    does either (``Script.whole_model_saves``, ``Script.rank0_forwards``)."""
     if decision.strategy != "fsdp":
         return
-    for find, why in ((whole_model_saves, WHOLE_MODEL_SAVE), (rank0_forwards, RANK0_FORWARD)):
-        lines = find(script.text)
-        if lines:
-            where = script.source_map.lookup(lines[0])
-            at = f"cell {where[0]}, line {where[1]}: " if where else f"script line {lines[0]}: "
-            raise NbddpError(at + why)
+    for places, why in ((script.whole_model_saves, WHOLE_MODEL_SAVE), (script.rank0_forwards, RANK0_FORWARD)):
+        if places:
+            cell, line = places[0]
+            raise NbddpError(f"cell {cell}, line {line}: {why}" if line else f"cell {cell}: {why}")
 
 
 def _installed(name: str) -> bool:

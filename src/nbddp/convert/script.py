@@ -43,6 +43,10 @@ class Script:
     installs: tuple[Install, ...] = ()
     changes: tuple[Change, ...] = ()
     warnings: tuple[str, ...] = ()
+    #: (cell, line) where a plain loop pickles a model DDP wraps whole, and where rank 0 alone runs one after
+    #: training (``JobFacts.whole_model_saves``, ``JobFacts.rank0_forwards``): what FSDP cannot run
+    whole_model_saves: tuple[tuple[int, int | None], ...] = ()
+    rank0_forwards: tuple[tuple[int, int | None], ...] = ()
 
     def diff(self) -> str:
         """A unified diff from the notebook's code cells to the script."""
@@ -140,6 +144,8 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
         installs=installs,
         changes=tuple(changes),
         warnings=tuple(warnings),
+        whole_model_saves=_cell_places(facts.whole_model_saves, cleaned),
+        rank0_forwards=_cell_places(facts.rank0_forwards, cleaned),
     )
 
 
@@ -158,6 +164,12 @@ def _clean_cells(cells: list[Cell], skip_bad_cells: bool, warnings: list[str]) -
         cleaned.append(clean)
         codes.append(CellCode.read(clean.code, clean.tree, len(codes)))
     return cleaned, codes
+
+
+def _cell_places(places: list[tuple[int, int]], cleaned: list[CleanCell]) -> tuple[tuple[int, int | None], ...]:
+    """Places the facts recorded, (cell position, line of the cleaned code), as (cell, line of the cell), in
+    the script's order."""
+    return tuple((cleaned[k].cell.index, _to_cell(cleaned[k], line - 1)) for k, line in sorted(set(places)))
 
 
 def _to_cell(clean: CleanCell, j: int | None) -> int | None:

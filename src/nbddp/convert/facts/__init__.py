@@ -4,7 +4,8 @@
 notebook: which names hold trainers, which statements and functions train (``training.py``), which statements
 after training run on rank 0 only and which must stay on every rank (collectives, and what they read), which
 dataset preparation goes under ``main_process_first`` (``rank0.py``), and, for a plain PyTorch loop, which
-models DDP wraps and where (``models.py``) and which loaders get a ``DistributedSampler`` (``loaders.py``).
+models DDP wraps and where (``models.py``), where the notebook needs them whole (``model_uses.py``) and which
+loaders get a ``DistributedSampler`` (``loaders.py``).
 The answers are a ``JobFacts``; its statement sets hold the cells' ``Statement``s (``code.py``), and the
 rules act on exactly the statements chosen here.
 
@@ -21,6 +22,7 @@ import ast
 from ..code import CellCode, Statement
 from .job_facts import JobFacts, Seen
 from .loaders import plan_helper_training_loaders, plan_loaders
+from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
 from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves
 from .scan import scan
@@ -62,3 +64,4 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
         if facts.ddp_models:
             plan_ddp_wraps(top, first, facts)
+            plan_model_uses(top, facts)

@@ -73,6 +73,11 @@ class JobFacts:
     ddp_wrap_inside: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     #: top-level statements holding a statement of ``ddp_wrap_inside``
     ddp_wraps_inside: set[Statement] = field(default_factory=set)
+    #: plain PyTorch, a wrapped model: (cell position, line) of each ``torch.save(model, …)`` that pickles it
+    #: whole, and of each call of it (``model(…)``, ``model.generate(…)``) in a statement that runs on rank 0
+    #: alone; both need a whole replica, which FSDP's shards are not (``strategy.refuse_what_it_cannot_run``)
+    whole_model_saves: list[tuple[int, int]] = field(default_factory=list)
+    rank0_forwards: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def last_training(self) -> Statement | None:

@@ -1,0 +1,88 @@
+"""Facts about what a plain loop does with the models DDP wraps that only a whole replica allows: pickling one
+whole (``torch.save(model, …)``) and running one on rank 0 alone. Under FSDP the wrap shards the model, and
+``strategy.refuse_what_it_cannot_run`` refuses both before launch, at the places recorded here."""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING
+
+from ..ast_helpers import dotted_name, is_dead_if, keyword
+
+if TYPE_CHECKING:
+    from ..code import Statement
+    from .job_facts import JobFacts
+
+
+def plan_model_uses(top: list[Statement], facts: JobFacts) -> None:
+    """``JobFacts.whole_model_saves`` and ``JobFacts.rank0_forwards``, once the wraps are planned."""
+    wrapped = {name for names in [*facts.ddp_wrap_after.values(), *facts.ddp_wrap_inside.values()] for name in names}
+    if not wrapped:
+        return
+    for stmt in top:
+        facts.whole_model_saves += [(stmt.cell.position, call.lineno) for call in _live_calls(stmt.nodes)
+                                    if _saves_whole(call, facts.ddp_models)]
+    for run in _rank0_runs(top, facts.rank0):
+        facts.rank0_forwards += _forwards_in(run, set(wrapped))
+
+
+def _saves_whole(call: ast.Call, models: set[str]) -> bool:
+    """``torch.save(model, …)`` (or ``obj=model``) of a model DDP wraps: the unwrap rule saves the module inside
+    (``torch.save(_nbddp.unwrap(model), …)``), the whole model, pickled."""
+    if dotted_name(call.func) != "torch.save":
+        return False
+    if call.args and not isinstance(call.args[0], ast.Starred):
+        saved = call.args[0]
+    else:
+        saved = getattr(keyword(call, "obj"), "value", None)
+    return isinstance(saved, ast.Name) and saved.id in models
+
+
+def _rank0_runs(top: list[Statement], rank0: set[Statement]) -> list[list[Statement]]:
+    """Runs of consecutive rank-0 statements of one cell: each becomes one ``if _nbddp.is_main_process():``
+    block (``rules.rank_zero``)."""
+    runs: list[list[Statement]] = []
+    for stmt in top:
+        if stmt not in rank0:
+            continue
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.cell is stmt.cell and last.index == stmt.index - 1:
+            runs[-1].append(stmt)
+        else:
+            runs.append([stmt])
+    return runs
+
+
+def _forwards_in(run: list[Statement], sharded: set[str]) -> list[tuple[int, int]]:
+    """Where a run of rank-0 statements calls a wrapped model, ``model(…)``, ``model.generate(…)``: under FSDP a
+    forward gathers each layer's shards from every rank, and the others are not there. Once a statement of
+    the run binds the name to something else (a plain model loaded from the saved weights), it is not counted."""
+    found = []
+    for stmt in run:
+        for node in stmt.nodes:
+            found += [(stmt.cell.position, call.lineno) for call in _live_calls([node])
+                      if _called_model(call.func) in sharded]
+            sharded -= {t.id for t in getattr(node, "targets", ()) if isinstance(t, ast.Name)}
+    return found
+
+
+def _called_model(func: ast.expr) -> str | None:
+    """``model`` of ``model(…)``, ``model.generate(…)``, ``model.forward(…)``."""
+    if isinstance(func, ast.Attribute) and func.attr in ("generate", "forward"):
+        func = func.value
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def _live_calls(nodes: list[ast.stmt]) -> list[ast.Call]:
+    """Every call in the statements, function bodies included, outside ``if False:`` blocks (which never run,
+    and which no rule rewrites)."""
+    found: list[ast.Call] = []
+    todo: list[ast.AST] = list(nodes)
+    while todo:
+        node = todo.pop()
+        if is_dead_if(node):
+            continue
+        if isinstance(node, ast.Call):
+            found.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
