@@ -302,6 +302,23 @@ def test_training_through_an_imported_helper_is_recognised_and_distributed(rewri
     assert not any("no training call found" in m for _, _, m in changes)
 
 
+def test_an_imported_helper_training_a_model_its_loop_builds_gets_its_loader_sharded(rewrite):
+    """The facts record each call to a training helper by its place (line, column in characters: a name with
+    ``é`` before it); the DDP wrap put into the loop before the call rebuilds the loop, and the sampler rule
+    still finds the call the facts chose."""
+    loop = ("for fold in range(2):\n"
+            "    model = Net().to(device)\n"
+            "    optimizer = torch.optim.Adam(model.parameters(), lr=0.001)\n"
+            "    résultats = engine.train(model=model, train_dataloader=train_dataloader,\n"
+            "                             test_dataloader=test_dataloader, optimizer=optimizer, epochs=1)\n"
+            "    print(engine.train)\n")
+    (_, new), changes = rewrite(HELPER_TRAINING[0], loop)
+    assert "    model = _nbddp.ddp(model)\n    optimizer = " in new, new
+    assert "engine.train(model=model, train_dataloader=_nbddp.shard_loader(train_dataloader, name='train_dataloader')," in new
+    assert "test_dataloader=test_dataloader, optimizer" in new
+    assert sum("handed to an imported training helper" in m for _, _, m in changes) == 1
+
+
 def test_a_training_loader_an_imported_helper_returns_is_sharded_when_it_runs(rewrite):
     (code, _, _), changes = rewrite(
         "from helpers import create_dataloader\ntrain_loader = create_dataloader(ds, batch_size=8)\n"

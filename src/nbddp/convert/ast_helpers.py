@@ -58,6 +58,21 @@ def calls(nodes: Iterable[ast.AST]) -> Iterator[ast.Call]:
     return (n for n in nodes if isinstance(n, ast.Call))
 
 
+def live_calls(nodes: Iterable[ast.AST]) -> list[ast.Call]:
+    """Every call in ``nodes``, function bodies and lambdas included, outside ``if False:`` blocks: the calls a
+    rule's walk meets (no rule looks inside ``if False:``)."""
+    found: list[ast.Call] = []
+    todo: list[ast.AST] = list(nodes)
+    while todo:
+        node = todo.pop()
+        if is_dead_if(node):
+            continue
+        if isinstance(node, ast.Call):
+            found.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
 def is_compound(node: ast.stmt) -> bool:
     return isinstance(node, COMPOUND)
 

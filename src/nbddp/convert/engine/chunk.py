@@ -54,6 +54,20 @@ class Chunk:
             if position == cell.position and self.first <= line < self.end
         }
         self._lines: dict[cst.CSTNode, int] | None = None
+        #: the calls to an imported training helper (``JobFacts.helper_trainings``), as parsed; the walks add
+        #: each as they rebuild it (``rewrite._Walk``), so a later step's rule finds it still
+        self.helper_trainings: set[cst.CSTNode] = self._calls_at({
+            (line, column) for position, line, column in facts.helper_trainings
+            if position == cell.position and self.first <= line < self.end})
+
+    def _calls_at(self, places: set[tuple[int, int]]) -> set[cst.CSTNode]:
+        """The parsed calls starting at ``places``, (line of the cell, column in characters)."""
+        if not places:  # positions cost a pass over the chunk: only where the facts chose a call
+            return set()
+        columns = {column for _, column in places}
+        positions = MetadataWrapper(self.parsed, unsafe_skip_copy=True).resolve(PositionProvider)
+        return {node for node, p in positions.items() if isinstance(node, cst.Call) and p.start.column in columns
+                and (self.line_in_current(p.start.line) + self.first - 1, p.start.column) in places}
 
     def _with_stand_ins(self, plan: Plan) -> str:
         """The chunk's code as libcst reads it: stand-ins for what no rule reads (``Plan``).

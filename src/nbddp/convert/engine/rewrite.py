@@ -53,9 +53,11 @@ class _Walk(cst.CSTTransformer):
     """
 
     def __init__(self, rules: list[Rule], skip: set[cst.CSTNode] = frozenset(),
-                 only: dict[cst.CSTNode, list[Rule]] | None = None):
+                 only: dict[cst.CSTNode, list[Rule]] | None = None, followed: set[cst.CSTNode] | None = None):
         super().__init__()
         self.rules, self.skip, self.only = rules, skip, only or {}
+        #: nodes the facts chose (``Chunk.helper_trainings``): what a node of them becomes joins them
+        self.followed = followed if followed is not None else set()
         self._stack: list[list[Rule]] = []  # the rules that saw each node being walked
 
     def on_visit(self, node: cst.CSTNode) -> bool:
@@ -77,6 +79,8 @@ class _Walk(cst.CSTTransformer):
             if type(updated) is not type(original):
                 break
             updated = rule.on_leave(original, updated)
+        if original in self.followed:
+            self.followed.add(updated)
         return updated
 
     # libcst offers each attribute of each node to ``visit_<Node>_<attribute>`` methods; rules have none
@@ -109,14 +113,16 @@ def rewrite(cell: CellCode, plan: Plan, facts: JobFacts) -> tuple[str, list[tupl
 def _run(step: tuple[type[Rule], ...], chunk: Chunk, plan: Plan, facts: JobFacts):
     """One step's rules over one chunk: the rules (with their notes) and the chunk as they leave it."""
     rules = [rule(facts, chunk) for rule in step]
+    followed = chunk.helper_trainings
     if step[0].on_statements:
-        walker = _Walk(rules)
+        walker = _Walk(rules, followed=followed)
     elif plan.touching is None:  # the chunk's statements none of the rules could change are not walked
-        walker = _Walk(rules, {n for n, s in zip(chunk.parsed.body, chunk.statements) if s not in plan.walked})
+        walker = _Walk(rules, {n for n, s in zip(chunk.parsed.body, chunk.statements) if s not in plan.walked},
+                       followed=followed)
     else:  # each statement is walked by the rules that may change it, if any
         only = {node: [r for r in rules if type(r) in plan.touching[s]]
                 for node, s in chunk.statement_of.items() if s in plan.touching}
-        walker = _Walk(rules, {n for n, s in chunk.statement_of.items() if s not in plan.touching}, only)
+        walker = _Walk(rules, {n for n, s in chunk.statement_of.items() if s not in plan.touching}, only, followed)
     return rules, chunk.module.visit(walker)
 
 

@@ -60,7 +60,7 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
     plan_shared_saves(top, first, facts)
     plan_data_prep(top, facts)
     if facts.plain_loop:
-        plan_helper_training_loaders(facts.training, facts)
+        plan_helper_training_loaders(top, facts)
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
         if facts.ddp_models:
             plan_ddp_wraps(top, first, facts)

@@ -27,6 +27,10 @@ class JobFacts:
     #: plain PyTorch: training loaders handed to an imported training helper (``engine.train(…,
     #: train_dataloader=train_dataloader)``), sharded as the call is made
     helper_training_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch, where ``helper_training_loaders`` is not empty: (cell position, line, column in
+    #: characters) of each call to an imported training helper (``training.is_helper_training``), function
+    #: bodies included: the calls whose training loaders go in sharded
+    helper_trainings: set[tuple[int, int, int]] = field(default_factory=set)
     #: plain PyTorch: names bound only to a DataLoader that keeps its whole data set on every rank (evaluation)
     whole_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: names a training loop iterates (``for batch in name``): training loaders, whatever their name

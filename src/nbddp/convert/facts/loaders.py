@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING
 
-from ..ast_helpers import is_literal, keyword, last_name
+from ..ast_helpers import is_literal, keyword, last_name, live_calls
 from .training import is_helper_training, is_training_call
 
 if TYPE_CHECKING:
@@ -94,10 +94,19 @@ def helper_training_loaders(call: ast.Call) -> list[str]:
     return found
 
 
-def plan_helper_training_loaders(training: list, facts: JobFacts) -> None:
-    """Loaders handed to an imported training helper (``is_helper_training``) are sharded when it is called:
-    nbddp cannot see the loop inside, only what goes in."""
-    for stmt in training:
+def plan_helper_training_loaders(top: list, facts: JobFacts) -> None:
+    """Loaders handed to an imported training helper (``is_helper_training``) by a training statement are
+    sharded when it is called: nbddp cannot see the loop inside, only what goes in. Every call to such a
+    helper (``JobFacts.helper_trainings``) is where the sampler rule shards them."""
+    for stmt in facts.training:
         for call in stmt.calls:
             if is_helper_training(call, facts):
                 facts.helper_training_loaders.update(n for n in helper_training_loaders(call) if n not in facts.sharded_loaders)
+    if facts.helper_training_loaders:
+        facts.helper_trainings = {_place(stmt, call) for stmt in top for call in live_calls(stmt.nodes)
+                                  if is_helper_training(call, facts)}
+
+
+def _place(stmt, call: ast.Call) -> tuple[int, int, int]:
+    """(cell position, line, column in characters, as libcst counts them) of a call; ast counts UTF-8 bytes."""
+    return stmt.cell.position, call.lineno, len(stmt.cell.line_bytes(call.lineno)[: call.col_offset].decode())

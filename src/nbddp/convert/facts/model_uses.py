@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING
 
-from ..ast_helpers import dotted_name, is_dead_if, keyword
+from ..ast_helpers import dotted_name, keyword, live_calls
 
 if TYPE_CHECKING:
     from ..code import Statement
@@ -20,7 +20,7 @@ def plan_model_uses(top: list[Statement], facts: JobFacts) -> None:
     if not wrapped:
         return
     for stmt in top:
-        facts.whole_model_saves += [(stmt.cell.position, call.lineno) for call in _live_calls(stmt.nodes)
+        facts.whole_model_saves += [(stmt.cell.position, call.lineno) for call in live_calls(stmt.nodes)
                                     if _saves_whole(call, facts.ddp_models)]
     for run in _rank0_runs(top, facts.rank0):
         facts.rank0_forwards += _forwards_in(run, set(wrapped))
@@ -60,7 +60,7 @@ def _forwards_in(run: list[Statement], sharded: set[str]) -> list[tuple[int, int
     found = []
     for stmt in run:
         for node in stmt.nodes:
-            found += [(stmt.cell.position, call.lineno) for call in _live_calls([node])
+            found += [(stmt.cell.position, call.lineno) for call in live_calls([node])
                       if _called_model(call.func) in sharded]
             sharded -= {t.id for t in getattr(node, "targets", ()) if isinstance(t, ast.Name)}
     return found
@@ -72,17 +72,3 @@ def _called_model(func: ast.expr) -> str | None:
         func = func.value
     return func.id if isinstance(func, ast.Name) else None
 
-
-def _live_calls(nodes: list[ast.stmt]) -> list[ast.Call]:
-    """Every call in the statements, function bodies included, outside ``if False:`` blocks (which never run,
-    and which no rule rewrites)."""
-    found: list[ast.Call] = []
-    todo: list[ast.AST] = list(nodes)
-    while todo:
-        node = todo.pop()
-        if is_dead_if(node):
-            continue
-        if isinstance(node, ast.Call):
-            found.append(node)
-        todo.extend(ast.iter_child_nodes(node))
-    return found

@@ -21,7 +21,6 @@ from ..cst_helpers import (
 )
 from ..engine.rule import Rule
 from ..facts.loaders import PLAIN_SAMPLERS, loader_shards, trained_in
-from ..facts.training import TRAINS_BY_NAME
 
 
 class DistributedSamplerRule(Rule):
@@ -89,7 +88,7 @@ class DistributedSamplerRule(Rule):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         self._preparing -= self._prepares(original)
-        if self.facts.helper_training_loaders and self._is_helper_training(updated):
+        if original in self.chunk.helper_trainings:  # the facts' ``helper_trainings``
             updated = self._helper_training(original, updated)
         helper = [t for t in self._assigned.get(original, []) if t in self.facts.helper_loaders]
         if helper and last_name(updated.func) != "DataLoader":
@@ -114,13 +113,6 @@ class DistributedSamplerRule(Rule):
         depends = shuffle is not None and _decided_at_run_time(shuffle.value) and not loader_shards(
             own, None, targets, self._functions[-1] if self._functions else self.facts.train_iterated)
         return self._shard(original, updated, depends)
-
-    def _is_helper_training(self, call: cst.Call) -> bool:
-        """``facts.training.is_helper_training``, on libcst's nodes."""
-        given = {a.value.value for a in call.args if is_name(a.value)}
-        name = last_name(call.func) or ""
-        return bool(TRAINS_BY_NAME.search(name)) and name not in self.facts.training_functions and not (
-            given.isdisjoint(self.facts.ddp_models) or given.isdisjoint(self.facts.optimizers))
 
     def _helper_training(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         """``engine.train(…, train_dataloader=train_dataloader)``: the loader goes in through
