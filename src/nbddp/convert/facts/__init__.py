@@ -22,7 +22,7 @@ from ..code import CellCode, Statement
 from .job_facts import JobFacts, Seen
 from .loaders import plan_helper_training_loaders, plan_loaders
 from .models import plan_accelerate, plan_ddp_wraps
-from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves
+from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves, plan_tail_unwraps
 from .scan import scan
 from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
 
@@ -62,3 +62,4 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
         if facts.ddp_models:
             plan_ddp_wraps(top, first, facts)
+            plan_tail_unwraps(top[last + 1 :], facts)
