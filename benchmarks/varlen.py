@@ -229,7 +229,9 @@ def main() -> None:
     base_env = {**({"BENCH_CPU": "1", "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": ""} if args.cpu else {}),
                 **({"BENCH_TINY": "1"} if args.tiny else {})}
     os.environ.update(base_env)  # for this process's import of the workload (its shape, its paths)
-    device = "CPU smoke run (gloo), not a GPU measurement" if args.cpu else gpu_name()
+    import varlen_workload
+
+    device = "CPU smoke run (gloo), not a GPU measurement" if args.cpu else varlen_workload.gpu_name()
     if not args.report:
         subprocess.run([sys.executable, str(HERE / "varlen_workload.py"), "prepare"], check=True,
                        env={**os.environ, **base_env})
@@ -242,16 +244,6 @@ def main() -> None:
                 run(set_name, name, argv, env, args.out, base_env)
     runs = [json.loads(line) for line in (args.out / RUNS).read_text().splitlines() if line]
     report(medians(runs), args.out, device)
-
-
-def gpu_name() -> str:
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=30).stdout.split("\n")
-        names = [n.strip() for n in names if n.strip()]
-        return f"{len(names)} × {names[0]}" if names else "unknown GPU"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown GPU"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The variable-length workload of ``varlen.py``, shared by every configuration so they train the same thing.
 
 Model: the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary
-151 936, tied embeddings) with random weights, built and saved locally once (``prepare``), with a word-level
-tokenizer over the same vocabulary so Unsloth can load the folder too. LoRA r=16 on every linear layer,
+151 936, tied embeddings) with random weights, built and saved locally once (``prepare``), with a byte-level BPE
+tokenizer of Qwen2's class (``tokenizer``) so Unsloth can load the folder and read text rows too. LoRA r=16 on every linear layer,
 gradient checkpointing, batch 2 per device and 4 accumulation steps (the Unsloth Kaggle notebooks'
 settings), lr 2e-4, bf16 (``BENCH_DTYPE=fp16`` for the Kaggle-like set), padded per micro-batch to its
 longest row, loss on every real token.
@@ -30,10 +30,12 @@ peak memory per rank.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import random
+import string
 import sys
 import time
 
@@ -55,6 +57,8 @@ QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, 
                  tie_word_embeddings=True, rms_norm_eps=1e-6)
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, tie_word_embeddings=True)
+
+WORDS = 4000  # distinct words of the Unsloth proof's text rows
 
 #: (real tokens, padded tokens) of every micro-batch this process collated, in order.
 COLLATED: list[tuple[int, int]] = []
@@ -96,15 +100,54 @@ def prepare_checkpoint(path: str = CHECKPOINT) -> str:
     return path
 
 
-def tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+#: Letters-only words (``aaa``, ``aab``, …): each one token of ``tokenizer``'s, with or without a space before it.
+def words(n: int) -> list[str]:
+    out = []
+    for size in itertools.count(3):
+        for letters in itertools.product(string.ascii_lowercase, repeat=size):
+            out.append("".join(letters))
+            if len(out) == n:
+                return out
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", model_max_length=MAXLEN)
+
+def tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer of the model's own class (``Qwen2Tokenizer``), trained by ``tokenizers`` on
+    the Alpaca prompt and ``words``. Why its own class: transformers 5 loads a Qwen2 folder's tokenizer as
+    ``Qwen2Tokenizer`` whatever ``tokenizer_config.json`` names, rebuilding it from the vocabulary and merges; a
+    word-level tokenizer came back reading every text as the bare EOS, so a model trained on text rows saw
+    nothing (loss 0)."""
+    import json as _json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+
+    from alpaca_lengths import ALPACA_PROMPT
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    vocabulary = words(min(WORDS, vocab_size // 8))
+    lines = [" " + " ".join(vocabulary[i:i + 50]) for i in range(0, len(vocabulary), 50)]  # each after a space
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator([ALPACA_PROMPT.format("", "", ""), *lines, "\n".join(vocabulary)], trainer)
+    merges = [tuple(m) for m in _json.loads(bpe.to_str())["model"]["merges"]]
+    return Qwen2Tokenizer(vocab=bpe.get_vocab(), merges=merges, unk_token=None, bos_token="<s>", eos_token="</s>",
+                          pad_token="<pad>", model_max_length=MAXLEN)
+
+
+def gpu_name() -> str:
+    """``2 × NVIDIA H200``, as the results name the machine (``unknown GPU`` where nvidia-smi cannot say)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown GPU"
+    names = [n.strip() for n in out if n.strip()]
+    return f"{len(names)} × {names[0]}" if names else "unknown GPU"
 
 
 def torch_dtype():

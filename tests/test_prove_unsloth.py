@@ -67,13 +67,56 @@ def test_the_magic_copy_trains_every_cell_above_the_save(tmp_path):
     assert 'model.save_pretrained("llama_lora")' in sources[-1]
 
 
-def test_rows_follow_the_measured_alpaca_lengths(tmp_path):
-    lengths = proof.write_rows(tmp_path / "rows.json", 3000, vocab=151936)
+@pytest.fixture(scope="module")
+def tokenizer():
+    return proof.varlen_workload.tokenizer(151936)
+
+
+def model_folder(path: Path, tokenizer) -> Path:
+    """What of ``prepare_checkpoint``'s folder decides how a tokenizer loads: its config and tokenizer files."""
+    from transformers import Qwen2Config
+
+    tokenizer.save_pretrained(path)
+    Qwen2Config(vocab_size=151936, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                num_key_value_heads=1, bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+    return path
+
+
+def test_rows_follow_the_measured_alpaca_lengths(tmp_path, tokenizer):
+    lengths = proof.write_rows(tmp_path / "rows.json", 3000, tokenizer)
     rows = json.loads((tmp_path / "rows.json").read_text())
     table = proof.varlen_workload.token_percentiles()
     assert len(rows) == 3000 and statistics.median(lengths) == pytest.approx(table[50], rel=0.06)
     assert sum(bool(r["input"]) for r in rows) / len(rows) == pytest.approx(proof.SHARE_WITH_INPUT, abs=0.03)
     assert all(r["output"].split()[0] == r["instruction"].split()[0] for r in rows)  # something to learn
+
+
+def test_the_model_folder_tokenizer_reads_the_rows_as_the_notebook_loads_it(tmp_path, tokenizer):
+    """Loaded back as Unsloth loads it (``AutoTokenizer``: ``Qwen2Tokenizer`` for a Qwen2 folder), the tokenizer
+    gives each row the length it was written for, one token a word (a word-level tokenizer came back reading
+    every row as the bare EOS)."""
+    from transformers import AutoTokenizer
+
+    folder = model_folder(tmp_path / "model", tokenizer)
+    lengths = proof.write_rows(tmp_path / "rows.json", 200, tokenizer)
+    assert proof.rows_reach_the_model(folder, tmp_path / "rows.json", lengths) is None
+    loaded = AutoTokenizer.from_pretrained(str(folder))
+    words = proof.varlen_workload.words(proof.varlen_workload.WORDS)
+    assert all(len(loaded(" " + w)["input_ids"]) == 1 for w in words[::97])
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (2, 0)  # as the model's config says
+
+
+def test_rows_a_tokenizer_cannot_read_stop_the_proof_before_it_runs(tmp_path, tokenizer):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel(vocab={"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    other = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="</s>", pad_token="<pad>")
+    folder = model_folder(tmp_path / "model", other)
+    lengths = proof.write_rows(tmp_path / "rows.json", 20, tokenizer)
+    why = proof.rows_reach_the_model(folder, tmp_path / "rows.json", lengths)
+    assert why is not None and "would not see the rows" in why
 
 
 def record(indices, losses=(3.0, 2.5, 2.0, 1.5), writes=()):
@@ -97,6 +140,7 @@ def test_verdict_passes_a_good_run_and_reports_the_shares():
     ("flat_loss", "loss did not fall"),
     ("uneven", "not even"),
     ("gloo", "nccl"),
+    ("no_tokens", "did not reach"),
 ])
 def test_verdict_names_what_went_wrong(case, expected):
     records = {0: record(range(0, 8), writes=[proof.ADAPTER]), 1: record(range(8, 16))}
@@ -109,9 +153,11 @@ def test_verdict_names_what_went_wrong(case, expected):
         records[0]["losses"] = [2.0, 2.0, 2.1, 2.1]
     elif case == "uneven":
         records[1] = record(range(8, 12))
+    elif case == "no_tokens":
+        records[0]["losses"] = [0.05, 0.0, 0.0, 0.0]  # falls, from where no random-weight model starts
     else:
         text = GOOD.replace("nccl", "gloo")
-    wrong, _ = proof.verdict(0, text, records, 2, 100, [10] * 100, adapter_there=True)
+    wrong, _ = proof.verdict(0, text, records, 2, 100, [10] * 100, adapter_there=True, first_loss_above=1.0)
     assert any(expected in w for w in wrong), wrong
 
 

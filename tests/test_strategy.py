@@ -104,9 +104,18 @@ def test_deepspeed_is_refused_with_the_reason_when_it_is_not_installed(monkeypat
     with pytest.raises(NbddpError, match="needs DeepSpeed, which is not installed here: pip install deepspeed"):
         strategy.decide(text, llama_8b, "deepspeed")
     monkeypatch.setattr(strategy, "_installed", lambda name: True)
-    assert strategy.decide(text, llama_8b, "deepspeed").strategy == "deepspeed"
+    assert strategy.decide(text, llama_8b, "deepspeed", gpu_free=(15 * GiB,) * 2).strategy == "deepspeed"
     with pytest.raises(NbddpError, match="--strategy takes one of"):
         strategy.decide(text, llama_8b, "zero")
+
+
+def test_deepspeed_is_refused_where_there_is_no_gpu(monkeypatch, llama_8b):
+    """On the CPU the Trainer leaves DeepSpeed off (its CPU branch comes first): with DeepSpeed installed, a
+    2-rank gloo run under ``--strategy deepspeed`` trained plain DDP while the ranks said ZeRO."""
+    monkeypatch.setattr(strategy, "_installed", lambda name: True)
+    monkeypatch.setattr(strategy, "_gpu_count", lambda: 0)
+    with pytest.raises(NbddpError, match="--strategy deepspeed needs GPUs: on the CPU the Trainer turns DeepSpeed"):
+        strategy.decide(script(NOTEBOOK.format(four_bit=False)), llama_8b, "deepspeed")
 
 
 def test_the_ranks_get_a_zero_config_the_trainer_fills_in():

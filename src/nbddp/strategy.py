@@ -363,12 +363,17 @@ def gpu_free_bytes(timeout_s: float = 60.0) -> tuple[int, ...]:
     return tuple(min(n, int(float(cap) * GiB)) for n in free) if cap else free
 
 
-def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
+def _gpu_count() -> int:
+    """GPUs torch sees, without a CUDA context (NVML's count); 0 without torch."""
     try:
         import torch
     except ImportError:
-        return ()
-    if not torch.cuda.device_count():  # NVML's count: no CUDA context
+        return 0
+    return torch.cuda.device_count()
+
+
+def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
+    if not _gpu_count():
         return ()
     try:
         out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
@@ -420,6 +425,9 @@ def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: st
     if requested == "deepspeed" and not _installed("deepspeed"):
         raise NbddpError("--strategy deepspeed needs DeepSpeed, which is not installed here: pip install deepspeed "
                          "(or use --strategy fsdp, which shards the same way with PyTorch alone)")
+    if requested == "deepspeed" and gpu_free is None and not _gpu_count():
+        raise NbddpError("--strategy deepspeed needs GPUs: on the CPU the Trainer turns DeepSpeed off and would "
+                         "train plain DDP instead; use --strategy ddp or fsdp here")
     if requested == "fsdp" and shape.unsloth:
         raise NbddpError("--strategy fsdp cannot shard a model Unsloth loads (its patched layers and 4-bit kernels "
                          "expect whole weights on one GPU): use --strategy split, or ddp where the model fits one GPU")

@@ -12,17 +12,20 @@ edited line ending with ``# nbddp-proof: <why>``:
   starts with ``%%ddp_train --nproc N …``, so the job is every cell above it and that cell, the notebook
   file telling the magic its cells (``__session__``, as Jupyter's kernel sets it).
 
-Model: the Qwen2.5-0.5B shape with random weights and a word-level tokenizer over its vocabulary
+Model: the Qwen2.5-0.5B shape with random weights and a byte-level BPE tokenizer of Qwen2's class
 (``benchmarks/varlen_workload.py``'s ``prepare_checkpoint``, the folder Unsloth loads in the variable-length
 benchmark), written once to ``$NBDDP_CACHE/unsloth-proof-model``. Data: ``--rows`` Alpaca-format rows
-(``instruction``, ``input``, ``output``) of the tokenizer's words, the formatted row lengths drawn from Alpaca's
-measured percentiles (``benchmarks/results/alpaca_lengths.json``), 37.7 % with an input as measured there; each
-output repeats its instruction, so there is something to learn.
+(``instruction``, ``input``, ``output``) of the tokenizer's one-token words, the formatted row lengths (in
+its tokens) drawn from Alpaca's measured percentiles (``benchmarks/results/alpaca_lengths.json``), 37.7 % with
+an input as measured there; each output repeats its instruction, so there is something to learn. Before any
+run, the folder's tokenizer, loaded as the notebook loads it, must read the rows at the lengths they were
+written for (a tokenizer that read every row as the bare EOS once gave loss 0 with nothing to say so).
 
 A recorder on ``PYTHONPATH`` (``tests/gpu/rank_record/sitecustomize.py``) writes what each rank read, its
 micro-batch losses and the files it wrote. Each way passes when: the exit status is 0 (the magic: the cell
-ran and ``_ddp.ok``); rank 0 reports ``nbddp: N process(es), backend nccl``; the loss falls (the mean of the
-last quarter of rank 0's micro-batch losses below the first quarter's); ``llama_lora/adapter_model.safetensors``
+ran and ``_ddp.ok``); rank 0 reports ``nbddp: N process(es), backend nccl``; the loss starts as a random-weight
+model's does (above ``RANDOM_START``) and falls (the mean of the last quarter of rank 0's micro-batch losses
+below the first quarter's); ``llama_lora/adapter_model.safetensors``
 is there and was written once, by one rank; and the ranks' training samples are disjoint, each rank's count
 within one micro-batch of 1/N of them (its share of samples and of tokens is reported). Prints PASS/FAIL per
 way, writes a markdown result to ``--out``; exit status 0 only when every way asked for passed, 2 (SKIP in
@@ -63,6 +66,10 @@ RECORDER = Path(__file__).resolve().parent / "rank_record"
 MARK = "# nbddp-proof:"
 ADAPTER = "llama_lora/adapter_model.safetensors"
 SHARE_WITH_INPUT = 0.377  # benchmarks/results/alpaca_lengths.json
+#: Below this, rank 0's first micro-batch losses did not come from a random-weight model reading its rows: a
+#: token's loss starts at about ln(151 936) = 11.9, and the Trainer divides each micro-batch's loss by about
+#: the notebook's 4 accumulation steps (seen on one H100: 2.9 recorded while the Trainer logged 12.1).
+RANDOM_START = 1.5
 
 
 def public_notebook():
@@ -117,29 +124,46 @@ def notebook_copy(path: Path, model: Path, data: Path, steps: int, magic: str | 
     return path
 
 
-def template_words() -> int:
-    return len(alpaca_lengths.ALPACA_PROMPT.format("", "", "").split())
+def row_text(record: dict, eos: str) -> str:
+    """A row as the notebook's ``formatting_prompts_func`` makes it."""
+    return alpaca_lengths.formatted(record) + eos
 
 
-def write_rows(path: Path, rows: int, vocab: int, seed: int = 0) -> list[int]:
-    """Alpaca-format rows whose formatted lengths (words = the word-level tokenizer's tokens, plus BOS and
-    EOS) follow Alpaca's measured percentiles; returns each row's length in tokens."""
+def write_rows(path: Path, rows: int, tokenizer, seed: int = 0) -> list[int]:
+    """Alpaca-format rows of ``varlen_workload.words`` (one token each) whose formatted lengths in
+    ``tokenizer``'s tokens follow Alpaca's measured percentiles; returns each row's length as it tokenizes."""
     rng = random.Random(seed)
     table = varlen_workload.token_percentiles()
-    fixed = template_words() + 2
-    records, lengths = [], []
+    vocabulary = varlen_workload.words(varlen_workload.WORDS)
+    fixed = len(tokenizer(row_text({"instruction": "", "input": "", "output": ""}, tokenizer.eos_token))["input_ids"])
+    records = []
     for _ in range(rows):
         words = max(3, round(varlen_workload.draw_length(table, rng.random())) - fixed)
-        pick = lambda n: [f"t{rng.randrange(4, min(vocab, 4000))}" for _ in range(n)]  # noqa: E731
+        pick = lambda n: rng.choices(vocabulary, k=n)  # noqa: E731
         n_instruction = max(1, words // 5)
         n_input = words // 4 if rng.random() < SHARE_WITH_INPUT else 0
         instruction, given = pick(n_instruction), pick(n_input)
         n_output = max(1, words - n_instruction - n_input)
         output = [instruction[i % n_instruction] for i in range(n_output)]
         records.append({"instruction": " ".join(instruction), "input": " ".join(given), "output": " ".join(output)})
-        lengths.append(len(alpaca_lengths.formatted(records[-1]).split()) + 2)
     path.write_text(json.dumps(records))
-    return lengths
+    texts = [row_text(r, tokenizer.eos_token) for r in records]
+    return [len(ids) for ids in tokenizer(texts)["input_ids"]]
+
+
+def rows_reach_the_model(model: Path, data: Path, lengths: list[int]) -> str | None:
+    """Why the notebook's rows would not reach the model as tokens (None: they do): the folder's tokenizer,
+    loaded as the notebook's loader loads it (``AutoTokenizer``), must give every row the length it was
+    written for, each word one token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    records = json.loads(data.read_text())[:50]
+    got = [len(tokenizer(row_text(r, tokenizer.eos_token))["input_ids"]) for r in records]
+    if got != lengths[: len(got)]:
+        return (f"{type(tokenizer).__name__} from {model} reads the rows as {got[:5]}… tokens, written as "
+                f"{lengths[:5]}…: the model would not see the rows")
+    return None
 
 
 def environment(record: Path, work: Path) -> dict:
@@ -213,8 +237,10 @@ def training_indices(rec: dict, rows: int) -> list[int]:
 
 
 def verdict(code: int, text: str, records: dict[int, dict], nproc: int, rows: int, lengths: list[int],
-            adapter_there: bool, micro_batch: int = 2, backend: str = "nccl") -> tuple[list[str], dict]:
-    """What went wrong in one way's run (empty: it passed), and the figures for the report."""
+            adapter_there: bool, micro_batch: int = 2, backend: str = "nccl",
+            first_loss_above: float = 0.0) -> tuple[list[str], dict]:
+    """What went wrong in one way's run (empty: it passed), and the figures for the report. A random-weight
+    model's first losses are near ln(vocabulary): ``first_loss_above`` catches rows that never reach it."""
     wrong = [f"exit status {code}"] if code else []
     if f"nbddp: {nproc} process(es), backend {backend}" not in text:
         wrong.append(f"rank 0 did not report {nproc} process(es) on {backend}")
@@ -226,6 +252,9 @@ def verdict(code: int, text: str, records: dict[int, dict], nproc: int, rows: in
     if len(losses) < 4 or not last < first:
         wrong.append(f"loss did not fall: {len(losses)} micro-batch losses, first quarter {first:.3f}, "
                      f"last quarter {last:.3f}")
+    if losses and first <= first_loss_above:
+        wrong.append(f"loss starts at {first:.3f}, not above {first_loss_above:.1f}: the rows did not reach the "
+                     "random-weight model as tokens")
     writers = [r for r, rec in sorted(records.items()) if wrote_adapter(rec)]
     if not adapter_there or len(writers) != 1:
         wrong.append(f"{ADAPTER} there: {adapter_there}; written by rank(s) {writers or 'none'}")
@@ -261,16 +290,6 @@ def report(results: list[dict], nproc: int, steps: int, rows: int, device: str) 
     return "\n".join(lines) + "\n"
 
 
-def gpu_name() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.split("\n")
-        names = [n.strip() for n in out if n.strip()]
-        return f"{len(names)} × {names[0]}" if names else "no GPU"
-    except (OSError, subprocess.SubprocessError):
-        return "no GPU"
-
-
 def missing_requirements(nproc: int) -> str | None:
     """Why this machine cannot run the proof (None: it can)."""
     if importlib.util.find_spec("unsloth") is None:
@@ -300,7 +319,10 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="nbddp-unsloth-"))
     work.mkdir(parents=True, exist_ok=True)
     data = work / "alpaca_rows.json"
-    lengths = write_rows(data, args.rows, varlen_workload.QWEN2_05B["vocab_size"])
+    lengths = write_rows(data, args.rows, varlen_workload.tokenizer(varlen_workload.QWEN2_05B["vocab_size"]))
+    if unreadable := rows_reach_the_model(model, data, lengths):
+        print(f"FAIL before any run: {unreadable}")
+        return 1
     results = []
     for way in args.ways.split(","):
         folder = work / way
@@ -319,12 +341,12 @@ def main() -> int:
         print(text[-3000:])
         logs = text + "\n" + run_logs(folder / "runs")
         wrong, figures = verdict(code, logs, rank_records(folder / "record"), args.nproc, args.rows, lengths,
-                                 (folder / ADAPTER).exists())
+                                 (folder / ADAPTER).exists(), first_loss_above=RANDOM_START)
         print(f"{'PASS' if not wrong else 'FAIL'} {way} on {args.nproc} GPU(s): {json.dumps(figures)}"
               + "".join(f"\n  {w}" for w in wrong), flush=True)
         results.append({"way": "nbddp run" if way == "run" else "%%ddp_train in an IPython shell",
                         "wrong": wrong, "figures": figures})
-    text = report(results, args.nproc, args.steps, args.rows, gpu_name())
+    text = report(results, args.nproc, args.steps, args.rows, varlen_workload.gpu_name())
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,20 +46,35 @@ def install(log: Callable[[str], None] = print) -> None:
         when_imported("transformers.training_args", lambda m: wrap(m.TrainingArguments, "__post_init__", _with_fsdp))
         when_imported("transformers.utils.quantization_config", _store_4bit_in_compute_dtype)
         when_imported("accelerate.state", _fsdp_on_cpu_too)
-        when_imported("transformers.trainer", lambda m: wrap(m.Trainer, "train", _gathering_after_training))
-        when_imported("accelerate.accelerator", lambda m: wrap(m.Accelerator, "get_state_dict", _gathered_state_dict))
-        when_imported("transformers.modeling_utils",
-                      lambda m: wrap(m.PreTrainedModel, "save_pretrained", _saving_the_gathered_state_dict))
-        when_imported("peft.peft_model", lambda m: wrap(m.PeftModel, "save_pretrained", _saving_the_gathered_state_dict))
+        _gather_before_rank0_saves()
         log("nbddp: strategy fsdp: the Trainer shards each layer with FSDP2 (fsdp_config version 2), "
             "_nbddp.ddp(model) with fully_shard; saving gathers a full state dict on rank 0")
     elif strategy == "deepspeed":
         when_imported("transformers.training_args", lambda m: wrap(m.TrainingArguments, "__post_init__", _with_deepspeed))
-        log(f"nbddp: strategy deepspeed: the Trainer runs ZeRO stage {deepspeed_stage()} from a generated config")
+        _gather_before_rank0_saves()
+        log(f"nbddp: strategy deepspeed: the Trainer runs ZeRO stage {deepspeed_stage()} from a generated config"
+            + ("; a plain loop's _nbddp.ddp(model) stays DDP" if torch_cuda_count() else
+               "; but this rank has no GPU, and on the CPU the Trainer leaves DeepSpeed off: it trains DDP"))
     elif strategy == "split":
         _one_plain_process()
         log("nbddp: strategy split: one process, the model spread over every GPU (device_map='balanced'); "
             "layers run one GPU after another")
+
+
+def _gather_before_rank0_saves() -> None:
+    """The saves after training run on rank 0 alone, where a sharded model's weights are not whole: gather them
+    as ``train()`` ends and let rank 0's saves write what was gathered."""
+    when_imported("transformers.trainer", lambda m: wrap(m.Trainer, "train", _gathering_after_training))
+    when_imported("accelerate.accelerator", lambda m: wrap(m.Accelerator, "get_state_dict", _gathered_state_dict))
+    when_imported("transformers.modeling_utils",
+                  lambda m: wrap(m.PreTrainedModel, "save_pretrained", _saving_the_gathered_state_dict))
+    when_imported("peft.peft_model", lambda m: wrap(m.PeftModel, "save_pretrained", _saving_the_gathered_state_dict))
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 #: torchrun's variables that make accelerate (and so the Trainer) take one process for a distributed job.
@@ -134,12 +149,14 @@ def _gathering_after_training(train):
     only where some are frozen: a LoRA adapter, not the base model)."""
 
     def wrapper(self, *args, **kwargs):
-        model = getattr(self, "model", None)
-        if model is not None:
-            model.__dict__.pop(GATHERED, None)  # a second training makes new weights
+        for model in (getattr(self, "model", None), getattr(self, "model_wrapped", None)):
+            if model is not None:
+                model.__dict__.pop(GATHERED, None)  # a second training makes new weights
         result = train(self, *args, **kwargs)
         if getattr(self, "is_fsdp_enabled", False) and _is_sharded(self.model):
             self.model.__dict__[GATHERED] = gather(self.model)
+        elif (engine := _zero3_engine(self)) is not None:
+            engine.__dict__[GATHERED] = self.model.__dict__[GATHERED] = gather_zero3(engine)
         return result
 
     return wrapper
@@ -153,6 +170,30 @@ def gather(model, frozen_too: bool = False) -> dict:
     frozen = not frozen_too and any(not p.requires_grad for p in model.parameters())
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
     return get_model_state_dict(model, options=options)
+
+
+def _zero3_engine(trainer):
+    """The Trainer's DeepSpeed engine where ZeRO stage 3 partitions the weights (else None: stage 2 keeps them
+    whole on every rank)."""
+    engine = getattr(trainer, "model_wrapped", None)
+    partitions = getattr(engine, "zero_optimization_partition_weights", None)
+    return engine if getattr(trainer, "is_deepspeed_enabled", False) and partitions and partitions() else None
+
+
+def gather_zero3(engine) -> dict:
+    """ZeRO-3's whole weights on rank 0 (CPU), {} on the others; every rank must call it. Only the trainable
+    ones where some are frozen (a LoRA adapter: the base model is not gathered), else DeepSpeed's own
+    consolidated 16-bit state dict. Keys as ``engine.module.state_dict()`` names them."""
+    import deepspeed
+    import torch.distributed as dist
+
+    module = engine.module
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if len(trainable) == sum(1 for _ in module.parameters()):
+        return engine._zero3_consolidated_16bit_state_dict() or {}
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    with deepspeed.zero.GatheredParameters([p for _, p in trainable], modifier_rank=None):
+        return {n: p.detach().to("cpu", copy=True) for n, p in trainable} if rank0 else {}
 
 
 def _is_sharded(model) -> bool:
