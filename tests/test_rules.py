@@ -500,6 +500,31 @@ def test_the_tail_unwraps_a_model_bound_in_a_loop_but_not_one_local_to_a_functio
     assert cells[2] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
 
 
+def test_the_tail_unwraps_once_in_its_first_rank0_block():
+    cells, _ = rewrite(*PLAIN, "preds = model(test_x)\n", "x = 1\n", "print(model(test_x).argmax())\nplt.plot(preds)\n")
+    assert "".join(cells).count("_nbddp.unwrap(model)\n") == 1
+    assert cells[3].startswith("if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n")
+    assert cells[4] == "if _nbddp.is_main_process():\n    preds = model(test_x)\n"
+    assert cells[6] == "if _nbddp.is_main_process():\n    print(model(test_x).argmax())\n    plt.plot(preds)\n"
+
+
+def test_the_tail_unwraps_again_after_every_rank_rebinds_the_model():
+    # the fold models stay wrapped on every rank; ``model = models[0]`` runs on every rank (a collective
+    # reads it), so rank 0's ``model`` is a DDP wrapper again and the next rank-0 block unwraps it again
+    cells, _ = rewrite(
+        "models = []\nfor fold in range(2):\n    model = Net().to(device)\n    opt = SGD(model.parameters())\n"
+        "    for x in train_dl:\n        model(x).sum().backward()\n    models.append(model)\n",
+        "print('trained')\n",
+        "model = models[0]\ndist.all_reduce(model(test_x))\n",
+        "preds = model(test_x)\n",
+        "print(preds)\n",
+    )
+    assert cells[1] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    print('trained')\n"
+    assert cells[2] == "model = models[0]\ndist.all_reduce(model(test_x))\n"
+    assert cells[3] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
+    assert cells[4] == "if _nbddp.is_main_process():\n    print(preds)\n"
+
+
 def test_dataset_expression_is_evaluated_once():
     (code, _), _ = rewrite(
         "train_loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)\n",

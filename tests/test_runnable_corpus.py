@@ -2,13 +2,13 @@
 
 ``tests/corpus/runnable/`` holds copies of public notebooks (``MANIFEST.json`` names each original in
 ``tests/corpus/public/``) with the few lines that need the Hub or a GPU replaced, each marked
-``# nbddp-offline:`` (``make_runnable.py`` writes them). Each is run twice: as written, top to bottom in
-one Python process (``run_cells.py``: the honest baseline), and by the CLI on two gloo ranks. A test-only
-recorder (``record/sitecustomize.py``, on ``PYTHONPATH``) writes what each process read, its losses, the
-hash of each optimizer's weights after its last step, and the files it wrote. The two-rank run must see each
-training sample once per epoch in total, end with the same weights on both ranks, write each of the
-notebook's files once (rank 0), and its loss must fall; where the manifest lists the sizes of evaluation sets
-(``whole``), rank 0 reads each of them whole.
+``# nbddp-offline:`` (``make_runnable.py`` writes them). Each is run twice: as written, top to bottom in one
+Python process (``run_cells.py``: the honest baseline), and by the CLI on two gloo ranks. A test-only recorder
+(``tests/gpu/rank_record/sitecustomize.py``, the GPU proofs' too, on ``PYTHONPATH``) writes what each process
+read, its losses, the hash of each optimizer's weights after its last step, and the files it wrote. The
+two-rank run must see each training sample once per epoch in total, end with the same weights on both ranks,
+write each of the notebook's files once (rank 0), and its loss must fall; where the manifest lists the sizes
+of evaluation sets (``whole``), rank 0 reads each of them whole.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNABLE = ROOT / "tests" / "corpus" / "runnable"
+RECORDER = ROOT / "tests" / "gpu" / "rank_record"
 sys.path.insert(0, str(RUNNABLE))
 import make_runnable  # noqa: E402
 import tiny  # noqa: E402
@@ -61,7 +62,7 @@ def environment(record: Path, folder: Path, **more) -> dict:
     env = dict(os.environ)
     env.update(NBDDP_TEST_RECORD=str(record), NBDDP_TEST_RECORD_ROOT=str(folder), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(RUNNABLE / "record"), str(ROOT / "src"), env.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(RECORDER), str(ROOT / "src"), env.get("PYTHONPATH", "")]))
     env.pop("RANK", None)
     env.update(more)
     return env

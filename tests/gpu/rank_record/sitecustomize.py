@@ -1,30 +1,52 @@
-"""Recorder for the GPU proofs: what each rank of a job read, its losses, and the files it wrote.
+"""Test-only recorder: what each process of a job read, its losses, how its optimizers stepped, the files it wrote.
 
-``prove_unsloth.py`` puts this folder first on ``PYTHONPATH`` with ``NBDDP_PROOF_RECORD`` naming a folder.
-Python imports ``sitecustomize`` at start-up, so every rank (``RANK`` set by torchrun) writes
-``rank<RANK>-<pid>.json`` there at exit:
+Python imports ``sitecustomize`` at start-up from the path. Two callers put this folder on ``PYTHONPATH``, each
+with its own variables, and each reads the records it always read:
 
-- ``passes``: each pass over a DataLoader of a sized data set: its length and the indices its sampler gave;
-- ``losses``: the value of every scalar ``backward()`` (each micro-batch's loss), in order;
-- ``writes``: files opened for writing, or written by ``safetensors.torch.save_file``, under
-  ``NBDDP_PROOF_ROOT`` (the notebook's folder), relative to it.
+- ``tests/test_runnable_corpus.py``: ``NBDDP_TEST_RECORD`` names the folder, ``NBDDP_TEST_RECORD_ROOT`` the
+  notebook's folder. Every rank of a job (``RANK`` set by torchrun), or the one process running the notebook
+  as written (``NBDDP_TEST_RECORD_AS=single``), writes ``<rank or single>-<pid>.json`` at exit with every key
+  below; each loss is ``[optimizer, value]``, ``optimizer`` the newest optimizer's number.
+- the GPU proofs (``tests/gpu/prove_unsloth.py``): ``NBDDP_PROOF_RECORD`` names the folder, ``NBDDP_PROOF_ROOT``
+  the notebook's folder. Every rank writes ``rank<RANK>-<pid>.json`` with ``passes``, ``losses`` (the values
+  alone) and ``writes``; the weights are not hashed at each step (a GPU copy per step).
 
-The hooks only read; the notebook is not changed. Processes that are not ranks (the launcher, torchrun's
-agent, the IPython shell) record nothing. Standard library and torch only (no ``wrapt`` on the GPU image):
-torch and safetensors are imported here, in each rank, before the notebook's first line.
+What is recorded:
+
+- ``passes``: each pass over a DataLoader of a sized data set: its length, the indices its sampler gave and
+  the optimizer steps taken while it was the newest pass (0 for an evaluation or a peek at one batch);
+- ``losses``: every scalar ``backward()`` (each micro-batch's loss), in order;
+- ``optimizers``: per optimizer (in creation order) the steps taken and a hash of its parameters after the
+  last step (the weights each replica ends with);
+- ``writes``: files opened for writing under the notebook's folder, relative to it, with ``torch.save``'s and
+  safetensors' files among them (the record's own folder left out).
+
+Nothing of the notebook changes: the hooks only read, by plain function wrapping (standard library and torch
+only: the GPU image has no ``wrapt``). torch and safetensors are imported here, in a process that records,
+before the notebook's first line. Other processes (the nbddp CLI, torchrun's agent, an IPython shell that
+launches a job) do nothing here.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import sys
 
-FOLDER = os.environ.get("NBDDP_PROOF_RECORD")
-RANK = os.environ.get("RANK")
-ROOT = os.path.realpath(os.environ.get("NBDDP_PROOF_ROOT") or os.getcwd())
-record: dict = {"passes": [], "losses": [], "writes": []}
+if os.environ.get("NBDDP_TEST_RECORD"):
+    FOLDER, ROOT_DIR = os.environ["NBDDP_TEST_RECORD"], os.environ.get("NBDDP_TEST_RECORD_ROOT")
+    LABEL = os.environ.get("NBDDP_TEST_RECORD_AS") or os.environ.get("RANK")
+    NAME, WHOLE = f"{LABEL}-{os.getpid()}.json", True
+else:
+    FOLDER, ROOT_DIR = os.environ.get("NBDDP_PROOF_RECORD"), os.environ.get("NBDDP_PROOF_ROOT")
+    LABEL = os.environ.get("RANK")
+    NAME, WHOLE = f"rank{LABEL}-{os.getpid()}.json", False
+ROOT = os.path.realpath(ROOT_DIR or os.getcwd())
+
+record: dict = {"passes": [], "losses": [], "optimizers": [], "writes": []}
+_optimizers: list = []
 
 
 def _written(path) -> None:
@@ -32,7 +54,7 @@ def _written(path) -> None:
         full = os.path.realpath(os.fspath(path))
     except TypeError:  # a file descriptor or a buffer
         return
-    if full.startswith(ROOT + os.sep):
+    if full.startswith(ROOT + os.sep) and not full.startswith(os.path.realpath(FOLDER) + os.sep):
         record["writes"].append(os.path.relpath(full, ROOT))
 
 
@@ -40,12 +62,12 @@ def _audit(event: str, args) -> None:
     if event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     mode, flags = args[1], args[2] if len(args) > 2 else 0
-    if any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR)):
+    writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
+    if writes:
         _written(args[0])
 
 
-def _patch_torch() -> None:
-    import torch
+def _patch_loaders() -> None:
     from torch.utils.data import dataloader
 
     base = dataloader._BaseDataLoaderIter
@@ -56,31 +78,80 @@ def _patch_torch() -> None:
         try:
             size = len(loader.dataset)
         except TypeError:  # an IterableDataset: no indices to count
-            self._proof_pass = None
+            self._record = None
             return
-        self._proof_pass = {"size": size, "indices": []}
-        record["passes"].append(self._proof_pass)
+        self._record = {"size": size, "indices": [], "steps": 0}
+        record["passes"].append(self._record)
 
     def _next_index(self):
         index = next_index(self)
-        if getattr(self, "_proof_pass", None) is not None:
-            self._proof_pass["indices"] += index if isinstance(index, list) else [index]
+        if getattr(self, "_record", None) is not None:
+            self._record["indices"] += index if isinstance(index, list) else [index]
         return index
 
     base.__init__, base._next_index = __init__, _next_index
+
+
+def _patch_backward(torch) -> None:
     backward = torch.Tensor.backward
 
     def tensor_backward(self, *args, **kwargs):
         if self.numel() == 1:
-            record["losses"].append(float(self.detach().float()))
+            record["losses"].append([len(_optimizers) - 1, float(self.detach().float())])
         return backward(self, *args, **kwargs)
 
     torch.Tensor.backward = tensor_backward
 
 
-def _patch_safetensors() -> None:
-    import safetensors.torch as module
+def _patch_optimizers() -> None:
+    from torch.optim import Optimizer
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    optimizer_init = Optimizer.__init__
+
+    def init(self, params, *args, **kwargs):
+        optimizer_init(self, params, *args, **kwargs)
+        if not any(o is self for o, _ in _optimizers):
+            entry = {"steps": 0, "hash": _hash(self) if WHOLE else None}
+            _optimizers.append((self, entry))
+            record["optimizers"].append(entry)
+
+    Optimizer.__init__ = init
+
+    def after_step(optimizer, args, kwargs):
+        for known, entry in _optimizers:
+            if known is optimizer:
+                entry["steps"] += 1
+                entry["hash"] = _hash(optimizer) if WHOLE else None
+        if record["passes"]:
+            record["passes"][-1]["steps"] += 1
+
+    register_optimizer_step_post_hook(after_step)
+
+
+def _hash(optimizer) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _patch_saves(torch) -> None:
+    """``torch.save`` and safetensors' ``save_file`` open their files in C++, where the audit hook sees nothing."""
+    save = torch.save
+
+    def torch_save(obj, f, *args, **kwargs):
+        _written(f)
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = torch_save
+    try:
+        import safetensors.torch as module
+    except ImportError:
+        return
     save_file = module.save_file
 
     def saving(tensors, filename, *args, **kwargs):
@@ -92,14 +163,20 @@ def _patch_safetensors() -> None:
 
 def _write() -> None:
     os.makedirs(FOLDER, exist_ok=True)
-    path = os.path.join(FOLDER, f"rank{RANK}-{os.getpid()}.json")
+    path = os.path.join(FOLDER, NAME)
+    kept = record if WHOLE else {"passes": record["passes"], "losses": [v for _, v in record["losses"]],
+                                 "writes": record["writes"]}
     with open(path + ".tmp", "w") as fh:
-        json.dump(record, fh)
+        json.dump(kept, fh)
     os.replace(path + ".tmp", path)
 
 
-if FOLDER and RANK is not None:
-    _patch_torch()
-    _patch_safetensors()
+if FOLDER and LABEL:
+    import torch
+
+    _patch_loaders()
+    _patch_backward(torch)
+    _patch_optimizers()
+    _patch_saves(torch)
     sys.addaudithook(_audit)
     atexit.register(_write)

@@ -24,7 +24,7 @@ from .job_facts import JobFacts, Seen
 from .loaders import plan_helper_training_loaders, plan_loaders
 from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
-from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves
+from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves, plan_tail_unwraps
 from .scan import scan
 from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
 
@@ -65,3 +65,4 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
         if facts.ddp_models:
             plan_ddp_wraps(top, first, facts)
             plan_model_uses(top, facts)
+            plan_tail_unwraps(top[last + 1 :], facts)

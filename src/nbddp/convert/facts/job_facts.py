@@ -64,6 +64,9 @@ class JobFacts:
     shared_saves: set[Statement] = field(default_factory=set)
     #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
     tail: set[Statement] = field(default_factory=set)
+    #: plain PyTorch: tail statements that open a rank-0 block → the DDP models it unwraps first (the first
+    #: block of the tail, and a later one where a statement since rebinds the model)
+    tail_unwraps: dict[Statement, list[str]] = field(default_factory=dict)
     #: statements after training that stay on every rank, with the reason (said in --explain)
     all_ranks: dict[Statement, str] = field(default_factory=dict)
     #: names the notebook's top-level code binds (not functions' or classes' own names)

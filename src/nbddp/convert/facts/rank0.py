@@ -61,6 +61,26 @@ def plan_after_training(top: list[Statement], first: int, last: int, facts: JobF
         needed |= stmt.reads
 
 
+def plan_tail_unwraps(after: list[Statement], facts: JobFacts) -> None:
+    """Plain PyTorch: which rank-0 blocks of the tail (``after``: the statements after the last training call)
+    unwrap the DDP models first, since rank 0 alone cannot run a DDP forward (it would wait for the others).
+
+    Unwrapping is idempotent and nothing wraps after the last training, so the first block does it for the
+    whole tail; a later block does it again only for a model some statement since rebinds (``model =
+    models[best]`` may give a wrapper again). A block is a run of consecutive rank-0 statements of one cell,
+    as ``RankZeroRule`` guards them.
+    """
+    pending = facts.ddp_models & facts.module_names
+    models, previous = set(pending), None
+    for stmt in after:
+        opens = stmt in facts.tail and not (previous in facts.tail and previous.cell is stmt.cell)
+        if opens and pending:
+            facts.tail_unwraps[stmt] = sorted(pending)
+            pending = set()
+        pending |= stmt.binds & models
+        previous = stmt
+
+
 def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None:
     """Saving before training that a later statement reads back (``model.save_pretrained("base")``, then
     ``from_pretrained("base")``) runs on rank 0, and every rank waits for it: ``save_pretrained`` writes on

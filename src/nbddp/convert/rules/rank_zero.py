@@ -17,8 +17,9 @@ class RankZeroRule(BlockRule):
     ``if _nbddp.is_main_process():`` they happen once. What every rank must still run stays outside: a
     collective such as ``trainer.evaluate()`` or a second ``trainer.train()``, and any statement binding a
     name that such code reads. Between two training calls only the statements that save, print, push,
-    generate or plot go under the guard. In a plain PyTorch notebook the tail first unwraps the DDP model,
-    since rank 0 alone cannot run a DDP forward (it would wait for the others). Before training, a save
+    generate or plot go under the guard. In a plain PyTorch notebook the tail's first rank-0 block unwraps the
+    DDP model, since rank 0 alone cannot run a DDP forward (it would wait for the others); a later block does
+    it again only where a statement since rebinds the model (``JobFacts.tail_unwraps``). Before training, a save
     whose files a later statement reads (``save_pretrained("base")``, then ``from_pretrained("base")``) goes
     under the guard too, followed by ``_nbddp.barrier()``: the other ranks read only complete files.
     """
@@ -47,10 +48,8 @@ class RankZeroRule(BlockRule):
         return False
 
     def block(self, run):
-        unwrap = []
-        if self.facts.plain_loop and self.statement(run[0]) in self.facts.tail:
-            models = sorted(self.facts.ddp_models & self.facts.module_names)
-            unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
+        models = self.facts.tail_unwraps.get(self.statement(run[0]), [])
+        unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
         return cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
 
     def after(self, run):
