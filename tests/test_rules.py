@@ -447,6 +447,17 @@ def test_plain_pytorch_loop():
     assert {"sampler", "ddp_wrap", "set_epoch", "loop_output", "unwrap", "rank0"} <= rules
 
 
+@pytest.mark.parametrize("save, saved", [
+    ("torch.save(model, 'm.pt')", "torch.save(_nbddp.unwrap(model), 'm.pt')"),
+    ("torch.save(obj=model, f='m.pt')", "torch.save(obj=_nbddp.unwrap(model), f='m.pt')"),
+    ("torch.save(f='m.pt', obj=model)", "torch.save(f='m.pt', obj=_nbddp.unwrap(model))"),
+    ("torch.save(history, f='m.pt')", "torch.save(history, f='m.pt')"),
+])
+def test_a_whole_model_save_pickles_the_module_inside_ddp_however_its_arguments_are_named(save, saved):
+    cells, _ = rewrite(*PLAIN[:3], save + "\n")
+    assert saved in cells[3]
+
+
 def test_training_function_called_from_an_epoch_loop():
     cells, _ = rewrite(
         "loader = DataLoader(ds, batch_size=8, shuffle=True)\nmodel = MLP()\nmodel.to(device)\nopt = AdamW(model.parameters())\n",

@@ -54,8 +54,20 @@ class UnwrapRule(Rule):
         if is_attribute(func, "state_dict", "load_state_dict") and is_name(func.value) and func.value.value in models:
             self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
             return updated.with_changes(func=func.with_changes(value=self._unwrapped(func.value)))
-        if dotted_name(func) == "torch.save" and updated.args and is_name(updated.args[0].value) and updated.args[0].value.value in models:
-            self.note(original, f"torch.save({updated.args[0].value.value}): the module inside DDP")
-            first = updated.args[0]
-            return updated.with_changes(args=[first.with_changes(value=self._unwrapped(first.value))] + list(updated.args[1:]))
+        if dotted_name(func) == "torch.save" and (saved := self._saved_object(updated)) is not None:
+            index, name = saved
+            self.note(original, f"torch.save({name}): the module inside DDP")
+            args = list(updated.args)
+            args[index] = args[index].with_changes(value=self._unwrapped(args[index].value))
+            return updated.with_changes(args=args)
         return updated
+
+    def _saved_object(self, call: cst.Call) -> tuple[int, str] | None:
+        """Where ``torch.save`` is given a DDP model as the object it pickles: the first positional argument,
+        or ``obj=``; (its index among the arguments, the model's name), or None."""
+        for index, arg in enumerate(call.args):
+            first = index == 0 and arg.keyword is None and not arg.star
+            named = arg.keyword is not None and arg.keyword.value == "obj"
+            if (first or named) and is_name(arg.value) and arg.value.value in self.facts.ddp_models:
+                return index, arg.value.value
+        return None
