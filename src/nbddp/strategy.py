@@ -52,6 +52,7 @@ class JobShape:
     batch: int = 8  # the Trainer's default per-device batch size
     seq_len: int | None = None
     checkpointing: bool = False
+    offloaded: bool = False  # Unsloth's "unsloth" checkpointing: each layer's saved input waits in host memory
     optim: str = "adamw_torch"
     upcast: bool = False  # prepare_model_for_kbit_training: what bitsandbytes left unquantized becomes fp32
 
@@ -179,6 +180,8 @@ def _read_call(node: ast.Call, strings: dict, found: dict) -> None:
         found["upcast"] = True
     if _turns_on_checkpointing(owner, name, kw):
         found["checkpointing"] = True
+        # Unsloth's default, "unsloth", offloads to the CPU; True keeps the inputs on the GPU
+        found["offloaded"] = owner in _UNSLOTH and kw.get("use_gradient_checkpointing", "unsloth") == "unsloth"
     if name in ("LoraConfig", "get_peft_model") and kw.get("r") is not None:
         found["lora_r"] = int(kw["r"])
         targets = kw.get("target_modules")
@@ -338,14 +341,34 @@ def _activations(dims: Dims, shape: JobShape, width: int) -> int:
     left to ``HEADROOM``): a layer keeps about 12·h + 4·i values a token (attention's inputs and outputs, the
     gated MLP's four i-wide tensors; SDPA keeps no s² term); under checkpointing each layer keeps its input
     and a few h-wide tensors (4·h) while two layers are recomputed whole; the loss holds 14 bytes a token
-    and vocabulary entry (16-bit logits, transformers' fp32 copy, the log-softmax and its gradient)."""
+    and vocabulary entry (16-bit logits, transformers' fp32 copy, the log-softmax and its gradient). Unsloth's
+    checkpointing (its default, ``"unsloth"``) moves each layer's saved input to the host as the forward goes
+    (``Unsloth_Offloaded_Gradient_Checkpointer``), so only the two recomputed layers stay, and its loss is
+    chunked (``_loss_bytes``). Without these, the public Unsloth Kaggle Llama 3.1 8B notebook was estimated at
+    19.2 GiB a rank and sent to split on two T4s, though it trains on one."""
     tokens = shape.batch * (shape.seq_len or 1024)
     per_layer = (12 * dims.hidden + 4 * dims.intermediate) * tokens * width
-    if shape.checkpointing:
+    if shape.offloaded:
+        layers = 2 * per_layer
+    elif shape.checkpointing:
         layers = 4 * dims.hidden * tokens * width * dims.layers + 2 * per_layer
     else:
         layers = per_layer * dims.layers
-    return int(layers + 14 * tokens * dims.vocab)
+    return int(layers + _loss_bytes(dims, shape, tokens))
+
+
+#: What Unsloth's fused loss is counted at: it never holds the whole logits, but cuts the tokens into chunks
+#: sized to half the memory then free (at most 4 GB), so it takes what the rest leaves; counted at one
+#: working chunk.
+UNSLOTH_LOSS_CHUNK = 2**29
+
+
+def _loss_bytes(dims: Dims, shape: JobShape, tokens: int) -> int:
+    """The loss's memory: 14 bytes a token and vocabulary entry with transformers' loss; Unsloth's chunked
+    fused loss (``unsloth_zoo.fused_losses``, 16 bytes a logit in a chunk) no more than ``UNSLOTH_LOSS_CHUNK``."""
+    if shape.unsloth:
+        return min(16 * tokens * dims.vocab, UNSLOTH_LOSS_CHUNK)
+    return 14 * tokens * dims.vocab
 
 
 # ---- the GPUs and the choice -----------------------------------------------------------------------------
