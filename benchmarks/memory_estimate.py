@@ -52,6 +52,14 @@ SHAPES = {
     "llama8b-lora": ("Llama-3.1-8B", 16, 16, ALL_LINEAR, 1, 1024, False),
 }
 
+#: name → (model, batch, sequence): Unsloth's QLoRA as its notebooks write it (4-bit, LoRA r=16 on every linear
+#: layer, ``use_gradient_checkpointing="unsloth"``), rows of the notebooks' ``max_seq_length``.
+UNSLOTH_SHAPES = {
+    "unsloth-qwen0.5b-4bit": ("Qwen2.5-0.5B", 2, 2048),
+    "unsloth-llama1b-4bit": ("Llama-3.2-1B", 2, 2048),
+    "unsloth-llama8b-4bit": ("Llama-3.1-8B", 2, 2048),
+}
+
 STEPS = 4
 
 
@@ -79,21 +87,59 @@ def _model(name: str, bits: int):
                                                 torch_dtype=torch.bfloat16)
 
 
+def _unsloth_model(name: str, seq: int):
+    """Unsloth's loader on a saved random-weight folder (with a tokenizer: Unsloth loads one), 4-bit, and its
+    LoRA with its own checkpointing, as the Kaggle notebooks call them."""
+    from unsloth import FastLanguageModel  # first, as Unsloth asks: it patches transformers as it loads
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = f"/tmp/memory-estimate-{name}"
+    if not os.path.exists(f"{folder}/tokenizer_config.json"):
+        import varlen_workload
+
+        sizes = dict(MODELS[name])
+        config = AutoConfig.for_model(sizes.pop("model_type"), **sizes, torch_dtype="bfloat16")
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).save_pretrained(folder)
+        varlen_workload.tokenizer(MODELS[name]["vocab_size"]).save_pretrained(folder)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, _ = FastLanguageModel.from_pretrained(model_name=folder, max_seq_length=seq, load_in_4bit=True)
+    return FastLanguageModel.get_peft_model(model, r=16, target_modules=list(ALL_LINEAR), lora_alpha=16,
+                                            lora_dropout=0, use_gradient_checkpointing="unsloth")
+
+
 def measure_one(shape: str) -> dict:
     """Train ``STEPS`` steps of one shape and return its peaks (bytes)."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import Trainer, TrainingArguments
+    if shape in UNSLOTH_SHAPES:
+        name, batch, seq = UNSLOTH_SHAPES[shape]
+        model, ckpt = _unsloth_model(name, seq), False  # Unsloth checkpoints by itself
+    else:
+        name, bits, r, targets, batch, seq, ckpt = SHAPES[shape]
+        model = _model_with_adapter(name, bits, r, targets, ckpt)
+    return _train_and_measure(shape, model, MODELS[name]["vocab_size"], batch, seq, ckpt)
 
-    name, bits, r, targets, batch, seq, ckpt = SHAPES[shape]
+
+def _model_with_adapter(name: str, bits: int, r: int | None, targets, ckpt: bool):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
     model = _model(name, bits)
     if bits < 16:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=ckpt)
     if r:
         model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets),
                                                  task_type="CAUSAL_LM"))
-    vocab = MODELS[name]["vocab_size"]
+    return model
+
+
+def _train_and_measure(shape: str, model, vocab: int, batch: int, seq: int, ckpt: bool) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
     ids = torch.randint(0, vocab, (batch * STEPS, seq)).tolist()
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
     args = TrainingArguments(output_dir=f"/tmp/memory-estimate-out-{shape}", per_device_train_batch_size=batch,
@@ -130,6 +176,11 @@ def measure(out: Path, shapes: list[str]) -> None:
 def estimate_for(shape: str):
     from nbddp.strategy import JobShape, estimate
 
+    if shape in UNSLOTH_SHAPES:
+        name, batch, seq = UNSLOTH_SHAPES[shape]
+        job = JobShape(model=name, unsloth=True, dtype="bfloat16", bits=4, lora_r=16, lora_targets=ALL_LINEAR,
+                       batch=batch, seq_len=seq, checkpointing=True, offloaded=True)
+        return estimate(job, dict(MODELS[name], torch_dtype="bfloat16"), world=2)
     name, bits, r, targets, batch, seq, ckpt = SHAPES[shape]
     config = dict(MODELS[name], torch_dtype="bfloat16")
     job = JobShape(model=name, dtype="bfloat16", bits=bits, lora_r=r, lora_targets=targets, batch=batch,
@@ -168,9 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="what", required=True)
     m = sub.add_parser("measure")
     m.add_argument("--out", type=Path, required=True)
-    m.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
+    m.add_argument("--shape", action="append", choices=sorted({**SHAPES, **UNSLOTH_SHAPES}),
+                   help="default: every shape but Unsloth's (they need Unsloth installed)")
     o = sub.add_parser("one")
-    o.add_argument("shape", choices=sorted(SHAPES))
+    o.add_argument("shape", choices=sorted({**SHAPES, **UNSLOTH_SHAPES}))
     r = sub.add_parser("report")
     r.add_argument("folder", type=Path)
     r.add_argument("--commit", action="store_true", help="also write benchmarks/results/memory_estimate.md")
