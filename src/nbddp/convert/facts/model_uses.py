@@ -8,6 +8,7 @@ import ast
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import dotted_name, keyword, live_calls
+from .rank0 import rank0_runs
 
 if TYPE_CHECKING:
     from ..code import Statement
@@ -22,7 +23,7 @@ def plan_model_uses(top: list[Statement], facts: JobFacts) -> None:
     for stmt in top:
         facts.whole_model_saves += [(stmt.cell.position, call.lineno) for call in live_calls(stmt.nodes)
                                     if _saves_whole(call, facts.ddp_models)]
-    for run in _rank0_runs(top, facts.rank0):
+    for run in rank0_runs(top, facts.rank0):
         facts.rank0_forwards += _forwards_in(run, set(wrapped))
 
 
@@ -36,21 +37,6 @@ def _saves_whole(call: ast.Call, models: set[str]) -> bool:
     else:
         saved = getattr(keyword(call, "obj"), "value", None)
     return isinstance(saved, ast.Name) and saved.id in models
-
-
-def _rank0_runs(top: list[Statement], rank0: set[Statement]) -> list[list[Statement]]:
-    """Runs of consecutive rank-0 statements of one cell: each becomes one ``if _nbddp.is_main_process():``
-    block (``rules.rank_zero``)."""
-    runs: list[list[Statement]] = []
-    for stmt in top:
-        if stmt not in rank0:
-            continue
-        last = runs[-1][-1] if runs else None
-        if last is not None and last.cell is stmt.cell and last.index == stmt.index - 1:
-            runs[-1].append(stmt)
-        else:
-            runs.append([stmt])
-    return runs
 
 
 def _forwards_in(run: list[Statement], sharded: set[str]) -> list[tuple[int, int]]:

@@ -71,14 +71,28 @@ def plan_tail_unwraps(after: list[Statement], facts: JobFacts) -> None:
     as ``RankZeroRule`` guards them.
     """
     pending = facts.ddp_models & facts.module_names
-    models, previous = set(pending), None
+    models = set(pending)
+    opening = {run[0] for run in rank0_runs(after, facts.tail)}
     for stmt in after:
-        opens = stmt in facts.tail and not (previous in facts.tail and previous.cell is stmt.cell)
-        if opens and pending:
+        if stmt in opening and pending:
             facts.tail_unwraps[stmt] = sorted(pending)
             pending = set()
         pending |= stmt.binds & models
-        previous = stmt
+
+
+def rank0_runs(top: list[Statement], rank0: set[Statement]) -> list[list[Statement]]:
+    """Runs of consecutive rank-0 statements of one cell: each becomes one ``if _nbddp.is_main_process():``
+    block (``rules.rank_zero``)."""
+    runs: list[list[Statement]] = []
+    for stmt in top:
+        if stmt not in rank0:
+            continue
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.cell is stmt.cell and last.index == stmt.index - 1:
+            runs[-1].append(stmt)
+        else:
+            runs.append([stmt])
+    return runs
 
 
 def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None:
