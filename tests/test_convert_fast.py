@@ -118,7 +118,7 @@ def test_only_statements_a_rule_changes_are_parsed_with_libcst(monkeypatch):
     script = convert_cells(cells)
     # print('done') only goes under the rank-0 guard: libcst reads a stand-in for it
     assert parsed == ['model = AutoModelForCausalLM.from_pretrained("m")\n', "_nbddp_stands_in_0_\n"]
-    assert "device_map=_nbddp.device_map()" in script.text and "if _nbddp.is_main_process():" in script.text
+    assert "device_map=_nbddp.device_map()" in script.text and "if _nbddp.on_rank0():" in script.text
 
 
 def _magic_cells():
@@ -218,7 +218,7 @@ def test_statements_stood_in_come_back_as_libcst_indents_them(indent, monkeypatc
     fast = _script(sources, True)
     assert len(stood_in) >= len(STOOD_IN) - 2  # all but the multi-line f-strings
     assert fast == _script(sources, False)
-    assert fast[0].count("if _nbddp.is_main_process():") == len(STOOD_IN)
+    assert fast[0].count("if _nbddp.on_rank0():") == len(STOOD_IN)
 
 
 def test_a_change_found_by_position_below_stand_ins_is_at_its_line(monkeypatch):

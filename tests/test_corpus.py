@@ -130,7 +130,7 @@ def test_nothing_after_the_last_training_saves_or_prints_outside_rank_zero(conve
     assert trains, "a training statement"
     for stmt, code in stmts[trains[-1] + 1 :]:
         if ACTION.search(code):
-            assert code.startswith("if _nbddp.is_main_process():"), code
+            assert code.startswith("if _nbddp.on_rank0():"), code
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -180,7 +180,7 @@ def test_trainer_configs_and_data_preparation(converted, name):
             # only a PEFT model is known to use every trainable weight in each step
             assert ("ddp_find_unused_parameters=" in code) == bool(peft) or "ddp_find_unused_parameters=True" in code
     for stmt, code in top_level(script.text):
-        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) or code.startswith("if _nbddp.is_main_process():"):
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) or code.startswith("if _nbddp.on_rank0():"):
             continue
         if re.search(r"load_dataset\(|\w\.map\(|\w\.filter\(", code) and not TRAINING.search(code):
             assert code.startswith("with _nbddp.main_process_first():"), code

@@ -213,7 +213,7 @@ def check_rank_zero_tail(script: Script) -> None:
         if isinstance(stmt, definition) or COLLECTIVE.search(code):
             continue  # defining is not doing; collectives stay on every rank on purpose
         if ACTION.search(code):
-            assert code.startswith("if _nbddp.is_main_process():"), code
+            assert code.startswith("if _nbddp.on_rank0():"), code
 
 
 def code_of(path: Path) -> str:

@@ -263,8 +263,8 @@ def test_everything_after_the_last_training_call_is_rank_zero_only():
         "# save it\nmodel.save_pretrained('out')\n",
     )
     assert cells[0] == "trainer = SFTTrainer(model=m)\n"
-    assert cells[1] == "x = 1\nstats = trainer.train()\nif _nbddp.is_main_process():\n    print(stats)\n"
-    assert cells[2] == "# save it\nif _nbddp.is_main_process():\n    model.save_pretrained('out')\n"
+    assert cells[1] == "x = 1\nstats = trainer.train()\nif _nbddp.on_rank0():\n    print(stats)\n"
+    assert cells[2] == "# save it\nif _nbddp.on_rank0():\n    model.save_pretrained('out')\n"
     assert [c for c in changes if c[0] == "rank0"] == [
         ("rank0", 3, "runs on rank 0 only (after training)"),
         ("rank0", 2, "runs on rank 0 only (after training)"),
@@ -279,12 +279,12 @@ def test_everything_after_the_last_training_call_is_rank_zero_only():
 )
 def test_tail_actions_run_on_rank_zero(tail):
     (_, code), _ = rewrite("trainer = Trainer(model=m)\n", f"trainer.train()\n{tail}\n")
-    assert code == f"trainer.train()\nif _nbddp.is_main_process():\n    {tail}\n"
+    assert code == f"trainer.train()\nif _nbddp.on_rank0():\n    {tail}\n"
 
 
 def test_unsloth_train_is_a_training_call():
     (code,), _ = rewrite("stats = unsloth_train(trainer)\nmodel.save_pretrained('o')\n")
-    assert code == "stats = unsloth_train(trainer)\nif _nbddp.is_main_process():\n    model.save_pretrained('o')\n"
+    assert code == "stats = unsloth_train(trainer)\nif _nbddp.on_rank0():\n    model.save_pretrained('o')\n"
 
 
 def test_evaluate_after_training_stays_on_every_rank_with_what_it_needs():
@@ -294,7 +294,7 @@ def test_evaluate_after_training_stays_on_every_rank_with_what_it_needs():
     )
     assert cells[1] == (
         "small = ds['test'].select(range(10))\nmetrics = trainer.evaluate(small)\n"
-        "if _nbddp.is_main_process():\n    print(metrics)\n    trainer.save_model('o')\n"
+        "if _nbddp.on_rank0():\n    print(metrics)\n    trainer.save_model('o')\n"
     )
     said = [c[1:] for c in changes if c[0] == "rank0"]
     assert (1, "stays on every rank: binds small, which code on every rank uses") in said
@@ -311,7 +311,7 @@ def test_several_training_calls():
     )
     # between the trainings: saving, printing and generating on rank 0; preparing the next one on every rank
     assert cells[1] == (
-        "if _nbddp.is_main_process():\n    model.save_pretrained('stage1')\n    print('stage 1 done')\n"
+        "if _nbddp.on_rank0():\n    model.save_pretrained('stage1')\n    print('stage 1 done')\n"
         "    sample = model.generate(**inputs)\n"
     )
     assert cells[2] == (
@@ -319,7 +319,7 @@ def test_several_training_calls():
         "dpo = DPOTrainer(model=model, args=b, train_dataset=pairs)\n"
     )
     assert cells[3] == "dpo.train()\n"
-    assert cells[4] == "if _nbddp.is_main_process():\n    model.save_pretrained('stage2')\n"
+    assert cells[4] == "if _nbddp.on_rank0():\n    model.save_pretrained('stage2')\n"
     assert ("rank0", 1, "runs on rank 0 only (between training runs)") in changes
 
 
@@ -329,7 +329,7 @@ def test_between_trainings_a_name_the_next_training_reads_stays_on_every_rank():
         "merged = model.merge_and_unload()\nmerged.save_pretrained('o')\n",
         "t2 = Trainer(model=merged)\nt2.train()\n",
     )
-    assert cells[1] == "merged = model.merge_and_unload()\nif _nbddp.is_main_process():\n    merged.save_pretrained('o')\n"
+    assert cells[1] == "merged = model.merge_and_unload()\nif _nbddp.on_rank0():\n    merged.save_pretrained('o')\n"
 
 
 def test_a_function_that_evaluates_is_called_on_every_rank():
@@ -337,7 +337,7 @@ def test_a_function_that_evaluates_is_called_on_every_rank():
         "def report():\n    print(trainer.evaluate())\n",
         "trainer = Trainer(model=m)\ntrainer.train()\nreport()\nmodel.save_pretrained('o')\n",
     )
-    assert cells[1].endswith("trainer.train()\nreport()\nif _nbddp.is_main_process():\n    model.save_pretrained('o')\n")
+    assert cells[1].endswith("trainer.train()\nreport()\nif _nbddp.on_rank0():\n    model.save_pretrained('o')\n")
 
 
 def test_model_train_is_not_a_training_call():
@@ -348,7 +348,7 @@ def test_model_train_is_not_a_training_call():
 def test_shell_commands_after_training_stay_on_every_rank():
     # _nbddp.shell waits at a barrier: run by rank 0 alone it would wait for ever
     (code,), _ = rewrite("trainer = Trainer()\ntrainer.train()\n_nbddp.shell('ls outputs')\nprint(1)\n")
-    assert code == "trainer = Trainer()\ntrainer.train()\n_nbddp.shell('ls outputs')\nif _nbddp.is_main_process():\n    print(1)\n"
+    assert code == "trainer = Trainer()\ntrainer.train()\n_nbddp.shell('ls outputs')\nif _nbddp.on_rank0():\n    print(1)\n"
 
 
 # ------------------------------------------------------------------------------------------- if False
@@ -372,7 +372,7 @@ def test_if_false_blocks_stay_as_they_are():
 
 def test_if_false_in_the_tail_is_guarded_as_a_whole_but_unchanged():
     (code,), _ = rewrite("trainer = SFTTrainer()\ntrainer.train()\nif False:\n    model.save_pretrained_gguf('m', tok)\n")
-    assert code.endswith("if _nbddp.is_main_process():\n    if False:\n        model.save_pretrained_gguf('m', tok)\n")
+    assert code.endswith("if _nbddp.on_rank0():\n    if False:\n        model.save_pretrained_gguf('m', tok)\n")
 
 
 # ------------------------------------------------------------------------------------------- main process first
@@ -436,11 +436,11 @@ def test_plain_pytorch_loop():
                 loss.backward()
                 optimizer.step()
             _nbddp.print0(f"epoch {epoch}: {loss.item():.4f}")
-            if _nbddp.is_main_process(): torch.save(_nbddp.unwrap(model).state_dict(), "last.pt")
+            if _nbddp.on_rank0(): torch.save(_nbddp.unwrap(model).state_dict(), "last.pt")
         """
     )
     assert cells[3] == (
-        "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n"
+        "if _nbddp.on_rank0():\n    model = _nbddp.unwrap(model)\n"
         "    torch.save(_nbddp.unwrap(model).state_dict(), 'model.pt')\n    print('saved')\n"
     )
     rules = {c[0] for c in changes}
@@ -508,15 +508,15 @@ def test_the_tail_unwraps_a_model_bound_in_a_loop_but_not_one_local_to_a_functio
         "    for x in train_dl:\n        model(x).sum().backward()\n",
         "preds = model(test_x)\n",
     )
-    assert cells[2] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
+    assert cells[2] == "if _nbddp.on_rank0():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
 
 
 def test_the_tail_unwraps_once_in_its_first_rank0_block():
     cells, _ = rewrite(*PLAIN, "preds = model(test_x)\n", "x = 1\n", "print(model(test_x).argmax())\nplt.plot(preds)\n")
     assert "".join(cells).count("_nbddp.unwrap(model)\n") == 1
-    assert cells[3].startswith("if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n")
-    assert cells[4] == "if _nbddp.is_main_process():\n    preds = model(test_x)\n"
-    assert cells[6] == "if _nbddp.is_main_process():\n    print(model(test_x).argmax())\n    plt.plot(preds)\n"
+    assert cells[3].startswith("if _nbddp.on_rank0():\n    model = _nbddp.unwrap(model)\n")
+    assert cells[4] == "if _nbddp.on_rank0():\n    preds = model(test_x)\n"
+    assert cells[6] == "if _nbddp.on_rank0():\n    print(model(test_x).argmax())\n    plt.plot(preds)\n"
 
 
 def test_the_tail_unwraps_again_after_every_rank_rebinds_the_model():
@@ -530,10 +530,10 @@ def test_the_tail_unwraps_again_after_every_rank_rebinds_the_model():
         "preds = model(test_x)\n",
         "print(preds)\n",
     )
-    assert cells[1] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    print('trained')\n"
+    assert cells[1] == "if _nbddp.on_rank0():\n    model = _nbddp.unwrap(model)\n    print('trained')\n"
     assert cells[2] == "model = models[0]\ndist.all_reduce(model(test_x))\n"
-    assert cells[3] == "if _nbddp.is_main_process():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
-    assert cells[4] == "if _nbddp.is_main_process():\n    print(preds)\n"
+    assert cells[3] == "if _nbddp.on_rank0():\n    model = _nbddp.unwrap(model)\n    preds = model(test_x)\n"
+    assert cells[4] == "if _nbddp.on_rank0():\n    print(preds)\n"
 
 
 def test_dataset_expression_is_evaluated_once():

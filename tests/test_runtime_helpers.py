@@ -62,3 +62,18 @@ def test_ddp_unwrap_sampler_and_set_epoch_on_two_ranks(tmp_path):
         # a deep copy of a wrapped model is a copy of the notebook's model: no wrapper, no "module." names
         assert r["copy"] == ["Sequential", ["body.bias", "body.weight", "head.bias", "head.weight"]]
     assert sorted(ranks[0]["share"] + ranks[1]["share"]) == list(range(10))  # disjoint halves
+
+
+def test_only_the_converters_guard_gathers_sharded_models_under_fsdp(monkeypatch):
+    """Gathering a plain loop's sharded models is a collective: ``on_rank0`` (the guard the converter writes,
+    which every rank reaches) does it, ``is_main_process`` (which code may ask on rank 0 alone) never does."""
+    import nbddp.runtime as rt
+    from nbddp.runtime import strategy
+
+    gathered = []
+    monkeypatch.setattr(strategy, "gather_for_rank0_code", lambda: gathered.append(True))
+    monkeypatch.setenv("NBDDP_STRATEGY", "fsdp")
+    assert rt.is_main_process() and gathered == []
+    assert rt.on_rank0() and gathered == [True]
+    monkeypatch.setenv("NBDDP_STRATEGY", "ddp")
+    assert rt.on_rank0() and gathered == [True]

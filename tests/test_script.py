@@ -71,7 +71,7 @@ def test_lines_map_through_every_kind_of_rewrite():
     assert at["model = _nbddp.ddp(model)"] == (2, 2)
     assert at["print('saved')"] == (4, 3)  # indented under the rank-0 guard
     assert at["_nbddp.print0(epoch, loss.item())"] == (3, 6)
-    assert at["if _nbddp.is_main_process():"] == (4, 2)  # the guard maps to the first statement it guards
+    assert at["if _nbddp.on_rank0():"] == (4, 2)  # the guard maps to the first statement it guards
 
 
 def test_changes_are_listed_in_line_order_with_their_cell():

@@ -180,7 +180,7 @@ def test_an_evaluation_loader_in_the_epoch_loop_gets_no_set_epoch_nor_a_claim_of
 def test_a_trainer_built_by_a_helper_trains(rewrite, build):
     (_, _, tail), changes = rewrite(build, "trainer_x = create_trainer(model)\ntrainer_x.train()\n",
                                     "trainer_x.save_model('final')\n")
-    assert tail.startswith("if _nbddp.is_main_process():\n    trainer_x.save_model('final')")
+    assert tail.startswith("if _nbddp.on_rank0():\n    trainer_x.save_model('final')")
 
 
 # ------------------------------------------------------------------ saves read back before training
@@ -193,7 +193,7 @@ def test_a_save_read_back_before_training_runs_on_rank_0_and_every_rank_waits(re
         "trainer = Trainer(model=model)\ntrainer.train()\n",
         "model.save_pretrained('final')\n",
     )
-    assert save == ("if _nbddp.is_main_process():\n    model.save_pretrained('base')\n    torch.save(head, 'head.pt')\n"
+    assert save == ("if _nbddp.on_rank0():\n    model.save_pretrained('base')\n    torch.save(head, 'head.pt')\n"
                     "_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")
     assert ("rank0", 1, "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)") in changes
 
@@ -298,7 +298,7 @@ def test_training_through_an_imported_helper_is_recognised_and_distributed(rewri
     assert build.endswith("model = _nbddp.ddp(model)\nsummary(model)\n"), build
     assert "train_dataloader=_nbddp.shard_loader(train_dataloader, name='train_dataloader')" in train
     assert "test_dataloader=test_dataloader" in train
-    assert tail.startswith("if _nbddp.is_main_process():") and "print(len(train_dataloader))" in tail
+    assert tail.startswith("if _nbddp.on_rank0():") and "print(len(train_dataloader))" in tail
     assert not any("no training call found" in m for _, _, m in changes)
 
 

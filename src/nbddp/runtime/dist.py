@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 
 from . import rank
 from .rank import (  # noqa: F401 (the script's and the runtime's names for where the rank sits)
@@ -53,17 +52,19 @@ def seed_everything(seed: int | str | None = None) -> int | None:
 
 
 def is_main_process() -> bool:
-    """True on global rank 0 (and in a plain single process).
+    """True on global rank 0 (and in a plain single process)."""
+    return rank.is_main_process()
 
-    Asked by the script's own code (a rank-0 guard the converter wrote, which every rank reaches) under FSDP,
-    it first has every rank gather the plain loop's sharded models, so the code rank 0 then runs alone saves
-    whole weights (``strategy.gather_for_rank0_code``).
-    """
-    if sys._getframe(1).f_globals.get("__name__") == "__main__":
-        from . import strategy
 
-        if strategy.current() == "fsdp":
-            strategy.gather_for_rank0_code()
+def on_rank0() -> bool:
+    """The rank-0 guard the converter writes (``if _nbddp.on_rank0():``), which every rank reaches: True on global
+    rank 0. Under FSDP every rank first gathers the plain loop's sharded models whose weights changed, so the
+    code rank 0 then runs alone saves whole weights (``strategy.gather_for_rank0_code``): a collective, so only
+    at a guard every rank reaches, never from ``is_main_process``, which any code may ask on rank 0 alone."""
+    from . import strategy
+
+    if strategy.current() == "fsdp":
+        strategy.gather_for_rank0_code()
     return rank.is_main_process()
 
 

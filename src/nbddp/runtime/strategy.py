@@ -254,7 +254,7 @@ def gathered_state_dict(model) -> dict | None:
 
 
 def gather_for_rank0_code() -> None:
-    """Every rank is at a rank-0 guard the converter wrote (``if _nbddp.is_main_process():``), before code
+    """Every rank is at a rank-0 guard the converter wrote (``if _nbddp.on_rank0():``), before code
     rank 0 alone runs: the saves after training, a checkpoint in the loop. Gathering a sharded model is a
     collective, so it happens here, while every rank is, for each plain loop's model whose weights changed
     since it was last gathered (the check is local: every rank trains alike, so all agree without asking);

@@ -81,7 +81,7 @@ def plan_tail_unwraps(after: list[Statement], facts: JobFacts) -> None:
 
 
 def rank0_runs(top: list[Statement], rank0: set[Statement]) -> list[list[Statement]]:
-    """Runs of consecutive rank-0 statements of one cell: each becomes one ``if _nbddp.is_main_process():``
+    """Runs of consecutive rank-0 statements of one cell: each becomes one ``if _nbddp.on_rank0():``
     block (``rules.rank_zero``)."""
     runs: list[list[Statement]] = []
     for stmt in top:

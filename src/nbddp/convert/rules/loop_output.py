@@ -17,7 +17,7 @@ class LoopOutputRule(Rule):
     The notebook's own loop runs on every rank; its ``print(f"epoch {e} loss …")`` would come once per GPU
     and ``torch.save(…, "best.pt")`` would have every rank write the same file at once. In the statements
     that train and in the functions that train, ``print`` becomes ``_nbddp.print0`` and a ``torch.save``
-    statement gets ``if _nbddp.is_main_process():`` on its own line.
+    statement gets ``if _nbddp.on_rank0():`` on its own line.
     """
 
     # -- where it has work: Python's ast, before libcst reads anything

@@ -6,7 +6,7 @@ from ..cst_helpers import cst, fixed_expression, fixed_statement
 from ..engine.rule import BlockRule
 
 #: Guard for code that must run on one process only.
-MAIN_PROCESS_EXPR = "_nbddp.is_main_process()"
+MAIN_PROCESS_EXPR = "_nbddp.on_rank0()"
 
 
 class RankZeroRule(BlockRule):
@@ -14,7 +14,7 @@ class RankZeroRule(BlockRule):
 
     After the last training call notebooks save, push, print statistics and generate; run by every rank
     these would write the same files at once, push twice and print once per GPU. Wrapped in
-    ``if _nbddp.is_main_process():`` they happen once. What every rank must still run stays outside: a
+    ``if _nbddp.on_rank0():`` they happen once. What every rank must still run stays outside: a
     collective such as ``trainer.evaluate()`` or a second ``trainer.train()``, and any statement binding a
     name that such code reads. Between two training calls only the statements that save, print, push,
     generate or plot go under the guard. In a plain PyTorch notebook the tail's first rank-0 block unwraps the
