@@ -122,6 +122,20 @@ def in_view(page, locator) -> bool:
     return box is not None and box["height"] > 0 and 0 <= box["y"] and box["y"] + min(box["height"], 200) <= 1000
 
 
+def height(locator, timeout_s: float = 30) -> float:
+    """The element's drawn height, once it is drawn: the panel redraws its status line as each log arrives, and
+    JupyterLab skips drawing what is out of sight, so a box read at one moment can be None."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        locator.scroll_into_view_if_needed()
+        box = locator.bounding_box()
+        if box is not None:
+            return box["height"]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{locator} was not drawn in {timeout_s} s")
+        time.sleep(0.5)
+
+
 def outputs(page) -> int:
     return last_cell(page).locator(".jp-OutputArea-child").count()
 
@@ -147,7 +161,7 @@ def test_a_2000_step_run_stays_a_few_outputs_with_its_summary_in_sight(lab, brow
     page = open_notebook(browser, lab, "long.ipynb", sources(steps=2000, logging_steps=100))
     wait_for_text(page, r"training · step \d+/2000", 180)
     status = last_cell(page).locator(".nbddp-panel > div").first
-    assert status.bounding_box()["height"] < 30  # the status line stays one line at 1400 px
+    assert height(status) < 30  # the status line stays one line at 1400 px
     shot(page, "long-running")
     text = wait_for_text(page, r"nbddp: finished in|Error", 420)
     assert "nbddp: finished in" in text and "2000 steps" in text
@@ -155,7 +169,7 @@ def test_a_2000_step_run_stays_a_few_outputs_with_its_summary_in_sight(lab, brow
     summary = last_cell(page).get_by_text(re.compile("nbddp: finished in"))
     assert in_view(page, summary)
     assert "done · step 2000/2000" in text and "learning_rate" in text
-    assert status.bounding_box()["height"] < 30  # the longest status, at the end, on one line too
+    assert height(status) < 30  # the longest status, at the end, on one line too
     assert shot(page, "long-finished").stat().st_size > 10_000
     page.close()
 
