@@ -127,6 +127,7 @@ def test_the_magic_cell_is_found_by_its_id_when_the_saved_file_holds_another_ver
     out, script = dry_run(shell, capsys, body="print(steps, lr)", cell_id="train")
     assert "3 cells from nb.ipynb (notebook): cell 2, cell 3, cell 4" in out
     assert "print(steps, lr)" in script and "edited while the job ran" not in script
+    assert "this cell differs from the saved nb.ipynb: the job takes it as it runs" in out
 
 
 def test_two_identical_magic_cells_without_ids_stop_with_a_clear_message(shell, capsys, tmp_path):

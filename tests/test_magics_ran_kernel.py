@@ -3,12 +3,14 @@ its cell's id in ``cellId``) and as Colab or papermill speak (no id), with the n
 known."""
 
 import re
+import subprocess
+import sys
 
 import nbformat
 import pytest
 
 from conftest import no_rank_processes
-from kernel import FrontEnd
+from kernel import FrontEnd, kernel_env
 
 pytestmark = pytest.mark.e2e
 
@@ -46,8 +48,8 @@ def test_an_unsaved_edit_is_trained_on_two_ranks_and_a_cell_never_run_comes_from
     job = kernel.run(TRAIN, "train")  # the imports cell never ran here: the job takes it from the file
     assert job.error is None, job.shown
     assert "trained 60 steps in 2 processes" in job.shown
-    assert "3 cells from nb.ipynb (notebook): cell 2, cell 3, cell 4 · as run here: 2 (not as saved: 2) · saved file: 3" \
-        in job.shown
+    assert ("3 cells from nb.ipynb (notebook): cell 2, cell 3, cell 4 · as run here: 2 (not as saved: 2) "
+            "· saved file: 3") in job.shown
     assert "cell 2 differs from the saved nb.ipynb: the job takes it as run here" in job.shown
     assert no_rank_processes(str(tmp_path))
 
@@ -86,3 +88,66 @@ def test_a_kernel_that_ran_only_the_magic_cell_says_so(front_end):
     dry = kernel.run("%%ddp_train --dry-run\nprint('alone')")
     assert "nothing else ran in this kernel without raising: the job is this cell alone" in dry.shown
     assert "print('alone')" in dry.script()
+
+
+def saved_notebook(path, cells):
+    """``cells``: (source, id, tags) saved as JupyterLab writes nbformat 4.5."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src, id=cid, metadata={"tags": list(tags)})
+                                         for src, cid, tags in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_vscode_cell_uris_name_the_notebook_and_follow_an_unsaved_edit(tmp_path, front_end):
+    cells = [("%load_ext nbddp", "a", ()), ("steps = 30", "b", ()), ("lr = 0.1", "c", ()),
+             ("%%ddp_train --dry-run\nprint(steps, lr)", "d", ())]
+    path = saved_notebook(tmp_path / "nb.ipynb", cells)
+    kernel = front_end()  # VS Code also sets __vsc_ipynb_file__; the cell URIs alone name the notebook here
+
+    def uri(handle):  # VS Code's cell URI: the notebook's path, the cell's handle in its fragment
+        return f"vscode-notebook-cell:{path}#W{handle}sZmlsZQ%3D%3D"
+
+    kernel.run("%load_ext nbddp", uri(0))
+    kernel.run("steps = 30", uri(1))  # as saved
+    kernel.run("steps = 60", uri(1))  # then edited: VS Code does not save by itself
+    kernel.run("lr = 0.2", uri(2))  # edited before it ever ran as saved: nothing ties it to cell 3 but resemblance
+    dry = kernel.run("%%ddp_train --dry-run\nprint(steps, lr)", uri(3))
+    assert dry.error is None, dry.shown
+    assert "steps = 60" in dry.script() and "lr = 0.1" in dry.script()
+    assert "3 cells from nb.ipynb (notebook): cell 2, cell 3, cell 4" in dry.shown
+    assert "In [4] `lr = 0.2`, an edit of cell 3?" in dry.shown
+
+
+PARAMETERS = [("%load_ext nbddp", "load", ()), ("steps = 30", "parameters", ("parameters",)),
+              ("import torch", "imports", ())]
+
+
+def papermill(tmp_path, name, *options):
+    """Run ``name`` with papermill's CLI (its kernel imports nbddp from this tree); the executed notebook."""
+    out = tmp_path / f"out-{name}"
+    subprocess.run([sys.executable, "-m", "papermill", name, out.name, "-k", "python3", "-p", "steps", "60",
+                    *options], cwd=tmp_path, env=kernel_env(), check=True, capture_output=True, timeout=600)
+    return nbformat.read(str(out), as_version=4)
+
+
+def text_of(cell) -> str:
+    return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+
+
+def test_papermill_trains_the_parameters_it_was_given(tmp_path):
+    saved_notebook(tmp_path / "nb.ipynb", [*PARAMETERS, (TRAIN, "train", ())])
+    out = papermill(tmp_path, "nb.ipynb")  # the kernel names no notebook: its history, the injected cell in it
+    shown = text_of(out.cells[-1])
+    assert "trained 60 steps in 2 processes" in shown, shown
+    assert no_rank_processes(str(tmp_path))
+
+
+def test_papermill_with_the_input_path_injected_takes_its_parameters_too(tmp_path):
+    saved_notebook(tmp_path / "nb.ipynb", [*PARAMETERS, ("%%ddp_train --dry-run\nprint(steps)", "train", ())])
+    out = papermill(tmp_path, "nb.ipynb", "--inject-input-path")  # PAPERMILL_INPUT_PATH: the file, as saved
+    shown = text_of(out.cells[-1])
+    assert "3 cells from nb.ipynb (notebook): cell 2, cell 3, cell 4" in shown, shown
+    assert "cell 2: with the parameters papermill injected after it" in shown
+    script = shown[shown.index("# [cell 2]"):]
+    assert script.index("steps = 30") < script.index("steps = 60") < script.index("import torch")

@@ -311,7 +311,11 @@ class _FileCell:
     index: int
     cell_id: str | None
     source: str
-    skipped: bool
+    tags: tuple[str, ...] = ()
+
+    @property
+    def skipped(self) -> bool:
+        return SKIP_TAG in self.tags
 
 
 def _normal_code(text: str) -> str:
@@ -402,6 +406,35 @@ def _strays_warning(strays: list[list[Execution]], above: list[_FileCell], path:
             "to train what ran here, or train with --source history")
 
 
+#: The comment papermill's Python translator heads the cell of parameters it injects with.
+_PAPERMILL_HEADER = "# Parameters"
+
+
+def _papermill_parameters(strays: list[list[Execution]], above: list[_FileCell]
+                          ) -> tuple[_FileCell, Execution] | None:
+    """The cell papermill injected after the cell tagged ``parameters`` (it is in the output notebook, not in
+    the input file the kernel names), and that cell: the job takes both, as papermill's output holds them."""
+    tagged = next((c for c in above if "parameters" in c.tags), None)
+    injected = [r for runs in strays for r in runs if r.ok is not False and r.source.startswith(_PAPERMILL_HEADER)]
+    return (tagged, injected[-1]) if tagged and injected else None
+
+
+def _take(cell: _FileCell, runs: list[Execution]) -> tuple[Origin, str | None, str | None]:
+    """Where a saved cell's code comes from, that code (None: left out), and a note: its last run that did not
+    raise, else the saved file for a cell never run here; a cell whose every run raised is left out."""
+    good = [r for r in runs if r.ok is not False]
+    if runs and not good:
+        return Origin(cell.index, FAILED, runs[-1].count), None, None
+    if not good:
+        return Origin(cell.index, SAVED), cell.source, None
+    last = good[-1]
+    note = None
+    if last is not runs[-1]:
+        note = (f"cell {cell.index} raised when last run (In [{runs[-1].count}]): its last run that did not raise "
+                f"is taken (In [{last.count}])")
+    return Origin(cell.index, RAN if _same_code(last.source, cell.source) else EDITED, last.count), last.source, note
+
+
 def cells_above(path: str | Path, args: str, body: str, kernel: KernelRuns | None = None) -> Selection | None:
     """The code cells of the saved notebook above the running ``%%ddp_train`` cell, plus that cell as it runs;
     None when the saved file does not hold the cell (see ``_train_cell_in``).
@@ -412,29 +445,26 @@ def cells_above(path: str | Path, args: str, body: str, kernel: KernelRuns | Non
     path = Path(path)
     kernel = kernel or KernelRuns((), Execution(0, f"%%ddp_train {args}\n{body}", ok=None))
     nb, _ = read_nbformat(path)
-    cells = [_FileCell(i, c.get("id"), c.get("source", ""), SKIP_TAG in c.get("metadata", {}).get("tags", []))
+    cells = [_FileCell(i, c.get("id"), c.get("source", ""), tuple(c.get("metadata", {}).get("tags", [])))
              for i, c in enumerate(nb.cells, start=1) if c.cell_type == "code"]
     at = _train_cell_in(cells, kernel, body, path)
     if at is None:
         return None
     above = [c for c in cells if c.index < at.index and not c.skipped]
     runs_of, strays = _runs_by_cell(cells, kernel)
+    papermill = _papermill_parameters(strays, above)
     taken, origins, notes = [], [], []
     for cell in above:
-        runs = runs_of.get(cell.index, [])
-        good = [r for r in runs if r.ok is not False]
-        code = good[-1].source if good else cell.source
-        if job_source(code) is None:
+        origin, code, note = _take(cell, runs_of.get(cell.index, []))
+        if job_source(code if code is not None else cell.source) is None:
             continue
-        if runs and not good:
-            origins.append(Origin(cell.index, FAILED, runs[-1].count))
-            continue
-        if good and good[-1] is not runs[-1]:
-            notes.append(f"cell {cell.index} raised when last run (In [{runs[-1].count}]): "
-                         f"its last run that did not raise is taken (In [{good[-1].count}])")
-        how = SAVED if not good else RAN if _same_code(code, cell.source) else EDITED
-        origins.append(Origin(cell.index, how, good[-1].count if good else None))
-        taken.append(Cell(cell.index, job_source(code), str(path)))
+        if papermill and cell is papermill[0] and code is not None:
+            code, origin = f"{code.rstrip()}\n{papermill[1].source}", Origin(cell.index, EDITED, papermill[1].count)
+            note = f"cell {cell.index}: with the parameters papermill injected after it (In [{origin.run}])"
+        origins.append(origin)
+        notes += [note] if note else []
+        if code is not None:
+            taken.append(Cell(cell.index, job_source(code), str(path)))
     edited = [o.index for o in origins if o.how == EDITED]
     if edited:
         which = ", ".join(map(str, edited))
@@ -442,6 +472,7 @@ def cells_above(path: str | Path, args: str, body: str, kernel: KernelRuns | Non
                      f"{path.name}: the job takes {'them' if len(edited) > 1 else 'it'} as run here")
     if not _same_code(split_cell_magic(at.source)[2] if _is_train_cell(at.source) else at.source, body):
         notes.append(f"this cell differs from the saved {path.name}: the job takes it as it runs")
+    strays = [g for g in strays if g[0].cell_id not in kernel.deleted and not (papermill and papermill[1] in g)]
     stray = _strays_warning(strays, above, path)
     here = train_cell(at.index, args, body, str(path))
     return Selection((*taken, here), source="notebook", origin=path.name, notes=tuple(notes),

@@ -33,10 +33,11 @@ class Execution:
 @dataclass(frozen=True)
 class KernelRuns:
     """What a kernel ran, as a job selects its cells from it: the finished executions in order, and the cell
-    running now (the ``%%ddp_train`` cell; its ``ok`` is None)."""
+    running now (the ``%%ddp_train`` cell; its ``ok`` is None), and the cells deleted from the notebook."""
 
     runs: tuple[Execution, ...]
     running: Execution
+    deleted: frozenset[str] = frozenset()  # ids of cells the front end said were deleted
 
     @classmethod
     def from_inputs(cls, inputs: Sequence[str]) -> KernelRuns:
@@ -62,10 +63,16 @@ class ExecutionRecord:
         self._shell = weakref.ref(shell) if shell is not None else lambda: None  # weak: the shell holds the record
         self._runs: dict[int, Execution] = {}
         self._running: list[tuple[object, str | None]] = []  # (ExecutionInfo, cell id) of each cell under way
+        self.deleted: set[str] = set()
 
     def pre_run_cell(self, info) -> None:
-        """IPython's ``pre_run_cell`` event."""
-        self.before(info, cell_id_of(self._shell(), info))
+        """IPython's ``pre_run_cell`` event. JupyterLab also sends the ids of the cells deleted since its last
+        request (``deletedCells``): a cell the notebook no longer holds is no cell of it."""
+        meta = request_metadata(self._shell(), info)
+        deleted = meta.get("deletedCells")
+        if isinstance(deleted, list):
+            self.deleted.update(d for d in deleted if isinstance(d, str))
+        self.before(info, cell_id_of(info, meta))
 
     def post_run_cell(self, result) -> None:
         """IPython's ``post_run_cell`` event."""
@@ -105,7 +112,8 @@ class ExecutionRecord:
     def snapshot(self, running_count: int, running_source: str) -> KernelRuns:
         """The record now, while the cell ``In [running_count]`` runs."""
         runs = tuple(self._runs[n] for n in sorted(self._runs) if n < running_count)
-        return KernelRuns(runs, Execution(running_count, running_source, self.running_cell_id, ok=None))
+        running = Execution(running_count, running_source, self.running_cell_id, ok=None)
+        return KernelRuns(runs, running, frozenset(self.deleted))
 
 
 def _succeeded(result) -> bool:
@@ -116,21 +124,28 @@ def _succeeded(result) -> bool:
     return getattr(result, "error_before_exec", None) is None and getattr(result, "error_in_exec", None) is None
 
 
-def cell_id_of(shell, info) -> str | None:
-    """The front end's id of the cell ``info`` describes: ``ExecutionInfo.cell_id`` (IPython 8 and later), else
-    the ``cellId`` of the execute request being served, if it is this cell's — IPython 7 (Colab's, Kaggle's)
-    drops the id the front end sends, while ipykernel still holds the request."""
-    cell_id = getattr(info, "cell_id", None)
-    if cell_id:
-        return cell_id
+def request_metadata(shell, info) -> dict:
+    """The metadata of the execute request that runs ``info``'s cell, where the front end sent one: IPython 9
+    hands it over (``ExecutionInfo.cell_meta``); before, ipykernel still holds the request being served (IPython 7,
+    Colab's and Kaggle's, drops the cell id the front end sends), which is this cell's if it holds its code."""
+    meta = getattr(info, "cell_meta", None)
+    if isinstance(meta, dict):
+        return meta
     get_parent = getattr(getattr(shell, "kernel", None), "get_parent", None)
     try:
         parent = get_parent("shell") if callable(get_parent) else None
-    except Exception:  # an ipykernel whose get_parent takes no channel, or none at all: no id
-        return None
+    except Exception:  # an ipykernel whose get_parent takes no channel: no metadata
+        return {}
     if not isinstance(parent, dict) or (parent.get("content") or {}).get("code") != getattr(info, "raw_cell", None):
-        return None
-    cell_id = (parent.get("metadata") or {}).get("cellId")
+        return {}
+    meta = parent.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def cell_id_of(info, meta: dict) -> str | None:
+    """The front end's id of the cell: ``ExecutionInfo.cell_id`` (IPython 8 and later), else the request's
+    ``cellId``. JupyterLab and Notebook 7 send the notebook's own cell id, VS Code the cell's document URI."""
+    cell_id = getattr(info, "cell_id", None) or meta.get("cellId")
     return cell_id if isinstance(cell_id, str) and cell_id else None
 
 
