@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from conftest import no_rank_processes
-from kernel import FrontEnd, kernel_env
+from kernel import FrontEnd, colab_kernel_dirs, kernel_env
 
 pytestmark = pytest.mark.e2e
 
@@ -29,8 +29,8 @@ print(f"trained {step + 1} steps in {torch.distributed.get_world_size()} process
 def front_end(tmp_path):
     started = []
 
-    def start(**env):
-        started.append(FrontEnd(tmp_path, **env))
+    def start(**options):
+        started.append(FrontEnd(tmp_path, **options))
         return started[-1]
 
     yield start
@@ -151,3 +151,24 @@ def test_papermill_with_the_input_path_injected_takes_its_parameters_too(tmp_pat
     assert "cell 2: with the parameters papermill injected after it" in shown
     script = shown[shown.index("# [cell 2]"):]
     assert script.index("steps = 30") < script.index("steps = 60") < script.index("import torch")
+
+
+@pytest.mark.colab
+@pytest.mark.parametrize("ids", [False, True], ids=["no cell ids", "cellId in the request"])
+def test_colab_and_kaggle_ipython_7_34_take_the_history_once_each_and_fixed(front_end, ids):
+    # IPython 7.34 has no ExecutionInfo.cell_id: an id the front end sends is read from the request ipykernel serves
+    kernel = front_end(kernel_dirs=colab_kernel_dirs(), kernel_name="colab")
+    assert kernel.run("import IPython; print(IPython.__version__)").shown.strip() == "7.34.0"
+    kernel.run("%load_ext nbddp", "load" if ids else None)
+    errors = [kernel.run(source, cell_id if ids else None).error for source, cell_id in FAILED_THEN_FIXED]
+    assert errors == ["ValueError: typo in the loader cell", None, None, None]
+    dry = kernel.run("%%ddp_train --dry-run\nprint(x, steps)", "train" if ids else None)
+    assert dry.error is None, dry.shown
+    script = dry.script()
+    assert "x = 2" in script and "raise ValueError" not in script
+    assert "left out, raised here: In [3]" in dry.shown
+    assert "In [1] ran before %load_ext nbddp: whether it raised is not known" in dry.shown  # no record before 9
+    if ids:
+        assert "steps = 60" in script and "steps = 30" not in script
+    else:
+        assert script.index("steps = 30") < script.index("steps = 60")

@@ -520,16 +520,17 @@ def _history_notes(kernel: KernelRuns, taken: list[Cell], origins: list[Origin])
         notes.append("nothing else ran in this kernel without raising: the job is this cell alone")
     replaced = sum(o.how == REPLACED for o in origins)
     if replaced:
-        notes.append(f"{replaced} earlier run{'s' * (replaced > 1)} of cells run again left out: each cell is taken "
-                     "at its last version")
+        notes.append(f"{replaced} earlier version{'s' * (replaced > 1)} of cells run again left out: each cell is "
+                     "taken at its last version")
     followed = [r for r in kernel.runs if r.followed]
     if followed and not kernel.ids_sent and len(taken) > 1:
         notes.append("no cell ids from this front end: a cell is known by its code, so an edited cell run again "
                      "counts as a new cell (both versions run, in order)")
     unknown = [r.count for r in kernel.runs if r.ok is None and any(c.index == r.count for c in taken)]
     if unknown:
-        notes.append(f"In [{unknown[0]}]{f'-[{unknown[-1]}]' if len(unknown) > 1 else ''} ran before %load_ext nbddp: "
-                     "whether they raised is not known, they are taken (load nbddp first)")
+        which = f"In [{unknown[0]}]" + (f" to In [{unknown[-1]}]" if len(unknown) > 1 else "")
+        notes.append(f"{which} ran before %load_ext nbddp: whether {'they' if len(unknown) > 1 else 'it'} raised is "
+                     "not known, so taken (load nbddp first)")
     return tuple(notes)
 
 
