@@ -33,6 +33,7 @@ def test_split_cell_magic():
         ("%%ddp_train\ntrainer.train()", None),  # another job
         ("%load_ext nbddp", None),  # nothing left but a comment
         ("%ddp_doctor\n%reload_ext nbddp", None),
+        ("%unload_ext nbddp", None),
         ("%%ddp_setup --also-here\nimport torch", "# %%ddp_setup --also-here\nimport torch"),
         ("import os\n%ddp_doctor\nx = 2", "import os\n# %ddp_doctor\nx = 2"),  # lines keep their numbers
         ("%load_ext autoreload", "%load_ext autoreload"),  # not nbddp's: the converter's business

@@ -156,3 +156,18 @@ def test_a_notebook_renamed_after_the_kernel_started_is_found_by_the_magic_cell_
     out, script = dry_run(shell, capsys, body="print(steps, lr)", cell_id="train")
     assert "3 cells from renamed.ipynb (notebook)" in out and "steps = 60" in script and "lr = 0.1" in script
     assert "found by this cell's id in renamed.ipynb" in out
+
+
+def test_the_record_outlives_a_reload_and_takes_what_ran_while_unloaded_from_the_history(shell, capsys):
+    run(shell, "%load_ext nbddp", "load")
+    run(shell, "x = 1\nraise ValueError('typo')", "loader")
+    run(shell, "%unload_ext nbddp", "unload")
+    run(shell, "steps = 30", "steps")  # unseen: from the history, without its id
+    run(shell, "%reload_ext nbddp", "reload")
+    run(shell, "x = 2", "loader")
+    out, script = dry_run(shell, capsys, cell_id="train")
+    assert "raise ValueError" not in script and "x = 2" in script and "steps = 30" in script
+    assert "3 cells from the kernel's history (history): In [6], In [4], In [7]" in out  # x's cell first ran first
+    for event in ("pre_run_cell", "post_run_cell"):  # followed once
+        assert [type(getattr(c, "__self__", None)).__name__ for c in shell.events.callbacks[event]].count(
+            "ExecutionRecord") == 1

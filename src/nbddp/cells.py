@@ -126,7 +126,7 @@ def cells_from_sources(sources: list[str], origin: str = "<cells>") -> list[Cell
 SOURCES = ("registered", "notebook", "history")
 
 #: nbddp's own line magics, which have no place in a training script.
-_NBDDP_LINE = re.compile(r"^\s*%(?:ddp_\w+|(?:re)?load_ext\s+nbddp\b)")
+_NBDDP_LINE = re.compile(r"^\s*%(?:ddp_\w+|(?:re|un)?load_ext\s+nbddp\b)")
 
 
 #: Where one cell's code came from (``Origin.how``), and how ``--dry-run`` says it.
@@ -385,25 +385,25 @@ def _first_code_line(source: str) -> str:
     return line if len(line) <= 60 else line[:57] + "..."
 
 
-def _strays_warning(strays: list[list[Execution]], above: list[_FileCell], path: Path) -> str | None:
+def _strays_warning(strays: list[list[Execution]], above: list[_FileCell], path: Path, most: int = 6) -> str | None:
     """A warning naming the cells that ran here with code the saved file does not hold (a cell added or edited
-    and not saved, where the front end's ids do not say which), each with the saved cell it most resembles."""
+    and not saved, where the front end's ids do not say which), each with the saved cell it most resembles;
+    the first ``most`` of them, then how many more."""
     import difflib
 
+    lasts = [good[-1] for runs in strays
+             if (good := [r for r in runs if r.ok is not False and job_source(r.source) is not None])]
+    if not lasts:
+        return None
     named = []
-    for runs in strays:
-        good = [r for r in runs if r.ok is not False and job_source(r.source) is not None]
-        if not good:
-            continue
-        last = good[-1]
+    for last in lasts[:most]:
         scores = [(difflib.SequenceMatcher(None, last.source, c.source).ratio(), c.index) for c in above]
         score, index = max(scores, default=(0.0, 0))
         like = f", an edit of cell {index}?" if score >= 0.6 else ""
         named.append(f"In [{last.count}] `{_first_code_line(last.source)}`{like}")
-    if not named:
-        return None
-    return (f"ran here but not in the saved {path.name}, so not in the job: {'; '.join(named)}. Save the notebook "
-            "to train what ran here, or train with --source history")
+    more = f" and {len(lasts) - most} more" if len(lasts) > most else ""
+    return (f"ran here but not in the saved {path.name}, so not in the job: {'; '.join(named)}{more}. Save the "
+            "notebook to train what ran here, or train with --source history")
 
 
 #: The comment papermill's Python translator heads the cell of parameters it injects with.
