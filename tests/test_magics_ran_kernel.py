@@ -172,3 +172,19 @@ def test_colab_and_kaggle_ipython_7_34_take_the_history_once_each_and_fixed(fron
         assert "steps = 60" in script and "steps = 30" not in script
     else:
         assert script.index("steps = 30") < script.index("steps = 60")
+
+
+def test_a_notebook_renamed_after_the_kernel_started(tmp_path, front_end):
+    cells = [("%load_ext nbddp", "load", ()), ("steps = 30", "steps", ()),
+             ("%%ddp_train --dry-run\nprint(steps)", "train", ())]
+    saved_notebook(tmp_path / "nb.ipynb", cells)
+    kernel = front_end(JPY_SESSION_NAME="nb.ipynb")
+    kernel.run("%load_ext nbddp", "load")
+    kernel.run("steps = 60", "steps")
+    (tmp_path / "nb.ipynb").rename(tmp_path / "renamed.ipynb")
+    dry = kernel.run("%%ddp_train --dry-run\nprint(steps)", "train")  # the cell's id finds the file
+    assert "2 cells from renamed.ipynb (notebook): cell 2, cell 3" in dry.shown and "steps = 60" in dry.script()
+    assert "found by this cell's id in renamed.ipynb, not in the notebook the kernel names" in dry.shown
+    dry = kernel.run("%%ddp_train --dry-run\nprint(steps)")  # no id: the history, and why
+    assert "2 cells from the kernel's history (history)" in dry.shown and "steps = 60" in dry.script()
+    assert "or names one that is gone: renamed since the kernel started?" in dry.shown

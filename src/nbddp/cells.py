@@ -579,11 +579,12 @@ def _from_notebook(args: str, body: str, notebook: Path | None, kernel: KernelRu
         other = notebook_holding(Path(where), kernel.running.cell_id, skip=named)
         found = cells_above(other, args, body, kernel) if other else None
         if found is not None:
-            was = f"the kernel names {named[-1].name}" if named else "the kernel names no notebook file"
-            note = f"found by this cell's id in {other.name} ({was}: renamed since the kernel started?)"
+            note = f"found by this cell's id in {other.name}, not in the notebook the kernel names: renamed since the "\
+                   "kernel started?"
             return dataclasses.replace(found, notes=(note, *found.notes)), ""
     if not named:
-        return None, "the kernel does not say which notebook file it runs"
+        return None, ("the kernel does not say which notebook file it runs (or names one that is gone: renamed since "
+                      "the kernel started?)")
     return None, f"{named[-1].name} on disk does not hold this cell (save the notebook)"
 
 
