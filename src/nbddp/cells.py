@@ -1,6 +1,7 @@
 """Where a job's cells come from: a notebook file read with nbformat, sources handed over directly, or —
 for a job started from a kernel — the cells ``%%ddp_setup`` registered, the notebook file above the magic
-cell, or the kernel's input history."""
+cell with each cell as the kernel last ran it, or the kernel's history (``executions.py`` records what the
+kernel ran)."""
 
 from __future__ import annotations
 
