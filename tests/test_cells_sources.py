@@ -188,3 +188,14 @@ def test_a_new_cell_run_but_not_saved_is_named(tmp_path):
     sel = select_cells("", "print(steps, lr)", notebook=path, kernel=ran)
     (warning,) = sel.warnings  # the scratch cell raised: it changed nothing worth a word
     assert "ran here but not in the saved nb.ipynb, so not in the job: In [1] `warmup = 5`." in warning
+
+
+def test_a_cell_known_by_its_code_run_again_after_another_rebound_its_name_is_said():
+    # no cell ids (Colab): lr = 1e-3, lr = 1e-4, then lr = 1e-3 again; the kernel holds 1e-3
+    inputs = ["", "lr = 1e-3", "lr = 1e-4", "lr = 1e-3", "%%ddp_train\nprint(lr)"]
+    sel = cells_from_history(KernelRuns.from_inputs(inputs), "", "print(lr)")
+    assert [c.source for c in sel.cells[:-1]] == ["lr = 1e-3", "lr = 1e-4"]  # where each first ran
+    assert any("In [3] ran the code of In [1] again after In [2] rebound lr" in n for n in sel.notes)
+    inputs = ["", "import os", "x = 1", "import os", "%%ddp_train\nx"]
+    plain = cells_from_history(KernelRuns.from_inputs(inputs), "", "x")
+    assert not any("rebound" in n for n in plain.notes)  # x = 1 binds nothing import os does

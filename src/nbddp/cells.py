@@ -501,7 +501,8 @@ def cells_from_history(kernel: KernelRuns | Sequence[str], args: str, body: str)
     if not isinstance(kernel, KernelRuns):
         kernel = KernelRuns.from_inputs(kernel)
     taken, origins = [], []
-    for group in _history_groups(kernel):
+    groups = _history_groups(kernel)
+    for group in groups:
         good = [r for r in group if r.ok is not False]
         origins += [Origin(r.count, FAILED, r.count) for r in group if r.ok is False]
         if good:
@@ -510,8 +511,51 @@ def cells_from_history(kernel: KernelRuns | Sequence[str], args: str, body: str)
             origins.append(Origin(good[-1].count, RAN, good[-1].count))
     here = train_cell(kernel.running.count, args, body, "In")
     origins = sorted(origins, key=lambda o: o.index)
+    notes = (*_history_notes(kernel, taken, origins), *_reruns_overtaken(groups))
     return Selection((*taken, here), source="history", origin="the kernel's history", numbering="execution",
-                     notes=_history_notes(kernel, taken, origins), origins=(*origins, Origin(here.index, THIS)))
+                     notes=notes, origins=(*origins, Origin(here.index, THIS)))
+
+
+def _bound_names(code: str) -> set[str]:
+    """The names a cell's top-level statements bind (assignments, imports, definitions); none for a cell
+    Python cannot read as it stands (IPython syntax)."""
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def _reruns_overtaken(groups: list[list[Execution]]) -> list[str]:
+    """Where a cell known by its code ran again after another cell rebound its names (``lr = 1e-3``, then
+    ``lr = 1e-4``, then ``lr = 1e-3`` again, with no cell ids): the job runs it where it first ran, so the
+    other cell's value wins there while the kernel holds this one's. Said, since only the person knows."""
+    notes = []
+    chosen = [[r for r in g if r.ok is not False] for g in groups]
+    for group, good in zip(groups, chosen):
+        if group[0].cell_id or len(good) < 2:
+            continue
+        names = _bound_names(job_source(good[-1].source) or "")
+        for other in chosen:
+            if other and other is not good and good[0].count < other[-1].count < good[-1].count:
+                shared = sorted(names & _bound_names(job_source(other[-1].source) or ""))
+                if shared:
+                    notes.append(f"In [{good[-1].count}] ran the code of In [{good[0].count}] again after "
+                                 f"In [{other[-1].count}] rebound {', '.join(shared)}: the job runs it where it first "
+                                 f"ran, so {shared[0]} is In [{other[-1].count}]'s there; run the cell of "
+                                 f"In [{good[-1].count}] edited (a comment will do) to take it last")
+    return notes
 
 
 def _history_notes(kernel: KernelRuns, taken: list[Cell], origins: list[Origin]) -> tuple[str, ...]:
