@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.nbddp-installed
 
-.PHONY: demo test test-browser bench clean
+.PHONY: demo test test-browser test-colab bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ test-browser: $(STAMP)  ## JupyterLab in headless Chromium: a 2000-step %%ddp_tr
 		|| { echo "$(CHROMIUM_HINT)"; exit 1; }
 	$(PY) -m pip install -q jupyterlab playwright
 	$(PY) -m pytest -q -m browser tests/browser
+
+test-colab: $(STAMP)  ## %%ddp_train in a kernel on Colab's IPython 7.34 (installed aside in build/ipython7)
+	$(PY) -m pytest -q -m colab tests
 
 bench: $(STAMP)  ## CPU benchmarks; results land in benchmarks/results/
 	$(PY) benchmarks/convert_speed.py

@@ -136,11 +136,11 @@ def test_history_source_doctor_and_usage_errors(tmp_path):
     assert re.search(r"ok\s+all-reduce\s+2 processes over gloo: correct", report)
     assert re.search(r"ok\s+kernel memory", report) and "/dev/shm" in report
 
-    # no notebook file known: the kernel's history, a cell run twice taken once
+    # no notebook file known: the kernel's history, a cell run twice taken once (named by its last run)
     text = stream(dry, "stdout")
-    assert "2 cells from the kernel's history (history): In [2], In [5]" in text
+    assert "2 cells from the kernel's history (history): In [3], In [5]" in text
     assert "the kernel does not say which notebook file it runs" in text
-    assert "taken once" in text
+    assert "1 earlier version of cells run again left out" in text
 
     (error,) = errors(forced)
     assert "cannot take the cells from the notebook file" in error.evalue and len(error.traceback) == 1

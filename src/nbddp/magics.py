@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicHelpFormatter, argument, kwds, magic_arguments, parse_argstring
 from IPython.utils.process import arg_split
 
-from . import doctor
+from . import doctor, executions
 from .cells import SOURCES, Registry, find_notebook, select_cells
 from .display import LivePanel, cell_label, outcome_error
 from .errors import NbddpError
@@ -74,12 +74,7 @@ class NbddpMagics(Magics):
     def __init__(self, shell):
         super().__init__(shell)
         self.registry = Registry()
-        self._cell_id: str | None = None
-        shell.events.register("pre_run_cell", self._remember_cell_id)
-
-    def _remember_cell_id(self, info) -> None:
-        """Front ends that send a cell id (JupyterLab, VS Code) let a re-run cell replace its registration."""
-        self._cell_id = getattr(info, "cell_id", None)
+        self.record = executions.follow(shell)  # what the kernel ran, for %%ddp_train and a re-run %%ddp_setup
 
     def _execution_count(self) -> int:
         """The running cell's ``[N]``: its history entry is stored before it runs (in every IPython version,
@@ -87,7 +82,7 @@ class NbddpMagics(Magics):
         return len(self.shell.history_manager.input_hist_raw) - 1
 
     def unregister(self) -> None:
-        self.shell.events.unregister("pre_run_cell", self._remember_cell_id)
+        executions.unfollow(self.shell)
 
     @magic_arguments()
     @kwds(usage=TRAIN_USAGE, formatter_class=_HelpFormatter)
@@ -116,10 +111,11 @@ class NbddpMagics(Magics):
             prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
         else:
             selection = select_cells(
-                line, cell, source=args.source, registered=self.registry.cells, history=self.shell.history_manager.input_hist_raw,
+                line, cell, source=args.source, registered=self.registry.cells,
+                kernel=self.record.snapshot(self._execution_count(), f"%%ddp_train {line}\n{cell}"),
                 notebook=find_notebook(self.shell.user_ns, os.environ, Path.cwd()),
             )
-            print("\n".join([selection.describe(), *(f"nbddp: note: {n}" for n in selection.notes)]))
+            print(selection.report(per_cell=args.dry_run))
             prepared, label = prepare_job(selection, skip_bad_cells=args.skip_bad_cells), cell_label(selection.cells, selection.numbering)
         self._show_script(prepared.script, args)
         if args.dry_run:
@@ -165,7 +161,7 @@ class NbddpMagics(Magics):
                 self.registry.clear()
             print(self.registry.describe())
             return
-        added = self.registry.add(f"%%ddp_setup {line}\n{cell}", self._execution_count(), self._cell_id)
+        added = self.registry.add(f"%%ddp_setup {line}\n{cell}", self._execution_count(), self.record.running_cell_id)
         where = "run here too" if args.also_here else "not run here"
         state = "registered for the job" if added else "empty: nothing registered"
         print(f"nbddp: {state} ({len(self.registry)} cell(s) in all); {where}")

@@ -1,7 +1,8 @@
 """The cell a person watches, in a real JupyterLab driven by headless Chromium (the system's package, through
 Playwright; no browser is downloaded): a 2000-step %%ddp_train on the embedded model stays a few outputs with
-its summary in sight, a run failing at step 300 on rank 1 shows its one mapped traceback, and the stop button
-ends every rank. Screenshots are kept in build/browser-test/. Run with ``make test-browser``."""
+its summary in sight, a run failing at step 300 on rank 1 shows its one mapped traceback, the stop button
+ends every rank, and a cell edited and run without saving is trained as it ran. Screenshots are kept in
+build/browser-test/. Run with ``make test-browser``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 
 from conftest import ROOT, no_rank_processes
 from kernel import kernel_env
-from long_run import sources
+from long_run import MODEL, TRAIN, TRAINER, sources
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
@@ -41,11 +42,18 @@ def lab(tmp_path_factory):
     """JupyterLab on 127.0.0.1, serving a fresh folder, its kernels importing nbddp from this tree."""
     root = tmp_path_factory.mktemp("lab")
     port, token = free_port(), secrets.token_hex(16)
+    # no autosave: a test that edits a cell decides itself what the saved file holds; no news toast taking focus
+    settings = root.parent / f"{root.name}-settings"
+    for plugin, value in (("docmanager-extension/plugin", '{"autosave": false}'),
+                          ("apputils-extension/notification", '{"fetchNews": "false"}')):
+        (settings / "@jupyterlab" / plugin).parent.mkdir(parents=True, exist_ok=True)
+        (settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings").write_text(value)
     env = kernel_env(NBDDP_CACHE=str(root / "cache"))
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-         "--ServerApp.terminals_enabled=False", *(["--allow-root"] if os.geteuid() == 0 else [])],
+         f"--LabApp.user_settings_dir={settings}", "--ServerApp.terminals_enabled=False",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
         cwd=root, env=env, stdout=open(root / "lab.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -75,8 +83,9 @@ def browser():
         chromium.close()
 
 
-def open_notebook(browser, lab, name: str, cells: list[str]):
-    """Write ``name`` from ``cells``, open it in JupyterLab at 1400 px, run every cell; return the page."""
+def open_notebook(browser, lab, name: str, cells: list[str], run_all: bool = True):
+    """Write ``name`` from ``cells``, open it in JupyterLab at 1400 px, run every cell (unless told not to);
+    return the page."""
     root, url, token = lab
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -90,8 +99,8 @@ def open_notebook(browser, lab, name: str, cells: list[str]):
         "(() => { const w = window.jupyterapp.shell.currentWidget;"
         " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
         " && w.sessionContext.session.kernel.status === 'idle'; })()", timeout=120_000)
-    # started, not awaited: the command's promise settles only when every cell has run
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    if run_all:  # started, not awaited: the command's promise settles only when every cell has run
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
     return page
 
 
@@ -204,4 +213,44 @@ def test_the_stop_button_ends_every_rank(lab, browser):
     while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert no_rank_processes(str(root / "nbddp_runs"))
+    page.close()
+
+
+def kernel_idle(page, timeout_s: float = 300) -> None:
+    """Wait until the notebook's kernel has run everything it was given."""
+    page.wait_for_function(
+        "(() => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
+        " return k.status === 'idle' && !k.hasPendingInput; })()", timeout=timeout_s * 1000)
+
+
+def test_a_cell_edited_and_run_without_saving_is_trained_as_it_ran(lab, browser):
+    root = lab[0]
+    trainer = TRAINER.replace("%%ddp_setup\n", "").replace('report_to="none"', 'report_to="none", bf16=False')
+    cells = ["%load_ext nbddp", MODEL.replace("%%ddp_setup\n", ""), "max_steps = 30",
+             trainer.format(steps="max_steps", logging_steps=10, callbacks="[]"), TRAIN]
+    page = open_notebook(browser, lab, "edited.ipynb", cells, run_all=False)
+    # the person runs the cells above the training cell, as saved
+    page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = 4;"
+                  " window.jupyterapp.commands.execute('notebook:run-all-above'); }")
+    page.wait_for_function("window.jupyterapp.shell.currentWidget.content.widgets[3].model.executionCount === 4",
+                           timeout=300_000)
+    kernel_idle(page)
+    # then edits max_steps to 60 with the keyboard, runs it and the cells below, and never saves
+    editor = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".cm-content")
+    editor.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("max_steps = 60")
+    page.keyboard.press("Escape")  # out of the editor: the cell keeps its text, the file is not saved
+    # run the edited cell and every cell below it, %%ddp_train last, as Run > Run Selected Cell and All Below does
+    page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = 2;"
+                  " window.jupyterapp.commands.execute('notebook:run-all-below'); }")
+    text = wait_for_text(page, r"training · step \d+/60|nbddp: finished in|Error", 300)
+    shot(page, "edited-running")
+    assert "/30" not in text, text
+    text = wait_for_text(page, r"nbddp: finished in|Error", 420)
+    assert "done · step 60/60" in text and "60 steps" in text, text
+    assert "as run here: 2, 3, 4 (not as saved: 3)" in text
+    assert "cell 3 differs from the saved edited.ipynb: the job takes it as run here" in text
+    assert "max_steps = 30" in (root / "edited.ipynb").read_text()  # the saved file never held 60
+    assert shot(page, "edited-trained").stat().st_size > 10_000
     page.close()
