@@ -202,14 +202,14 @@ def check_job_options(
 def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,
                     sink: Sink | None) -> tuple[int | None, dict[str, str]]:
     """The processes and environment of the strategy the job runs with; its decision said on the sink
-    (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed).
+    (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed; a fallback is always said).
 
     Split mode is one process driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``.
     """
     from . import strategy
 
     decision = strategy.decide(script.text, cwd, requested)
-    if requested != "auto" or decision.gpu_free:
+    if requested != "auto" or decision.gpu_free or decision.fallback:
         (sink or _launch._stdout_sink)("stdout", decision.summary() + "\n")
     strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
