@@ -44,3 +44,83 @@ def test_run_with_skip_bad_cells_decides_a_strategy_for_it(nul_notebook):
     script = convert_notebook(nul_notebook, skip_bad_cells=True)
     assert strategy.read_shape(script.text).model is None  # used to raise: source cannot contain null bytes
     assert strategy.decide(script.text, nul_notebook.parent, gpu_free=()).strategy == "ddp"
+
+
+# ------------------------------------------------------------------ processes, nodes and paths, before launch
+
+
+@pytest.fixture
+def tiny_notebook(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('never runs')")])
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+def refused(argv, capsys) -> str:
+    """``nbddp ARGV`` in this process: it must exit 2 with one ``nbddp: error:`` line (or argparse's usage)."""
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's own refusal: usage and one error line
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_more_processes_than_gpus_is_refused_naming_both_numbers(tiny_notebook, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(preflight.GPU_COUNT_ENV, "1")  # as on a one-GPU machine
+    err = refused(["run", tiny_notebook, "--nproc", "2", "--runs-dir", tmp_path / "runs"], capsys)
+    assert ("nbddp: error: --nproc 2 asks for 2 processes, one per GPU, but torch sees 1 GPU(s) here: use --nproc 1"
+            in err) and "GPU T4 x2" in err
+    assert not (tmp_path / "runs").exists()
+    from nbddp.job import run_job
+
+    with pytest.raises(NbddpError, match="torch sees 1 GPU"):  # the API (templates, other front ends) too
+        run_job(tiny_notebook, nproc=4, runs_dir=tmp_path / "runs")
+    monkeypatch.setenv(preflight.GPU_COUNT_ENV, "2")
+    assert preflight.check_processes(2) == [] and preflight.check_processes(None) == []
+
+
+def test_more_cpu_processes_than_cores_is_a_warning(tiny_notebook, capsys):
+    from nbddp.options import run_options
+
+    warning = preflight.check_processes(64, gpus=0, cores=2)
+    assert warning == ["--nproc 64 starts 64 CPU processes (no GPU here) on 2 CPU core(s): they share the cores "
+                       "and each step slows down; --nproc 2 or fewer runs faster"]
+    assert preflight.check_processes(2, gpus=0, cores=2) == []
+    args = cli._parser().parse_args(["run", str(tiny_notebook), "--nproc", str(preflight.cpu_cores() + 1)])
+    assert run_options(args)["nproc"] == preflight.cpu_cores() + 1
+    assert "CPU processes (no GPU here)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "{nb}", "-o", "{tmp}"], "-o {tmp} is a folder; give a file path, e.g. {tmp}/train.py"),
+    (["convert", "{nb}", "-o", ""], "-o takes a file path, not ''"),
+    (["convert", "{nb}", "-o", "/proc/x.py"], "-o /proc/x.py cannot be written: its folder /proc is not writable"),
+    (["convert", "{nb}", "-o", "{nb}/x.py"], "-o {nb}/x.py cannot be written: its folder {nb} is a file, not a folder"),
+    (["run", "{nb}", "--runs-dir", "/proc/nope"], "--runs-dir /proc/nope cannot be made in /proc"),
+    (["run", "{nb}", "--runs-dir", "{nb}"], "--runs-dir {nb} is a file, not a folder"),
+    (["run", "{nb}", "--runs-dir", ""], "argument --runs-dir: takes a folder, not ''"),
+    (["run", "{nb}", "--nnodes", "0"], "--nnodes takes a number of machines of at least 1, or MIN:MAX, not '0'"),
+    (["run", "{nb}", "--nnodes", "3:2"], "--nnodes takes a number of machines of at least 1, or MIN:MAX, not '3:2'"),
+    (["run", "{nb}", "--nnodes", "2", "--node-rank", "2"], "--node-rank takes this machine's rank among the nodes, "
+                                                           "from 0 to 1, not 2"),
+    (["run", "{nb}", "--node-rank", "-1"], "--node-rank takes this machine's rank among the nodes, from 0 or more"),
+    (["run", "{nb}", "--rdzv-endpoint", "host:99999"], "--rdzv-endpoint takes HOST:PORT (a port from 1 to 65535)"),
+    (["run", "{nb}", "--rdzv-endpoint", ":29500"], "--rdzv-endpoint takes HOST:PORT"),
+])
+def test_every_path_and_number_an_option_carries_is_checked_first(tiny_notebook, tmp_path, capsys, argv, message):
+    fill = {"nb": tiny_notebook, "tmp": tmp_path}
+    before = sorted(tmp_path.rglob("*"))
+    err = refused([a.format(**fill) for a in argv], capsys)
+    assert message.format(**fill) in err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing made, nothing left behind
+
+
+def test_a_runs_folder_that_cannot_be_made_is_said_by_the_api_too(tiny_notebook):
+    from nbddp.job import run_job
+
+    with pytest.raises(NbddpError, match="cannot make a run directory under /proc/nope .*--runs-dir or NBDDP_RUNS"):
+        run_job(tiny_notebook, nproc=1, runs_dir="/proc/nope", strategy="ddp")

@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="write the DDP training script for a notebook")
     c.add_argument("notebook", type=Path)
-    c.add_argument("-o", "--output", type=Path, help="script path (default: print to stdout)")
+    c.add_argument("-o", "--output", help="script path (default: print to stdout)")
     c.add_argument("--diff", action="store_true", help="print a unified diff from the notebook's code to the script")
     c.add_argument("--explain", action="store_true", help="list each change with its cell and line")
     c.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _convert(args) -> int:
     from .convert import convert_notebook
+    from .preflight import check_output_file
 
+    check_output_file(args.output, "-o")
     script = convert_notebook(args.notebook, skip_bad_cells=args.skip_bad_cells)
     for w in script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)

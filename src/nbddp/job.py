@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, Union
 
 from . import launch as _launch
-from . import outputs
+from . import outputs, preflight
 from .cells import Cell, Selection, notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
@@ -189,10 +189,12 @@ def check_job_options(
     """Refuse numbers no job can run with, before a run directory or a process exists (``NbddpError``).
 
     ``options.run_options`` calls this as soon as a front end has parsed its options; ``run_job`` calls it too.
-    A ``--master-port`` given to torchrun must be a port number, and free on this machine.
+    A ``--master-port`` given to torchrun must be a port number, and free on this machine; on a machine with
+    GPUs, ``--nproc`` at most the GPUs torch sees (``preflight.check_processes``).
     """
     if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
         raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
+    preflight.check_processes(nproc)  # no more than the GPUs torch sees
     for flag, seconds in (("--timeout", timeout_s), ("--collective-timeout", collective_timeout_s)):
         if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
             raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
@@ -210,7 +212,7 @@ def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env:
 
     decision = strategy.decide(script.text, cwd, requested)
     if requested != "auto" or decision.gpu_free or decision.fallback:
-        (sink or _launch._stdout_sink)("stdout", decision.summary() + "\n")
+        (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
     strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env

@@ -26,6 +26,7 @@ from .export import export_options
 from .job import prepare_job, run_job
 from .launch import default_nproc
 from .options import RUN_OPTIONS, run_options, split_torchrun_args
+from .preflight import check_output_file
 
 
 # argparse fills in %(prog)s here, so "%%" is one "%"; the heading adds the first line's other "%"
@@ -112,6 +113,7 @@ class NbddpMagics(Magics):
         if not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
         options = run_options(args, torchrun_args)
+        check_output_file(args.save, "--save")
         if cell is None:
             prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
         else:

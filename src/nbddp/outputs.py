@@ -27,6 +27,7 @@ import psutil
 
 from .convert.script import Script
 from .errors import LaunchError
+from .preflight import unwritable_folder
 from .launch.postmortem import RankFailure
 from .runtime.io import atomic_write_text
 from .runtime.records import Event
@@ -151,34 +152,12 @@ def _fold(node: ast.expr, names: dict[str, str]) -> str | None:
 def check_writable(folders: list[OutputFolder]) -> None:
     """Refuse (``LaunchError``) the first folder that cannot be written or made, at its cell and line."""
     for folder in folders:
-        reason = _unwritable(folder.path)
+        reason = unwritable_folder(folder.path)
         if reason:
             raise LaunchError(
                 f"cell {folder.cell}, line {folder.line}: {folder.what} writes to {folder.path}, which {reason}; "
                 "the job would train and then fail to save: choose a folder you can write to"
             )
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why files cannot be made in ``path`` (made first if missing), or None when they can.
-
-    Tried, not inferred from permission bits: root ignores those, a read-only mount does not.
-    """
-    existing = path
-    while not existing.exists():
-        if existing.is_symlink() or existing.parent == existing:
-            return "cannot be made"
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"cannot be made: {existing} is a file" if existing != path else "is a file, not a folder"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".nbddp-probe-", dir=existing)
-    except OSError as exc:
-        what = "is not writable" if existing == path else f"cannot be made in {existing}"
-        return f"{what} ({exc.strerror})"
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 def _claims_dir() -> Path:

@@ -337,12 +337,10 @@ def gpu_free_bytes(timeout_s: float = 60.0) -> tuple[int, ...]:
 
 
 def _gpu_count() -> int:
-    """GPUs torch sees, without a CUDA context (NVML's count); 0 without torch."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count()
+    """GPUs torch sees, without a CUDA context (NVML's count); 0 without torch (``preflight.gpu_count``)."""
+    from .preflight import gpu_count
+
+    return gpu_count()
 
 
 def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
