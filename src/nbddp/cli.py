@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import NbddpError
+from .guard import guarded
 from .options import RUN_OPTIONS, TORCHRUN_EPILOG
 
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, raise_job_stopped)
     try:
-        return _COMMANDS[args.command](args)
+        with guarded(f"running nbddp {args.command} {args.notebook or ''}".rstrip()):  # never nbddp's traceback
+            return _COMMANDS[args.command](args)
     except NbddpError as exc:
         print(f"nbddp: error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from . import outputs, preflight
 from .cells import Cell, Selection, notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
+from .guard import guard
 from .launch import RankFailure, RunResult, Sink
 from .runtime.records import Event
 
@@ -134,6 +135,7 @@ def _run_script(
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 
 
+@guard("training a template")
 def run_template(
     path: str | os.PathLike, namespace: Mapping[str, object], **kwargs
 ) -> tuple[Script, "JobResult"]:

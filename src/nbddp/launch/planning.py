@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .. import guard
 from ..errors import LaunchError
 from ..runtime import records, selflaunch, shell_lines
 
@@ -71,6 +72,7 @@ def new_run_dir(base: str | os.PathLike, name: str) -> Path:
         path = base / (stem if k == 0 else f"{stem}-{k}")
         try:
             path.mkdir(mode=0o700)
+            guard.remember_run_dir(path)  # an internal error from here on saves its traceback there
             return path
         except FileExistsError:
             continue
