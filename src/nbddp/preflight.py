@@ -77,7 +77,8 @@ def check_nodes(nnodes: str | int | None, node_rank: int | None, rdzv_endpoint: 
         raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0{upto}, not {node_rank}")
     if rdzv_endpoint is not None:
         host, colon, port = str(rdzv_endpoint).rpartition(":") if ":" in str(rdzv_endpoint) else (rdzv_endpoint, "", "")
-        if not host.strip() or any(c.isspace() for c in host) or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+        bad_port = colon and not (port.isdigit() and 0 < int(port) < 65536)
+        if not host.strip() or any(c.isspace() for c in host) or bad_port:
             raise NbddpError(f"--rdzv-endpoint takes HOST:PORT (a port from 1 to 65535), not {str(rdzv_endpoint)!r}")
 
 

@@ -364,7 +364,8 @@ def sms_spam(folder: Path, spam: int = 80, ham: int = 100) -> None:
     target.write_text("".join(f"{name}\t{sentence(rng, label, rng.randint(4, 9))}\n" for name, label in rows))
 
 
-BUILDERS = {"bert": bert, "distilbert": distilbert, "glue_mrpc": glue_mrpc, "imdb": imdb, "offline_evaluate": offline_evaluate,
+BUILDERS = {"bert": bert, "distilbert": distilbert, "glue_mrpc": glue_mrpc, "imdb": imdb,
+            "offline_evaluate": offline_evaluate,
             "offline_torchtext": offline_torchtext, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
             "previous_chapters": previous_chapters, "sms_spam": sms_spam,
             "wav2vec2": wav2vec2, "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
