@@ -102,16 +102,16 @@ def _run(args) -> int:
     options = run_options(args, args.torchrun_args)
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
     job = run_job(args.notebook, **options, sink=view.sink, on_metrics=view.on_metrics)
-    view.end_line()
+    result = job.run
+    view.finish(result)  # rank 0's consequent traceback folded to one line
     for w in job.script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
-    result = job.run
-    if result.failure:
-        sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result), hidden=[result.script]))
-    elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
+    if not (result.failure or result.ok or result.interrupted or result.timed_out):  # those two were said
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP)
         print(summary(job), file=sys.stderr)
+    if result.failure:  # what a person reads last: the failing rank, its cell and line
+        sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result), hidden=[result.script]))
     if result.stopped_by:
         return 128 + result.stopped_by
     return 0 if job.ok else (130 if job.interrupted else 1)

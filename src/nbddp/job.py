@@ -321,7 +321,8 @@ class JobResult:
 
 def _adapters_written(roots: list[Path], since: float, skip: Path, depth: int = 3, limit: int = 5000) -> tuple[Path, ...]:
     """Folders under ``roots`` (at most ``depth`` levels down) with an ``adapter_config.json`` newer than
-    ``since``; hidden folders, the runs folder and package trees are not searched."""
+    ``since`` and the whole adapter saved (``outputs.saved_whole``); hidden folders, the runs folder and
+    package trees are not searched."""
     found: dict[Path, None] = {}
     seen = 0
     for root in roots:
@@ -330,7 +331,8 @@ def _adapters_written(roots: list[Path], since: float, skip: Path, depth: int = 
             seen += 1
             if seen > limit:
                 return tuple(found)
-            if "adapter_config.json" in filenames and (here / "adapter_config.json").stat().st_mtime >= since:
+            if ("adapter_config.json" in filenames and (here / "adapter_config.json").stat().st_mtime >= since
+                    and outputs.saved_whole(here, filenames)):  # not a save a full disk or a failure cut short
                 found[here] = None
             level = len(here.relative_to(root).parts)
             dirnames[:] = [

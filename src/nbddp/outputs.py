@@ -211,6 +211,22 @@ def _live_claim(claim: Path) -> dict | None:
     return None
 
 
+#: The weights file an adapter folder holds once PEFT saved it (safetensors by default, else a pickle).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def saved_whole(folder: Path, names: list[str]) -> bool:
+    """Whether the adapter in ``folder`` (whose file ``names`` are given) was saved whole: its weights are there,
+    no save into it was cut short (the hidden temporary file ``runtime.io`` leaves), and a Trainer checkpoint
+    (``checkpoint-N``) is complete as ``--resume`` counts it (``runtime.resume.is_complete``). A full disk in
+    the middle of ``checkpoint-30`` leaves its config and some files: that is not a saved adapter."""
+    from .runtime import resume
+
+    if not any(name in names for name in ADAPTER_WEIGHTS) or any(resume.cut_short(name) for name in names):
+        return False
+    return not resume.is_checkpoint(folder.name) or resume.is_complete(str(folder))
+
+
 #: What a rank's failure says when the disk filled under it: errno 28, or torch's zip writer's own words.
 _NO_SPACE = re.compile(r"No space left on device|\[Errno 28\]|inline_container\.cc.*unexpected pos|file write failed")
 _WRITING = re.compile(r"^nbddp: while writing (.+)$", re.MULTILINE)
