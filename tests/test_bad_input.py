@@ -124,3 +124,53 @@ def test_a_runs_folder_that_cannot_be_made_is_said_by_the_api_too(tiny_notebook)
 
     with pytest.raises(NbddpError, match="cannot make a run directory under /proc/nope .*--runs-dir or NBDDP_RUNS"):
         run_job(tiny_notebook, nproc=1, runs_dir="/proc/nope", strategy="ddp")
+
+
+# ------------------------------------------------------------------ a notebook deleting its own run directory
+
+DELETES_RUNS = '''import shutil
+shutil.rmtree("runs", ignore_errors=True)  # tidy up'''
+
+
+def test_deleting_the_run_directory_is_refused_at_its_line(tmp_path):
+    """In a process of its own: an audit hook cannot be removed."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    code = f'''
+import os, shutil, sys
+from nbddp.runtime import rundir
+assert rundir.protect({str(run_dir)!r})
+shutil.rmtree({str(tmp_path / "mine")!r})  # the notebook's own folders stay the notebook's
+for victim in ({str(run_dir)!r}, {str(tmp_path / "runs")!r}):
+    try:
+        shutil.rmtree(victim, ignore_errors=True)
+    except rundir.RunDirectoryInUse as exc:
+        print("refused:", exc)
+open({str(run_dir / "f")!r}, "w").close(); os.remove({str(run_dir / "f")!r})  # nbddp's own files inside: its writers'
+'''
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("refused: this deletes") == 2 and run_dir.is_dir() and not (tmp_path / "mine").exists()
+    assert f"which holds nbddp's run directory for this job ({run_dir}" in done.stdout
+
+
+@pytest.mark.e2e
+def test_a_notebook_deleting_its_run_directory_is_told_at_its_cell_and_line(tmp_path, capsys):
+    nb = tmp_path / "tidy.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(DELETES_RUNS),
+                                                   nbformat.v4.new_code_cell("print('after')")]), str(nb))
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = cli.main(["run", str(nb), "--nproc", "2", "--runs-dir", "runs"])
+    finally:
+        os.chdir(old)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "nbddp: rank 0 failed in cell 1, line 2: RunDirectoryInUse: this deletes " in err
+    assert "shutil.rmtree(\"runs\", ignore_errors=True)" in err and "metrics.jsonl" not in err
+    assert list((tmp_path / "runs").iterdir())  # the run directory, its logs and records, are still there

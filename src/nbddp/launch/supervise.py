@@ -113,6 +113,11 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         run_dir = f"nbddp:   run directory: {plan.run_dir}\n" if stopped_by else ""
         with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
             sink("stderr", f"\nnbddp: {what}; every rank has been stopped.\n{where}{run_dir}")
+    if not plan.run_dir.is_dir():  # the ranks refuse Python's deletions of it (runtime.rundir), not a shell's
+        with contextlib.suppress(OSError):
+            sink("stderr", f"\nnbddp: the run directory {plan.run_dir} was deleted while the job ran, with every "
+                           "rank's logs and records: by a shell line of the notebook (!rm -rf …) or another program? "
+                           "Leave it out, or have run directories made elsewhere (--runs-dir DIR, or NBDDP_RUNS)\n")
     stop.pass_on()
     return result
 

@@ -32,8 +32,9 @@ def setup() -> RankInfo:
         return remembered()
     _record_uncaught_errors()
     _record_stacks_on_termination()
-    from . import saves
+    from . import rundir, saves
 
+    rundir.protect()  # the notebook's code may not delete the run directory it runs in (NBDDP_RUN_DIR)
     saves.install()  # before anything imports transformers or peft, which bind safetensors' save_file
     import torch
     import torch.distributed as dist
