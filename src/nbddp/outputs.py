@@ -30,7 +30,7 @@ from .errors import LaunchError
 from .preflight import unwritable_folder
 from .launch.postmortem import RankFailure
 from .runtime.io import atomic_write_text
-from .runtime.records import Event
+from .runtime.records import Event, append_notice
 
 #: Calls whose ``output_dir`` keyword names a folder the Trainer writes checkpoints into.
 _CONFIG_CALL = re.compile(r"^(?:\w*TrainingArguments|\w*Config)$")
@@ -170,7 +170,9 @@ def _claims_dir() -> Path:
 @contextlib.contextmanager
 def claimed(folders: list[OutputFolder], run_dir: Path) -> Iterator[list[str]]:
     """Claim ``folders`` for this process while the block runs; yields a warning for each folder another
-    live job on this machine writes into too (its pid and run directory). Claims of dead jobs are taken over."""
+    live job on this machine writes into too (its pid and run directory), and tells that job the same through
+    its run directory's notices (``records.append_notice``, which its launcher streams): both are warned.
+    Claims of dead jobs are taken over."""
     me = psutil.Process()
     mine = {"pid": me.pid, "started": me.create_time(), "run_dir": str(run_dir)}
     warnings, taken = [], []
@@ -182,10 +184,12 @@ def claimed(folders: list[OutputFolder], run_dir: Path) -> Iterator[list[str]]:
         claim = claims / (hashlib.sha256(str(folder.path).encode()).hexdigest()[:24] + ".json")
         other = _live_claim(claim)
         if other and other["pid"] != me.pid:
-            warnings.append(
-                f"another job (pid {other['pid']}, run directory {other['run_dir']}) is writing to {folder.path} "
-                f"too (cell {folder.cell}, line {folder.line}): their checkpoints and saves will overwrite each other"
-            )
+            clash = "their checkpoints and saves will overwrite each other"
+            warnings.append(f"another job (pid {other['pid']}, run directory {other['run_dir']}) is writing to "
+                            f"{folder.path} too (cell {folder.cell}, line {folder.line}): {clash}")
+            with contextlib.suppress(OSError, TypeError):  # its run directory gone: nobody left to tell
+                append_notice(other["run_dir"], f"nbddp: warning: another job (pid {me.pid}, run directory {run_dir}) "
+                                                f"started writing to {folder.path} too: {clash}")
             continue
         with contextlib.suppress(OSError):
             atomic_write_text(claim, json.dumps({**mine, "folder": str(folder.path)}))

@@ -232,8 +232,8 @@ class RankLog:
             self._warn(f"{m['category']}: {m['message']} ({Path(m['file']).name}:{m['line']})")
         elif (m := _TORCH_WARNING.match(line)):
             self._warn(f"torch: {m['message']}")
-        elif line.startswith("nbddp: ") and not self.started:
-            self.startup.append(line)
+        elif line.startswith("nbddp: ") and not line.startswith("nbddp: warning:") and not self.started:
+            self.startup.append(line)  # a warning is never folded away
         else:
             self.tail.append(line)
             if _TRACEBACK.match(line):
