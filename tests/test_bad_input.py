@@ -174,3 +174,35 @@ def test_a_notebook_deleting_its_run_directory_is_told_at_its_cell_and_line(tmp_
     assert "nbddp: rank 0 failed in cell 1, line 2: RunDirectoryInUse: this deletes " in err
     assert "shutil.rmtree(\"runs\", ignore_errors=True)" in err and "metrics.jsonl" not in err
     assert list((tmp_path / "runs").iterdir())  # the run directory, its logs and records, are still there
+
+
+# ------------------------------------------------------------------ library notices nobody can act on
+
+GEMM = ("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already `pip install "
+        "kernels` and the kernels >= 0.11.1")
+
+
+def test_bitsandbytes_cpu_kernel_notice_is_dropped_and_nothing_else(caplog):
+    import logging
+
+    from nbddp.runtime import notices
+
+    notices.quiet()
+    notices.quiet()
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        logger.warning(GEMM, "No module named 'kernels'")
+        logger.warning("something bitsandbytes means")
+    assert [r.getMessage() for r in caplog.records] == ["something bitsandbytes means"]
+
+
+@pytest.mark.e2e
+def test_a_run_importing_bitsandbytes_streams_no_kernel_notice(tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    nb = tmp_path / "bnb.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import bitsandbytes\nprint('in')")]),
+                   str(nb))
+    assert cli.main(["run", str(nb), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")]) == 0
+    said = "".join(capsys.readouterr()) + "".join(p.read_text() for p in (tmp_path / "runs").rglob("std*.log"))
+    assert "gemm_4bit_forward" not in said and "in" in said
