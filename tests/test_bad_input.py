@@ -103,6 +103,9 @@ def test_more_cpu_processes_than_cores_is_a_warning(tiny_notebook, capsys):
     (["run", "{nb}", "--runs-dir", "/proc/nope"], "--runs-dir /proc/nope cannot be made in /proc"),
     (["run", "{nb}", "--runs-dir", "{nb}"], "--runs-dir {nb} is a file, not a folder"),
     (["run", "{nb}", "--runs-dir", ""], "argument --runs-dir: takes a folder, not ''"),
+    (["run", "{nb}", "--runs-dir", "a\x00b"], "--runs-dir 'a\\x00b' cannot be a path: it holds a NUL byte"),
+    (["convert", "{nb}", "-o", "a\x00b.py"], "-o 'a\\x00b.py' cannot be a path: it holds a NUL byte"),
+    (["convert", "{nb}", "-o", "{tmp}/" + "n" * 300], "is not a path this system can write (File name too long)"),
     (["run", "{nb}", "--nnodes", "0"], "--nnodes takes a number of machines of at least 1, or MIN:MAX, not '0'"),
     (["run", "{nb}", "--nnodes", "3:2"], "--nnodes takes a number of machines of at least 1, or MIN:MAX, not '3:2'"),
     (["run", "{nb}", "--nnodes", "2", "--node-rank", "2"], "--node-rank takes this machine's rank among the nodes, "

@@ -201,6 +201,7 @@ def check_job_options(
         if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
             raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
     _launch.check_master_port(list(torchrun_args))
+    preflight.check_torchrun_args(list(torchrun_args))  # -- --nnodes=0 and the like
 
 
 def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,

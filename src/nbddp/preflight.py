@@ -13,7 +13,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from .errors import NbddpError
+from .errors import NbddpError, printable
 
 #: Overrides the GPU count (tests of the GPU checks on a CPU machine; choosing as on another machine).
 GPU_COUNT_ENV = "NBDDP_GPU_COUNT"
@@ -82,6 +82,21 @@ def check_nodes(nnodes: str | int | None, node_rank: int | None, rdzv_endpoint: 
             raise NbddpError(f"--rdzv-endpoint takes HOST:PORT (a port from 1 to 65535), not {str(rdzv_endpoint)!r}")
 
 
+def check_torchrun_args(torchrun_args: list[str]) -> None:
+    """The same checks on what is passed to torchrun after ``--`` (``-- --nnodes=0``), and its
+    ``--max-restarts``: torchrun would otherwise refuse them with its own traceback."""
+    from .launch.planning import _arg_value
+
+    node_rank = _arg_value(torchrun_args, "node-rank")
+    if node_rank is not None and not node_rank.lstrip("-").isdigit():
+        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, not {node_rank!r}")
+    check_nodes(_arg_value(torchrun_args, "nnodes"), int(node_rank) if node_rank is not None else None,
+                _arg_value(torchrun_args, "rdzv-endpoint"))
+    restarts = _arg_value(torchrun_args, "max-restarts")
+    if restarts is not None and not restarts.isdigit():
+        raise NbddpError(f"--max-restarts takes a number of restarts of 0 or more, not {restarts!r}")
+
+
 def check_output_file(path: str | os.PathLike | None, flag: str) -> None:
     """A file path an option names to write (``nbddp convert -o``, ``%%ddp_train --save``): not empty, not a
     folder, in a folder that is or can be made and written. Tried, not inferred: nothing is left behind."""
@@ -89,11 +104,12 @@ def check_output_file(path: str | os.PathLike | None, flag: str) -> None:
         return
     if not str(path).strip():
         raise NbddpError(f"{flag} takes a file path, not {str(path)!r}")
+    _no_nul(path, flag)
     target = Path(path)
     try:
         is_dir = target.is_dir()
     except (OSError, ValueError) as exc:  # a NUL byte, a name too long
-        raise NbddpError(f"{flag} {str(path)!r} is not a path this system can write ({exc})") from None
+        raise NbddpError(f"{flag} {str(path)!r} is not a path this system can write ({_why(exc)})") from None
     if is_dir:
         raise NbddpError(f"{flag} {path} is a folder; give a file path, e.g. {target / 'train.py'}")
     reason = unwritable_folder(target.parent if str(target.parent) else Path("."))
@@ -107,12 +123,23 @@ def check_folder(path: str | os.PathLike | None, flag: str) -> None:
         return
     if not str(path).strip():
         raise NbddpError(f"{flag} takes a folder, not {str(path)!r}")
+    _no_nul(path, flag)
     try:
         reason = unwritable_folder(Path(path))
     except (OSError, ValueError) as exc:
-        raise NbddpError(f"{flag} {str(path)!r} is not a path this system can write ({exc})") from None
+        raise NbddpError(f"{flag} {str(path)!r} is not a path this system can write ({_why(exc)})") from None
     if reason:
         raise NbddpError(f"{flag} {path} {reason}: choose a folder you can write to")
+
+
+def _why(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _no_nul(path: str | os.PathLike, flag: str) -> None:
+    """No file name holds a NUL byte (``pathlib`` calls such a path missing rather than refuse it)."""
+    if "\x00" in str(path):
+        raise NbddpError(f"{flag} '{printable(str(path))}' cannot be a path: it holds a NUL byte")
 
 
 def unwritable_folder(path: Path) -> str | None:
