@@ -99,6 +99,7 @@ def test_job_result_finds_what_the_run_wrote(tmp_path):
     new = tmp_path / "outputs" / "lora"
     new.mkdir(parents=True)
     (new / "adapter_config.json").write_text("{}")
+    (new / "adapter_model.safetensors").write_bytes(b"weights")
     history = list(run_result(tmp_path).log_history)
     history[0] = {**history[0], "output_dir": str(tmp_path / "outputs")}
     job = JobResult.from_run(run_result(tmp_path, log_history=tuple(history)), tmp_path)

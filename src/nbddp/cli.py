@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import NbddpError
+from .guard import guarded
 from .options import RUN_OPTIONS, TORCHRUN_EPILOG
 
 
@@ -20,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="write the DDP training script for a notebook")
     c.add_argument("notebook", type=Path)
-    c.add_argument("-o", "--output", type=Path, help="script path (default: print to stdout)")
+    c.add_argument("-o", "--output", help="script path (default: print to stdout)")
     c.add_argument("--diff", action="store_true", help="print a unified diff from the notebook's code to the script")
     c.add_argument("--explain", action="store_true", help="list each change with its cell and line")
     c.add_argument("--skip-bad-cells", action="store_true", help="leave out cells that do not parse, with a warning")
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, raise_job_stopped)
     try:
-        return _COMMANDS[args.command](args)
+        with guarded(f"running nbddp {args.command} {args.notebook or ''}".rstrip()):  # never nbddp's traceback
+            return _COMMANDS[args.command](args)
     except NbddpError as exc:
         print(f"nbddp: error: {exc}", file=sys.stderr)
         return 2
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _convert(args) -> int:
     from .convert import convert_notebook
+    from .preflight import check_output_file
 
+    check_output_file(args.output, "-o")
     script = convert_notebook(args.notebook, skip_bad_cells=args.skip_bad_cells)
     for w in script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
@@ -98,16 +102,16 @@ def _run(args) -> int:
     options = run_options(args, args.torchrun_args)
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
     job = run_job(args.notebook, **options, sink=view.sink, on_metrics=view.on_metrics)
-    view.end_line()
+    result = job.run
+    view.finish(result)  # rank 0's consequent traceback folded to one line
     for w in job.script.warnings:
         print(f"nbddp: warning: {w}", file=sys.stderr)
-    result = job.run
-    if result.failure:
-        sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result), hidden=[result.script]))
-    elif not (result.ok or result.interrupted or result.timed_out):  # those two were said as they happened
+    if not (result.failure or result.ok or result.interrupted or result.timed_out):  # those two were said
         print(f"nbddp: torchrun exited with {result.returncode}; see {result.run_dir / 'torchrun.log'}", file=sys.stderr)
     with contextlib.suppress(OSError):  # a closed terminal (SIGHUP)
         print(summary(job), file=sys.stderr)
+    if result.failure:  # what a person reads last: the failing rank, its cell and line
+        sys.stderr.write(failure_report(result.failure, others=where_ranks_were(result), hidden=[result.script]))
     if result.stopped_by:
         return 128 + result.stopped_by
     return 0 if job.ok else (130 if job.interrupted else 1)

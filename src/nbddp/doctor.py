@@ -97,12 +97,10 @@ def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float =
 
 
 def gpu_count() -> int:
-    """GPUs visible to this process, without initialising CUDA here; 0 without torch."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count()
+    """GPUs visible to this process, without initialising CUDA here; 0 without torch (``preflight.gpu_count``)."""
+    from .preflight import gpu_count as visible
+
+    return visible()
 
 
 def gpus_check(devices: list[dict], n_gpus: int) -> Check:

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import unicodedata
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\x00``), tabs and newlines kept: a message
+    quoting a notebook's bytes must not print a NUL, a carriage return that hides the line, or a terminal's
+    escape sequence, nor break the comment a script's header makes of it."""
+    return "".join(c if c in "\t\n" or unicodedata.category(c) not in ("Cc", "Cs") else repr(c)[1:-1] for c in text)
+
 
 class NbddpError(Exception):
     """Base class: the message is meant for the user, printed as is, with no nbddp traceback."""
@@ -21,8 +30,8 @@ class CellError(NbddpError):
     def __init__(self, message: str, *, cell: int, line: int | None = None, source: str = ""):
         self.cell, self.line, self.source = cell, line, source
         where = f"cell {cell}" + (f", line {line}" if line else "")
-        detail = f"\n    {source.strip()}" if source.strip() else ""
-        super().__init__(f"{where}: {message}{detail}")
+        detail = f"\n    {printable(source.strip())}" if source.strip() else ""
+        super().__init__(f"{where}: {printable(message)}{detail}")
 
 
 class LaunchError(NbddpError):

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, Union
 
 from . import launch as _launch
-from . import outputs
+from . import outputs, preflight
 from .cells import Cell, Selection, notebook_cells
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError, NotebookError
+from .guard import guard
 from .launch import RankFailure, RunResult, Sink
 from .runtime.records import Event
 
@@ -134,6 +135,7 @@ def _run_script(
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 
 
+@guard("training a template")
 def run_template(
     path: str | os.PathLike, namespace: Mapping[str, object], **kwargs
 ) -> tuple[Script, "JobResult"]:
@@ -189,28 +191,31 @@ def check_job_options(
     """Refuse numbers no job can run with, before a run directory or a process exists (``NbddpError``).
 
     ``options.run_options`` calls this as soon as a front end has parsed its options; ``run_job`` calls it too.
-    A ``--master-port`` given to torchrun must be a port number, and free on this machine.
+    A ``--master-port`` given to torchrun must be a port number, and free on this machine; on a machine with
+    GPUs, ``--nproc`` at most the GPUs torch sees (``preflight.check_processes``).
     """
     if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
         raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
+    preflight.check_processes(nproc)  # no more than the GPUs torch sees
     for flag, seconds in (("--timeout", timeout_s), ("--collective-timeout", collective_timeout_s)):
         if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
             raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
     _launch.check_master_port(list(torchrun_args))
+    preflight.check_torchrun_args(list(torchrun_args))  # -- --nnodes=0 and the like
 
 
 def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,
                     sink: Sink | None) -> tuple[int | None, dict[str, str]]:
     """The processes and environment of the strategy the job runs with; its decision said on the sink
-    (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed).
+    (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed; a fallback is always said).
 
     Split mode is one process driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``.
     """
     from . import strategy
 
     decision = strategy.decide(script.text, cwd, requested)
-    if requested != "auto" or decision.gpu_free:
-        (sink or _launch._stdout_sink)("stdout", decision.summary() + "\n")
+    if requested != "auto" or decision.gpu_free or decision.fallback:
+        (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
     strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env
@@ -317,7 +322,8 @@ class JobResult:
 
 def _adapters_written(roots: list[Path], since: float, skip: Path, depth: int = 3, limit: int = 5000) -> tuple[Path, ...]:
     """Folders under ``roots`` (at most ``depth`` levels down) with an ``adapter_config.json`` newer than
-    ``since``; hidden folders, the runs folder and package trees are not searched."""
+    ``since`` and the whole adapter saved (``outputs.saved_whole``); hidden folders, the runs folder and
+    package trees are not searched."""
     found: dict[Path, None] = {}
     seen = 0
     for root in roots:
@@ -326,7 +332,8 @@ def _adapters_written(roots: list[Path], since: float, skip: Path, depth: int = 
             seen += 1
             if seen > limit:
                 return tuple(found)
-            if "adapter_config.json" in filenames and (here / "adapter_config.json").stat().st_mtime >= since:
+            if ("adapter_config.json" in filenames and (here / "adapter_config.json").stat().st_mtime >= since
+                    and outputs.saved_whole(here, filenames)):  # not a save a full disk or a failure cut short
                 found[here] = None
             level = len(here.relative_to(root).parts)
             dirnames[:] = [

@@ -23,9 +23,11 @@ from .display import LivePanel, cell_label, outcome_error
 from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
+from .guard import guard
 from .job import prepare_job, run_job
 from .launch import default_nproc
 from .options import RUN_OPTIONS, run_options, split_torchrun_args
+from .preflight import check_output_file
 
 
 # argparse fills in %(prog)s here, so "%%" is one "%"; the heading adds the first line's other "%"
@@ -90,6 +92,7 @@ class NbddpMagics(Magics):
     @_arguments(TRAIN_OPTIONS)
     @_arguments(RUN_OPTIONS)
     @line_cell_magic
+    @guard("running %%ddp_train", passthrough=(UsageError,))
     def ddp_train(self, line: str, cell: str | None = None):
         """Train on every GPU: the cells before this one plus this cell, as a DDP script run by torchrun.
 
@@ -107,6 +110,7 @@ class NbddpMagics(Magics):
         if not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
         options = run_options(args, torchrun_args)
+        check_output_file(args.save, "--save")
         if cell is None:
             prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
         else:
@@ -150,6 +154,7 @@ class NbddpMagics(Magics):
     @argument("--list", action="store_true", help="as a line magic: list the registered cells")
     @argument("--clear", action="store_true", help="as a line magic: forget every registered cell")
     @line_cell_magic
+    @guard("running %%ddp_setup", passthrough=(UsageError,))
     def ddp_setup(self, line: str, cell: str | None = None):
         """Mark a cell as part of the next %%ddp_train job without running it here, so the kernel does not
         load the model onto a GPU the ranks need. Running the cell again replaces what it registered.
@@ -175,6 +180,7 @@ class NbddpMagics(Magics):
     @argument("--nproc", type=int, help="processes for the all-reduce (default: one per GPU, 2 without GPUs)")
     @argument("--timeout", type=float, default=doctor.DEFAULT_TIMEOUT_S, metavar="S", help="give up the all-reduce after S seconds")
     @line_magic
+    @guard("running %ddp_doctor", passthrough=(UsageError,))
     def ddp_doctor(self, line: str):
         """Pre-flight checks: GPUs and precisions, GPU memory this kernel holds, /dev/shm, an all-reduce across
         every GPU (gloo on CPU), the DataParallel trap of training in a kernel that sees several GPUs, and
@@ -203,6 +209,7 @@ class NbddpMagics(Magics):
     @argument("notebook", nargs="?", help="the notebook file (default: the one this kernel runs, as last saved)")
     @_arguments(EXPORT_OPTIONS)
     @line_magic
+    @guard("running %ddp_export", passthrough=(UsageError,))
     def ddp_export(self, line: str):
         """Export a notebook as a Kaggle Script kernel that trains on every GPU of Kaggle's machine: a
         self-launching script and its kernel-metadata.json in DIR, for !kaggle kernels push -p DIR.

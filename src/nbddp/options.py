@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import pkgutil
+import sys
 from pathlib import Path
 from typing import Iterable
 
+from . import preflight
 from .errors import NbddpError
 
 
@@ -36,6 +38,13 @@ def processes(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes a number of processes or auto, not {text!r}") from None
+
+
+def folder(text: str) -> Path:
+    """A folder option (``--runs-dir``): not empty (``Path("")`` would quietly be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"takes a folder, not {text!r}")
+    return Path(text)
 
 
 Option = tuple[tuple[str, ...], dict]
@@ -63,7 +72,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
     (("--env",), dict(action="append", default=[], metavar="K=V", help="an environment variable for the ranks (repeatable)")),
     (("--skip-installs",), dict(action="store_true", help="do not run the notebook's pip installs before launch")),
     (("--skip-bad-cells",), dict(action="store_true", help="leave out cells that do not parse, with a warning")),
-    (("--runs-dir",), dict(type=Path, metavar="DIR", help="where run directories go (default: ./nbddp_runs)")),
+    (("--runs-dir",), dict(type=folder, metavar="DIR", help="where run directories go (default: ./nbddp_runs)")),
     (("--nnodes",), dict(metavar="N", help="machines in the job (multi-node; with --rdzv-endpoint)")),
     (("--node-rank",), dict(type=int, metavar="RANK", help="this machine's rank among them (static rendezvous)")),
     (("--rdzv-endpoint",), dict(metavar="HOST:PORT", help="c10d rendezvous endpoint, the same on every machine")),
@@ -84,7 +93,8 @@ def dest(option: Option) -> str:
 
 def run_options(args: argparse.Namespace, torchrun_args: Iterable[str] = ()) -> dict:
     """``run_job``'s keywords from arguments parsed with ``RUN_OPTIONS`` (and torchrun's, after ``--``),
-    checked by ``check_job_options`` before anything starts."""
+    checked before anything starts: the nodes and the runs folder (``preflight``), the numbers
+    (``check_job_options``); more CPU processes than cores is said as a warning."""
     from .job import check_job_options
     from .launch import node_args
 
@@ -92,8 +102,12 @@ def run_options(args: argparse.Namespace, torchrun_args: Iterable[str] = ()) -> 
     keywords["env"] = {**parse_env(args.env), **shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing,
                                                         allow_divergence=args.allow_divergence)}
     keywords["torchrun_args"] = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint) + list(torchrun_args)
+    preflight.check_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    preflight.check_folder(args.runs_dir, "--runs-dir")
     check_job_options(nproc=keywords["nproc"], timeout_s=keywords["timeout_s"],
                       collective_timeout_s=keywords["collective_timeout_s"], torchrun_args=keywords["torchrun_args"])
+    for warning in preflight.check_processes(keywords["nproc"]):  # refused above where it cannot run
+        print(f"nbddp: warning: {warning}", file=sys.stderr)
     return keywords
 
 

@@ -27,9 +27,10 @@ import psutil
 
 from .convert.script import Script
 from .errors import LaunchError
+from .preflight import unwritable_folder
 from .launch.postmortem import RankFailure
 from .runtime.io import atomic_write_text
-from .runtime.records import Event
+from .runtime.records import Event, append_notice
 
 #: Calls whose ``output_dir`` keyword names a folder the Trainer writes checkpoints into.
 _CONFIG_CALL = re.compile(r"^(?:\w*TrainingArguments|\w*Config)$")
@@ -151,34 +152,12 @@ def _fold(node: ast.expr, names: dict[str, str]) -> str | None:
 def check_writable(folders: list[OutputFolder]) -> None:
     """Refuse (``LaunchError``) the first folder that cannot be written or made, at its cell and line."""
     for folder in folders:
-        reason = _unwritable(folder.path)
+        reason = unwritable_folder(folder.path)
         if reason:
             raise LaunchError(
                 f"cell {folder.cell}, line {folder.line}: {folder.what} writes to {folder.path}, which {reason}; "
                 "the job would train and then fail to save: choose a folder you can write to"
             )
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why files cannot be made in ``path`` (made first if missing), or None when they can.
-
-    Tried, not inferred from permission bits: root ignores those, a read-only mount does not.
-    """
-    existing = path
-    while not existing.exists():
-        if existing.is_symlink() or existing.parent == existing:
-            return "cannot be made"
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"cannot be made: {existing} is a file" if existing != path else "is a file, not a folder"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".nbddp-probe-", dir=existing)
-    except OSError as exc:
-        what = "is not writable" if existing == path else f"cannot be made in {existing}"
-        return f"{what} ({exc.strerror})"
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 def _claims_dir() -> Path:
@@ -191,7 +170,9 @@ def _claims_dir() -> Path:
 @contextlib.contextmanager
 def claimed(folders: list[OutputFolder], run_dir: Path) -> Iterator[list[str]]:
     """Claim ``folders`` for this process while the block runs; yields a warning for each folder another
-    live job on this machine writes into too (its pid and run directory). Claims of dead jobs are taken over."""
+    live job on this machine writes into too (its pid and run directory), and tells that job the same through
+    its run directory's notices (``records.append_notice``, which its launcher streams): both are warned.
+    Claims of dead jobs are taken over."""
     me = psutil.Process()
     mine = {"pid": me.pid, "started": me.create_time(), "run_dir": str(run_dir)}
     warnings, taken = [], []
@@ -203,10 +184,12 @@ def claimed(folders: list[OutputFolder], run_dir: Path) -> Iterator[list[str]]:
         claim = claims / (hashlib.sha256(str(folder.path).encode()).hexdigest()[:24] + ".json")
         other = _live_claim(claim)
         if other and other["pid"] != me.pid:
-            warnings.append(
-                f"another job (pid {other['pid']}, run directory {other['run_dir']}) is writing to {folder.path} "
-                f"too (cell {folder.cell}, line {folder.line}): their checkpoints and saves will overwrite each other"
-            )
+            clash = "their checkpoints and saves will overwrite each other"
+            warnings.append(f"another job (pid {other['pid']}, run directory {other['run_dir']}) is writing to "
+                            f"{folder.path} too (cell {folder.cell}, line {folder.line}): {clash}")
+            with contextlib.suppress(OSError, TypeError):  # its run directory gone: nobody left to tell
+                append_notice(other["run_dir"], f"nbddp: warning: another job (pid {me.pid}, run directory {run_dir}) "
+                                                f"started writing to {folder.path} too: {clash}")
             continue
         with contextlib.suppress(OSError):
             atomic_write_text(claim, json.dumps({**mine, "folder": str(folder.path)}))
@@ -230,6 +213,22 @@ def _live_claim(claim: Path) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError, psutil.Error):
         pass
     return None
+
+
+#: The weights file an adapter folder holds once PEFT saved it (safetensors by default, else a pickle).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def saved_whole(folder: Path, names: list[str]) -> bool:
+    """Whether the adapter in ``folder`` (whose file ``names`` are given) was saved whole: its weights are there,
+    no save into it was cut short (the hidden temporary file ``runtime.io`` leaves), and a Trainer checkpoint
+    (``checkpoint-N``) is complete as ``--resume`` counts it (``runtime.resume.is_complete``). A full disk in
+    the middle of ``checkpoint-30`` leaves its config and some files: that is not a saved adapter."""
+    from .runtime import resume
+
+    if not any(name in names for name in ADAPTER_WEIGHTS) or any(resume.cut_short(name) for name in names):
+        return False
+    return not resume.is_checkpoint(folder.name) or resume.is_complete(str(folder))
 
 
 #: What a rank's failure says when the disk filled under it: errno 28, or torch's zip writer's own words.

@@ -9,8 +9,13 @@ gradient checkpointing. ``estimate`` turns these into the bytes one rank needs u
 optimizer states sharded over the ranks), else split (one process, the model's layers spread over every
 GPU). The ``Decision`` says what it picked and why (``summary()``).
 
+The model's sizes are read as transformers reads them (``model_config``: its config class and
+``attribute_map``); a model whose sizes cannot be read is of unknown size, and any other slip on the way
+falls back (``decide``).
+
 Light on purpose: nothing here imports torch; the GPUs' free memory comes from a child process, so the
-kernel never initialises CUDA.
+kernel never initialises CUDA (transformers' configuration module, imported for a config.json, imports
+torch where it is installed, which initialises nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import NbddpError
+from .errors import NbddpError, printable
+from .model_config import Dims, SizeUnknown, read_json
 
 STRATEGIES = ("auto", "ddp", "fsdp", "split", "deepspeed")
 GiB = 2**30
@@ -81,6 +87,7 @@ class Decision:
     estimate: Estimate | None = None
     gpu_free: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    fallback: str = ""  # why nbddp could not decide and fell back to DDP (then always said)
 
     def summary(self) -> str:
         lines = [f"nbddp: strategy {self.strategy}" + ("" if self.requested == self.strategy else
@@ -221,13 +228,18 @@ def _read_trainer_config(kw: dict, found: dict) -> None:
 
 
 def read_config(model: str, cwd: str | os.PathLike | None = None) -> dict | None:
-    """The model's ``config.json``: from its folder, else from the Hugging Face cache; None when neither has it.
+    """The model's ``config.json``: from its folder, else from the Hugging Face cache; None when neither has it,
+    ``SizeUnknown`` when it is there but not readable.
 
     Never reaches the network: a hub id not in the cache stays unknown.
     """
-    folder = Path(cwd or ".") / model
-    if (folder / "config.json").is_file():
-        return json.loads((folder / "config.json").read_text())
+    try:
+        local = Path(cwd or ".") / model / "config.json"
+        found = local.is_file()
+    except (OSError, ValueError):  # a name no file can have (a NUL byte, too long)
+        return None
+    if found:
+        return read_json(local)
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
@@ -236,69 +248,7 @@ def read_config(model: str, cwd: str | os.PathLike | None = None) -> dict | None
         cached = try_to_load_from_cache(model, "config.json")
     except Exception:  # not a repository id (a path that does not exist, a malformed name)
         return None
-    return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
-
-
-@dataclass(frozen=True)
-class Dims:
-    """A decoder's sizes, from its config."""
-
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    q_out: int
-    kv_out: int
-    experts: int
-    tied: bool
-    dtype: str
-
-    @classmethod
-    def of(cls, config: dict) -> "Dims":
-        c = config.get("text_config") or config
-        hidden = int(c["hidden_size"])
-        heads = int(c.get("num_attention_heads") or 1)
-        head_dim = int(c.get("head_dim") or hidden // heads)
-        kv_heads = int(c.get("num_key_value_heads") or heads)
-        return cls(
-            vocab=int(c.get("vocab_size") or config.get("vocab_size") or 32000),
-            hidden=hidden,
-            intermediate=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden),
-            layers=int(c.get("num_hidden_layers") or c.get("n_layer") or 1),
-            q_out=heads * head_dim,
-            kv_out=kv_heads * head_dim,
-            experts=int(c.get("num_local_experts") or c.get("num_experts") or 1),
-            tied=bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
-            dtype=str(c.get("torch_dtype") or c.get("dtype") or config.get("torch_dtype") or "float32"),
-        )
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each of a layer's linear modules, by the names LoRA targets."""
-        h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, self.q_out), "k_proj": (h, self.kv_out), "v_proj": (h, self.kv_out),
-                "o_proj": (self.q_out, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    def layer_linear_params(self) -> int:
-        return sum(a * b * (self.experts if name in ("gate_proj", "up_proj", "down_proj") else 1)
-                   for name, (a, b) in self.linears().items())
-
-    def params(self) -> tuple[int, int]:
-        """(parameters in linear layers that quantization shrinks, the rest: embeddings, head, norms)."""
-        linear = self.layers * self.layer_linear_params()
-        other = self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
-        return linear, other
-
-    def lora_params(self, r: int, targets) -> int:
-        names = self.linears()
-        if targets in (None, ()):
-            chosen = ["q_proj", "v_proj"]  # PEFT's default for Llama-like models
-        elif targets == "all-linear" or not isinstance(targets, (tuple, list)):
-            chosen = list(names)
-        else:
-            chosen = [t for t in targets if t in names]
-        per_layer = sum(r * sum(names[t]) * (self.experts if t in ("gate_proj", "up_proj", "down_proj") else 1)
-                        for t in chosen)
-        return self.layers * per_layer
+    return read_json(Path(cached)) if isinstance(cached, str) else None
 
 
 def estimate(shape: JobShape, config: dict, world: int) -> Estimate:
@@ -387,12 +337,10 @@ def gpu_free_bytes(timeout_s: float = 60.0) -> tuple[int, ...]:
 
 
 def _gpu_count() -> int:
-    """GPUs torch sees, without a CUDA context (NVML's count); 0 without torch."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count()
+    """GPUs torch sees, without a CUDA context (NVML's count); 0 without torch (``preflight.gpu_count``)."""
+    from .preflight import gpu_count
+
+    return gpu_count()
 
 
 def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
@@ -441,9 +389,29 @@ SPLIT_NOTE = ("split runs the layers one GPU after another in a single process: 
 
 def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: str = "auto",
            gpu_free: tuple[int, ...] | None = None) -> Decision:
-    """The strategy a job runs with: ``requested`` itself, checked, or ``auto``'s choice with its estimate."""
+    """The strategy a job runs with: ``requested`` itself, checked, or ``auto``'s choice with its estimate.
+
+    What nbddp reads on the way (the script's facts, a model's config, the GPUs' memory) is read from files a
+    person gives it and libraries it does not control: a slip there is not the job's fault. So any exception
+    but a refusal (``NbddpError``) falls back: ``auto`` and ``ddp`` to DDP, saying why (``Decision.fallback``);
+    another strategy, which needs what failed, is refused naming the cause.
+    """
     if requested not in STRATEGIES:
         raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {requested!r}")
+    try:
+        return _decide(script_text, cwd, requested, gpu_free)
+    except NbddpError:
+        raise
+    except Exception as exc:  # broad on purpose: see the docstring
+        why = printable(f"{type(exc).__name__}: {exc}")[:300]
+        if requested in ("auto", "ddp"):
+            return Decision("ddp", f"nbddp could not decide the strategy ({why}); DDP assumed", requested,
+                            fallback=why)
+        raise NbddpError(f"--strategy {requested} could not be prepared: nbddp could not read what it needs ({why}); "
+                         "run with --strategy ddp, and please report this") from None
+
+
+def _decide(script_text: str, cwd, requested: str, gpu_free: tuple[int, ...] | None) -> Decision:
     shape = read_shape(script_text)
     if requested == "deepspeed" and not _installed("deepspeed"):
         raise NbddpError("--strategy deepspeed needs DeepSpeed, which is not installed here: pip install deepspeed "
@@ -455,14 +423,27 @@ def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: st
         raise NbddpError("--strategy fsdp cannot shard a model Unsloth loads (its patched layers and 4-bit kernels "
                          "expect whole weights on one GPU): use --strategy split, or ddp where the model fits one GPU")
     gpus = gpu_free_bytes() if gpu_free is None and requested == "auto" else (gpu_free or ())
-    config = read_config(shape.model, cwd) if shape.model else None
-    est = estimate(shape, config, max(len(gpus), 2)) if config else None
+    est, unknown, unreadable = _model_estimate(shape, cwd, max(len(gpus), 2))
     if requested != "auto":
         notes = (SPLIT_NOTE,) if requested == "split" else ()
-        return Decision(requested, "asked for with --strategy", requested, est, tuple(gpus), notes)
-    unknown = ("no model loader found in the script" if not shape.model else
-               f"the size of {shape.model} is unknown here (no config.json in its folder or the Hugging Face cache)")
+        return Decision(requested, "asked for with --strategy", requested, est, tuple(gpus),
+                        notes + ((unknown,) if unreadable else ()))
     return choose(est, tuple(gpus), unsloth=shape.unsloth, why_unknown=unknown)
+
+
+def _model_estimate(shape: JobShape, cwd, world: int) -> tuple[Estimate | None, str, bool]:
+    """The estimate for the script's model, or None with why its size is unknown (and whether its config was
+    there but could not be read: a model of a kind or a file this transformers cannot read)."""
+    if not shape.model:
+        return None, "no model loader found in the script", False
+    try:
+        config = read_config(shape.model, cwd)
+        if config is not None:
+            return estimate(shape, config, world), "", False
+    except SizeUnknown as exc:
+        return None, f"the size of {shape.model} is unknown: {printable(str(exc))}", True
+    return None, (f"the size of {shape.model} is unknown here (no config.json in its folder or the Hugging Face "
+                  "cache)"), False
 
 
 #: Why a whole-model save is refused under FSDP, and what to write instead.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..cells import Cell, load_notebook
-from ..errors import CellError, NotebookError
+from ..errors import CellError, NotebookError, printable
 from ..runtime.sourcemap import SourceMap, map_path
 from .clean import CleanCell, Install, clean_cell
 from .code import CellCode, CodeError
@@ -270,6 +270,7 @@ def _prelude(origin: str, changes: list[Change], installs: tuple[Install, ...], 
 
 def _comment(text: str) -> list[str]:
     """``text`` as comment lines of the header: a message spanning lines (a cell's error with its source
-    line) stays a comment on each."""
-    first, *rest = text.splitlines() or [""]
+    line) stays a comment on each; a control character in it (a NUL byte a cell held) is written as its escape,
+    which Python reads in a comment."""
+    first, *rest = printable(text).splitlines() or [""]
     return [first] + [f"#     {line}" for line in rest]

@@ -97,6 +97,7 @@ class LivePanel:
             return
         self.progress.update(record)
         self.table.add(record)
+        self.log.went_on(record)
         if record.get("event") == Event.BEGIN:
             self.log.started = True
         if not self.show:
@@ -114,7 +115,7 @@ class LivePanel:
         alone, a failure with its traceback)."""
         if self.show:
             if job.failure:
-                self.log.cut_traceback()
+                self.log.cut_traceback(job.failure.rank)
             self.log.path = job.log_dir
             self._log_changed = True
             self._show_log(force=True)

@@ -16,6 +16,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from ..runtime.records import Event
+
 #: Longest line a view keeps (a bar or a dict longer than this is cut; the log file has it whole).
 MAX_LINE = 300
 #: Most different warnings a view lists.
@@ -27,7 +29,105 @@ _TORCH_WARNING = re.compile(r"^\[W\d{3,4} [^\]]*\] (?:Warning: )?(?P<message>.*)
 _TRAINER_LOG = re.compile(r"^\{'\w+': .*\}$")
 #: A traceback's first line, as Python prints it or with torch's ``[rank0]:`` prefix.
 _TRACEBACK = re.compile(r"^(?:\[rank\d+\]:\s*)?Traceback \(most recent call last\)")
+#: The same where it starts in a stream: at a line's start, or after a bar left unfinished on the line.
+_TRACEBACK_IN_STREAM = re.compile(r"(?m)(?:^|(?<=[\r\]]))(?:\[rank\d+\]:\s*)?Traceback \(most recent call last\)")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+#: The line naming the exception: ``ValueError: …``, ``torch.distributed.DistBackendError: …``, ``KeyboardInterrupt``.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?::\s.*)?$")
+_TRACEBACK_WORDS = ("Traceback (most recent call last)", "During handling of the above exception",
+                    "The above exception was the direct cause")
+#: Lines of a held traceback past which it is released: no dying rank prints that much.
+HOLD_LIMIT_LINES = 400
 _DIM = "opacity:0.65"
+
+
+def exception_line(traceback: str) -> str:
+    """The line of a raw traceback that names its exception (the last one, for a chain), without torch's
+    ``[rankN]:`` prefix, cut to ``MAX_LINE``; "" where there is none."""
+    found = ""
+    for line in traceback.replace("\r", "\n").splitlines():
+        text = _RANK_PREFIX.sub("", line).rstrip()
+        if text and not text[0].isspace() and not text.startswith(_TRACEBACK_WORDS) and _EXCEPTION_LINE.match(text):
+            found = text
+    return _shown(found)
+
+
+def fold_traceback(traceback: str, rank: int, failure_rank: int | None, log: Path | str | None) -> str:
+    """One line for rank ``rank``'s raw traceback once the job failed: the consequence of another rank's failure
+    (a collective whose peer vanished) is named by its exception alone; the failing rank's own is shown
+    mapped to the notebook by the report, so here it is only pointed at. Kept whole in the rank's log."""
+    where = f"in its log: {log}" if log else "in its log"
+    if failure_rank == rank:
+        return f"(rank {rank}'s raw traceback: {where})"
+    said = exception_line(traceback) or "an exception"
+    return f"rank {rank} stopped too: {said} (whole traceback {where})"
+
+
+def trained_after(record: dict, since: float) -> bool:
+    """Whether a Trainer event shows training went on after ``since`` (``time.time()``): a "log" event the rank
+    wrote later (rank 0 and the launcher share a clock). Not a "step": the launcher adds one of its own when the
+    job has ended (``last_step``); and not an event read late, written before the traceback."""
+    try:
+        return record.get("event") == Event.LOG and float(record.get("time") or 0) > since
+    except (TypeError, ValueError):
+        return False
+
+
+class HeldTraceback:
+    """Holds back a raw traceback that a rank prints, until it is known whether it is the job's end.
+
+    When another rank fails, rank 0 fails in turn (its collective's peer vanished) and prints 30 lines of
+    consequent traceback just before the launcher's report of the real cause: printed live, they are what a
+    person reads last. So a traceback's text waits here from its first line: ``release()`` gives it back as
+    it was where the job went on (a Trainer event came, or it grew past ``HOLD_LIMIT_LINES``: not a dying
+    rank's), and when the job ended in a failure the front end folds it to one line (``fold_traceback``).
+    Text before it passes at once; a partial line is held only while it could still become a traceback's
+    first line.
+    """
+
+    def __init__(self):
+        self.partial = ""
+        self.held: list[str] = []
+        self.lines = 0
+        self.since = 0.0  # when the held traceback began (time.time())
+
+    def feed(self, text: str) -> str:
+        """What may be shown now of ``text``."""
+        if self.held:
+            self.held.append(text)
+            self.lines += text.count("\n")
+            return self.release() if self.lines > HOLD_LIMIT_LINES else ""
+        buf, self.partial = self.partial + text, ""
+        m = _TRACEBACK_IN_STREAM.search(buf)
+        if m is not None:
+            self.held, self.lines, self.since = [buf[m.start():]], buf.count("\n", m.start()), time.time()
+            return buf[: m.start()]
+        start = max(buf.rfind("\n"), buf.rfind("\r")) + 1
+        if start < len(buf) and _may_become_traceback(buf[start:]):
+            self.partial = buf[start:]
+            return buf[:start]
+        return buf
+
+    def release(self) -> str:
+        """The held text, as it was (the job went on: it was output like any other)."""
+        text, self.held, self.lines = "".join(self.held) + self.partial, [], 0
+        self.partial = ""
+        return text
+
+    def take(self) -> str:
+        """The held traceback, taken away to be folded (a partial line that was not one is left to release)."""
+        text, self.held, self.lines = "".join(self.held), [], 0
+        return text
+
+
+def _may_become_traceback(tail: str) -> bool:
+    """Whether a partial line is the start of a traceback's first line (with or without ``[rankN]:``)."""
+    if re.fullmatch(r"\[(?:r(?:a(?:n(?:k(?:\d+\]?:?)?)?)?)?)?", tail):  # "[", "[ra", …, "[rank0]:"
+        return True
+    text = _RANK_PREFIX.sub("", tail)
+    if text != tail and not text.strip():  # "[rank0]: "
+        return True
+    return bool(text) and "Traceback (most recent call last):".startswith(text)
 
 
 class CarriageReturns:
@@ -109,6 +209,8 @@ class RankLog:
         self.path: Path | None = None
         self.total = 0
         self._source_line_next = False
+        self.traceback: list[str] | None = None  # the last raw traceback's lines, from its first
+        self._traceback_at = 0.0
 
     def feed(self, stream: str, text: str) -> None:
         text = (self.partial[stream] + text).replace("\r\n", "\n")
@@ -130,21 +232,36 @@ class RankLog:
             self._warn(f"{m['category']}: {m['message']} ({Path(m['file']).name}:{m['line']})")
         elif (m := _TORCH_WARNING.match(line)):
             self._warn(f"torch: {m['message']}")
-        elif line.startswith("nbddp: ") and not self.started:
-            self.startup.append(line)
+        elif line.startswith("nbddp: ") and not line.startswith("nbddp: warning:") and not self.started:
+            self.startup.append(line)  # a warning is never folded away
         else:
             self.tail.append(line)
+            if _TRACEBACK.match(line):
+                self.traceback, self._traceback_at = [line], time.time()
+            elif self.traceback is not None and len(self.traceback) < HOLD_LIMIT_LINES:
+                self.traceback.append(line)
 
     def _warn(self, key: str) -> None:
         if key in self.warnings or len(self.warnings) < MAX_WARNINGS:
             self.warnings[key] = self.warnings.get(key, 0) + 1
 
-    def cut_traceback(self) -> None:
-        """Drop a raw traceback from the shown lines: the cell's error shows it once, mapped to the cells."""
+    def went_on(self, record: dict) -> None:
+        """A Trainer event: where it says training went on after the last traceback, that one was output like
+        any other (``trained_after``)."""
+        if self.traceback is not None and trained_after(record, self._traceback_at):
+            self.traceback = None
+
+    def cut_traceback(self, failure_rank: int | None = 0) -> None:
+        """Fold the last raw traceback (all of it, also the lines that have scrolled out of the shown ones) to
+        one line (``fold_traceback``): the cell's error shows the failing rank's once, mapped to the cells, and
+        rank 0's consequent one is named by its exception."""
+        if not self.traceback:
+            return
         lines = list(self.tail)
-        at = next((i for i, ln in enumerate(lines) if _TRACEBACK.match(ln)), None)
-        if at is not None:
-            self.tail = deque([*lines[:at], "(rank 0's raw traceback: in its log)"], maxlen=self.tail.maxlen)
+        keep = len(lines) - min(len(lines), len(self.traceback))
+        folded = fold_traceback("\n".join(self.traceback), 0, failure_rank, None)
+        self.tail = deque([*lines[:keep], folded], maxlen=self.tail.maxlen)
+        self.traceback = None
 
     def lines(self) -> list[str]:
         """The shown lines: the kept tail, then each stream's line still being drawn (a progress bar)."""

@@ -1,14 +1,20 @@
 """``nbddp run`` in a terminal: rank 0's text as it comes, so tqdm redraws its bar on one line; the
-Trainer's logged metrics as a compact table instead of its dict lines; nothing printed on the end of a bar.
+Trainer's logged metrics as a compact table instead of its dict lines; nothing printed on the end of a bar;
+a raw traceback held back until the job's end says whether it is the consequence of another rank's failure
+(then one line: ``stream.HeldTraceback``), so the failing rank's report is what a person reads last.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from .progress import MetricsTable
+from .stream import HeldTraceback, fold_traceback, trained_after
+
+if TYPE_CHECKING:
+    from ..launch import RunResult
 
 _TRAINER_LOG = re.compile(r"^\{'\w+': .*\}$")
 #: Back to the line's start and clear it: where a bar stands, a line printed next starts clean, and the
@@ -26,14 +32,28 @@ class TerminalView:
         self._header: list[str] = []
         self._held = ""  # stdout's unfinished line that may be a Trainer dict
         self._open: str | None = None  # the stream whose last line is unfinished (a bar being drawn)
+        self.held = HeldTraceback()  # rank 0's raw traceback (Python and torch print them on stderr)
 
     def sink(self, stream: str, text: str) -> None:
-        if stream == "stdout":
-            text = self._without_trainer_dicts(text)
+        text = self._without_trainer_dicts(text) if stream == "stdout" else self.held.feed(text)
         if text:
             self._emit(stream, text)
 
+    def finish(self, result: "RunResult") -> None:
+        """The job ended: a held traceback is folded to one line when the job failed (kept whole in rank 0's
+        log), else shown as it was; a bar's line is ended."""
+        if result.failure is not None and self.held.held:
+            line = fold_traceback(self.held.take(), 0, result.failure.rank, result.rank_log(0, "stderr"))
+            self.end_line()
+            self._emit("stderr", f"nbddp: {line}\n")
+        rest = self.held.release()
+        if rest:
+            self._emit("stderr", rest)
+        self.end_line()
+
     def on_metrics(self, record: dict) -> None:
+        if self.held.held and trained_after(record, self.held.since):  # the job went on: it was plain output
+            self._emit("stderr", self.held.release())
         row = self.table.add(record)
         if row is None:
             return

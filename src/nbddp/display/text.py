@@ -54,7 +54,8 @@ def summary(job: "JobResult") -> str:
         lines.append("nbddp: adapter saved in " + ", ".join(str(p) for p in job.adapters))
     if job.output_dir:
         lines.append(f"nbddp: Trainer output_dir {job.output_dir}")
-    lines.append(f"nbddp: run directory {job.run_dir} (script.py, logs/)")
+    if not job.run.stopped_by:  # a stop signal's report named it already, as the last thing a dying kernel says
+        lines.append(f"nbddp: run directory {job.run_dir} (script.py, logs/)")
     return "\n".join(lines)
 
 

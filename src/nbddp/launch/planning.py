@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .. import guard
 from ..errors import LaunchError
 from ..runtime import records, selflaunch, shell_lines
 
@@ -52,23 +53,26 @@ class LaunchPlan:
 
 def default_nproc() -> int:
     """One process per visible GPU; two on a machine without GPUs (CPU/gloo)."""
-    try:
-        import torch
+    from ..preflight import gpu_count
 
-        return torch.cuda.device_count() or 2
-    except ImportError:
-        return 2
+    return gpu_count() or 2
 
 
 def new_run_dir(base: str | os.PathLike, name: str) -> Path:
-    """A fresh, private (0700) run directory ``base/YYYYmmdd-HHMMSS-name[-k]``."""
+    """A fresh, private (0700) run directory ``base/YYYYmmdd-HHMMSS-name[-k]``; a ``LaunchError`` naming the
+    folder where it cannot be made."""
     base = Path(base)
-    base.mkdir(parents=True, exist_ok=True)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot make a run directory under {base} ({exc.strerror or exc}): --runs-dir or "
+                          "NBDDP_RUNS chooses where run directories go") from None
     stem = time.strftime("%Y%m%d-%H%M%S") + "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
     for k in range(1000):
         path = base / (stem if k == 0 else f"{stem}-{k}")
         try:
             path.mkdir(mode=0o700)
+            guard.remember_run_dir(path)  # an internal error from here on saves its traceback there
             return path
         except FileExistsError:
             continue

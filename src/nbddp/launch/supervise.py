@@ -58,6 +58,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         except OSError as exc:
             raise LaunchError(f"cannot start torchrun: {exc}") from None
         followers = [_Follower(plan.log_dir, 0, stream, sink) for stream in ("stdout", "stderr")]
+        followers.append(_Notices(plan.run_dir / records.NOTICES_FILE, sink))  # from other jobs (outputs.claimed)
         metrics = _MetricsReader(plan.metrics_path, on_metrics)
         interrupted = timed_out = False
         with _StopSignals() as stop:
@@ -113,6 +114,11 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         run_dir = f"nbddp:   run directory: {plan.run_dir}\n" if stopped_by else ""
         with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
             sink("stderr", f"\nnbddp: {what}; every rank has been stopped.\n{where}{run_dir}")
+    if not plan.run_dir.is_dir():  # the ranks refuse Python's deletions of it (runtime.rundir), not a shell's
+        with contextlib.suppress(OSError):
+            sink("stderr", f"\nnbddp: the run directory {plan.run_dir} was deleted while the job ran, with every "
+                           "rank's logs and records: by a shell line of the notebook (!rm -rf …) or another program? "
+                           "Leave it out, or have run directories made elsewhere (--runs-dir DIR, or NBDDP_RUNS)\n")
     stop.pass_on()
     return result
 
@@ -275,6 +281,25 @@ class _Follower:
         text = self.decoder.decode(data, final=final)
         if text:
             self.sink(self.stream, text)
+
+
+class _Notices:
+    """Passes on each whole line another process appends to the job's notices (``records.NOTICES_FILE``)."""
+
+    def __init__(self, path: Path, sink: Sink):
+        self.path, self.sink, self.offset = path, sink, 0
+
+    def poll(self, final: bool = False) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return
+        whole = data[: data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        if whole:
+            self.sink("stderr", whole.decode("utf-8", "replace"))
 
 
 class _MetricsReader:

@@ -32,8 +32,10 @@ def setup() -> RankInfo:
         return remembered()
     _record_uncaught_errors()
     _record_stacks_on_termination()
-    from . import saves
+    from . import notices, rundir, saves
 
+    rundir.protect()  # the notebook's code may not delete the run directory it runs in (NBDDP_RUN_DIR)
+    notices.quiet()  # library log lines nobody can act on, before the notebook imports the library
     saves.install()  # before anything imports transformers or peft, which bind safetensors' save_file
     import torch
     import torch.distributed as dist

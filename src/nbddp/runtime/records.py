@@ -34,6 +34,18 @@ FAILURES_FILE = "failures.json"
 METRICS_FILE = "metrics.jsonl"
 #: The last completed step, beside the metrics file.
 LAST_STEP_FILE = "last_step"
+#: Lines for the person following the job that come from outside it (another job writing the same folder),
+#: in the run directory; the launcher passes each on as it comes (``append_notice``).
+NOTICES_FILE = "notices.txt"
+
+
+def append_notice(run_dir: str | os.PathLike, line: str) -> None:
+    """Add one line to a job's ``NOTICES_FILE``, in one append (lines of two writers never interleave)."""
+    fd = os.open(os.path.join(run_dir, NOTICES_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
 
 
 class Event:

@@ -60,6 +60,16 @@ def is_complete(folder: str) -> bool:
     return not ranks or ranks == set(range(max(max(ranks), 1) + 1))
 
 
+def is_checkpoint(name: str) -> bool:
+    """Whether a folder's name is a Trainer checkpoint's (``checkpoint-N``)."""
+    return bool(_CHECKPOINT.match(name))
+
+
+def cut_short(name: str) -> bool:
+    """Whether a file's name is the temporary file of a save cut short (``.<name>.<random>``)."""
+    return bool(_CUT_SHORT.match(name))
+
+
 def attach(log=print) -> bool:
     """Wrap ``Trainer.train`` when ``NBDDP_RESUME=1`` and transformers is installed."""
     if os.environ.get("NBDDP_RESUME") != "1" or importlib.util.find_spec("transformers") is None:

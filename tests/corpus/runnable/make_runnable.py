@@ -217,6 +217,31 @@ NOTEBOOKS = {
         "train_size": 48,
         "whole": [16, 24],
     },
+    "hf_trainer_distilbert_text_classification": {
+        "source": "hf_notebooks/text_classification.ipynb",
+        "style": "HF Trainer on DistilBERT (its config.json says dim, not hidden_size)",
+        "skip": {4: "logs in to the Hub", 67: "pushes to the Hub",
+                 75: "hyperparameter search: optuna or Ray Tune, not installed",
+                 77: "hyperparameter search: optuna or Ray Tune, not installed",
+                 79: "shows the hyperparameter search's result", 81: "trains with the search's result"},
+        "edits": [
+            (14, 'task = "cola"', f'task = "mrpc"  {MARK} the local MRPC stand-in (tiny.py); its metric is accuracy'),
+            (14, 'model_checkpoint = "distilbert-base-uncased"',
+             f'model_checkpoint = "tiny/distilbert"  {MARK} a 2-layer DistilBERT built from a config'),
+            (17, "from datasets import load_dataset, load_metric",
+             f"from datasets import load_dataset, load_from_disk  {MARK} load_metric left datasets 3; the local data"),
+            (19, 'dataset = load_dataset("glue", actual_task)',
+             f'dataset = load_from_disk(f"tiny/glue_{{actual_task}}")  {MARK} 64 pairs with MRPC\'s columns (tiny.py)'),
+            (19, "metric = load_metric('glue', actual_task)",
+             f"metric = __import__('offline_evaluate').load('glue', actual_task)  {MARK} load_metric downloads"),
+            (54, "learning_rate=2e-5,", f"learning_rate=3e-3,  {MARK} a random tiny model learns faster"),
+            (54, "push_to_hub=True,", f"push_to_hub=False,  {MARK} no Hub offline"),
+            (59, "tokenizer=tokenizer,",
+             f"processing_class=tokenizer,  {MARK} Trainer's tokenizer= is processing_class= in transformers 5"),
+        ],
+        "tiny": ["distilbert", "glue_mrpc", "offline_evaluate"],
+        "train_size": 64,
+    },
 }
 
 

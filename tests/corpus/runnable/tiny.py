@@ -22,21 +22,41 @@ def sentence(rng: random.Random, label: int = 0, n: int = 6) -> str:
     return " ".join(rng.choice(words) for _ in range(n))
 
 
-def bert(folder: Path) -> None:
-    """A 2-layer BERT (hidden 32) with a word-level vocabulary of ``WORDS``, and its tokenizer."""
-    import torch
+def bert_tokenizer(folder: Path) -> None:
+    """A BERT tokenizer whose vocabulary is ``WORDS``, one piece a word."""
     from tokenizers.implementations import BertWordPieceTokenizer
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(SPECIAL + WORDS) + "\n")
     pieces = BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=True)._tokenizer
     BertTokenizerFast(tokenizer_object=pieces, **dict(zip(("pad_token", "unk_token", "cls_token", "sep_token",
                                                           "mask_token"), SPECIAL))).save_pretrained(folder)
+
+
+def bert(folder: Path) -> None:
+    """A 2-layer BERT (hidden 32) with a word-level vocabulary of ``WORDS``, and its tokenizer."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    bert_tokenizer(folder)
     torch.manual_seed(0)
     config = BertConfig(vocab_size=len(SPECIAL) + len(WORDS), hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
     BertForSequenceClassification(config).save_pretrained(folder)
+
+
+def distilbert(folder: Path) -> None:
+    """A 2-layer DistilBERT (dim 32) with ``bert``'s word-level tokenizer: its config.json names its sizes
+    ``dim``, ``n_layers``, ``n_heads``, ``hidden_dim``, as distilbert-base-uncased's does (no ``hidden_size``)."""
+    import torch
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    bert_tokenizer(folder)
+    torch.manual_seed(0)
+    config = DistilBertConfig(vocab_size=len(SPECIAL) + len(WORDS), dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                              max_position_embeddings=128)
+    DistilBertForSequenceClassification(config).save_pretrained(folder)
 
 
 def glue_mrpc(folder: Path, train: int = 64, validation: int = 8) -> None:
@@ -344,7 +364,8 @@ def sms_spam(folder: Path, spam: int = 80, ham: int = 100) -> None:
     target.write_text("".join(f"{name}\t{sentence(rng, label, rng.randint(4, 9))}\n" for name, label in rows))
 
 
-BUILDERS = {"bert": bert, "glue_mrpc": glue_mrpc, "imdb": imdb, "offline_evaluate": offline_evaluate,
+BUILDERS = {"bert": bert, "distilbert": distilbert, "glue_mrpc": glue_mrpc, "imdb": imdb,
+            "offline_evaluate": offline_evaluate,
             "offline_torchtext": offline_torchtext, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
             "previous_chapters": previous_chapters, "sms_spam": sms_spam,
             "wav2vec2": wav2vec2, "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}

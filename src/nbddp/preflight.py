@@ -1,0 +1,165 @@
+"""What a job's options ask of this machine, checked before anything converts or starts: the processes against
+the GPUs torch sees (or the CPU cores), the nodes of a multi-node job, and the paths the options name.
+
+Each refusal is one ``NbddpError`` line naming the option, the value and what to do; the front ends call these
+as soon as their options are parsed. Light on purpose: no converter, no launcher; torch only to count GPUs,
+which it does without a CUDA context (NVML), so a kernel that asks stays fork-safe.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from .errors import NbddpError, printable
+
+#: Overrides the GPU count (tests of the GPU checks on a CPU machine; choosing as on another machine).
+GPU_COUNT_ENV = "NBDDP_GPU_COUNT"
+
+
+def gpu_count() -> int:
+    """GPUs torch sees here (``CUDA_VISIBLE_DEVICES`` applied), without initialising CUDA; 0 without torch.
+    ``NBDDP_GPU_COUNT`` overrides it."""
+    forced = os.environ.get(GPU_COUNT_ENV, "").strip()
+    if forced.isdigit():
+        return int(forced)
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, as a container or ``taskset`` limits it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_processes(nproc: int | None, gpus: int | None = None, cores: int | None = None) -> list[str]:
+    """Refuse more processes than the GPUs torch sees (each rank takes one GPU: the ones past the last would
+    fail with CUDA's "invalid device ordinal"); on a machine without GPUs ``--nproc`` is a number of CPU
+    processes, and more than its cores is only slow: returned as a warning. ``None`` (auto) always fits."""
+    if nproc is None:
+        return []
+    gpus = gpu_count() if gpus is None else gpus
+    if gpus and nproc > gpus:
+        raise NbddpError(
+            f"--nproc {nproc} asks for {nproc} processes, one per GPU, but torch sees {gpus} GPU(s) here: use "
+            f"--nproc {gpus} (or leave --nproc out: one process per GPU), or run on a machine with more GPUs "
+            "(on Kaggle: Settings > Accelerator > GPU T4 x2; check CUDA_VISIBLE_DEVICES)")
+    cores = cpu_cores() if cores is None else cores
+    if not gpus and nproc > cores:
+        return [f"--nproc {nproc} starts {nproc} CPU processes (no GPU here) on {cores} CPU core(s): they share the "
+                f"cores and each step slows down; --nproc {max(cores, 1)} or fewer runs faster"]
+    return []
+
+
+_NODES = re.compile(r"(\d+)(?::(\d+))?")
+
+
+def check_nodes(nnodes: str | int | None, node_rank: int | None, rdzv_endpoint: str | None) -> None:
+    """``--nnodes N`` or ``MIN:MAX`` (at least 1, MIN not above MAX), ``--node-rank`` from 0 to below the
+    nodes, ``--rdzv-endpoint HOST[:PORT]``: what torchrun would otherwise refuse with a traceback."""
+    most = None
+    if nnodes is not None:
+        m = _NODES.fullmatch(str(nnodes).strip())
+        low, high = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+        if not m or low < 1 or low > high:
+            raise NbddpError(f"--nnodes takes a number of machines of at least 1, or MIN:MAX, not {str(nnodes)!r}")
+        most = high
+    if node_rank is not None and (node_rank < 0 or (most is not None and node_rank >= most)):
+        upto = f" to {most - 1}" if most is not None else " or more"
+        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0{upto}, not {node_rank}")
+    if rdzv_endpoint is not None:
+        host, colon, port = str(rdzv_endpoint).rpartition(":") if ":" in str(rdzv_endpoint) else (rdzv_endpoint, "", "")
+        bad_port = colon and not (port.isdigit() and 0 < int(port) < 65536)
+        if not host.strip() or any(c.isspace() for c in host) or bad_port:
+            raise NbddpError(f"--rdzv-endpoint takes HOST:PORT (a port from 1 to 65535), not {str(rdzv_endpoint)!r}")
+
+
+def check_torchrun_args(torchrun_args: list[str]) -> None:
+    """The same checks on what is passed to torchrun after ``--`` (``-- --nnodes=0``), and its
+    ``--max-restarts``: torchrun would otherwise refuse them with its own traceback."""
+    from .launch.planning import _arg_value
+
+    node_rank = _arg_value(torchrun_args, "node-rank")
+    if node_rank is not None and not node_rank.lstrip("-").isdigit():
+        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, not {node_rank!r}")
+    check_nodes(_arg_value(torchrun_args, "nnodes"), int(node_rank) if node_rank is not None else None,
+                _arg_value(torchrun_args, "rdzv-endpoint"))
+    restarts = _arg_value(torchrun_args, "max-restarts")
+    if restarts is not None and not restarts.isdigit():
+        raise NbddpError(f"--max-restarts takes a number of restarts of 0 or more, not {restarts!r}")
+
+
+def check_output_file(path: str | os.PathLike | None, flag: str) -> None:
+    """A file path an option names to write (``nbddp convert -o``, ``%%ddp_train --save``): not empty, not a
+    folder, in a folder that is or can be made and written. Tried, not inferred: nothing is left behind."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise NbddpError(f"{flag} takes a file path, not {str(path)!r}")
+    _no_nul(path, flag)
+    target = Path(path)
+    try:
+        is_dir = target.is_dir()
+    except (OSError, ValueError) as exc:  # a NUL byte, a name too long
+        raise NbddpError(f"{flag} {str(path)!r} is not a path this system can write ({_why(exc)})") from None
+    if is_dir:
+        raise NbddpError(f"{flag} {path} is a folder; give a file path, e.g. {target / 'train.py'}")
+    reason = unwritable_folder(target.parent if str(target.parent) else Path("."))
+    if reason:
+        raise NbddpError(f"{flag} {path} cannot be written: its folder {target.parent} {reason}")
+
+
+def check_folder(path: str | os.PathLike | None, flag: str) -> None:
+    """A folder an option names to write into (``--runs-dir``): not empty, and made or writable."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise NbddpError(f"{flag} takes a folder, not {str(path)!r}")
+    _no_nul(path, flag)
+    try:
+        reason = unwritable_folder(Path(path))
+    except (OSError, ValueError) as exc:
+        raise NbddpError(f"{flag} {str(path)!r} is not a path this system can write ({_why(exc)})") from None
+    if reason:
+        raise NbddpError(f"{flag} {path} {reason}: choose a folder you can write to")
+
+
+def _why(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _no_nul(path: str | os.PathLike, flag: str) -> None:
+    """No file name holds a NUL byte (``pathlib`` calls such a path missing rather than refuse it)."""
+    if "\x00" in str(path):
+        raise NbddpError(f"{flag} '{printable(str(path))}' cannot be a path: it holds a NUL byte")
+
+
+def unwritable_folder(path: Path) -> str | None:
+    """Why files cannot be made in ``path`` (made first if missing), or None when they can.
+
+    Tried, not inferred from permission bits: root ignores those, a read-only mount (``/proc``) does not.
+    The try is a temporary file in the nearest folder that exists, removed at once: nothing is made.
+    """
+    existing = path
+    while not existing.exists():
+        if existing.is_symlink() or existing.parent == existing:
+            return "cannot be made"
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be made: {existing} is a file" if existing != path else "is a file, not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".nbddp-probe-", dir=existing)
+    except OSError as exc:
+        what = "is not writable" if existing == path else f"cannot be made in {existing}"
+        return f"{what} ({exc.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
