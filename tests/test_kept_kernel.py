@@ -1,0 +1,121 @@
+"""A kept job in a real kernel (nbclient, 2 gloo ranks): train with --keep, then %%ddp cells on the ranks that
+stayed up, values pulled back, %ddp_stop; and a kept job ends with its kernel (restart, kill)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+
+from kernel import errors, kernel_env, stream
+
+pytestmark = pytest.mark.e2e
+
+SETUP = '''%%ddp_setup
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+from nbddp import demo
+
+tokenizer = AutoTokenizer.from_pretrained(demo.tiny_model())
+model = AutoModelForCausalLM.from_pretrained(demo.tiny_model(), dtype=torch.float32)
+model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+args = SFTConfig(output_dir="outputs", per_device_train_batch_size=16, max_steps=30, learning_rate=5e-3,
+                 warmup_steps=3, logging_steps=3, max_length=32, save_strategy="no", report_to="none", seed=3407)
+trainer = SFTTrainer(model=model, args=args, train_dataset=demo.arithmetic_dataset(1024), processing_class=tokenizer)
+'''
+TRAIN = "%%ddp_train --keep --nproc 2\ntrainer.train()\n"
+FIRST = "first = [h['loss'] for h in _ddp.log_history if 'loss' in h]"
+AGAIN = "%%ddp\ntrainer.train()\n"
+SECOND = "second = [h['loss'] for h in _ddp.log_history if 'loss' in h]\nprint('losses', first[0], second[0])"
+GENERATE = '''%%ddp
+inputs = tokenizer(["Q: 12+7=? A:"], return_tensors="pt")
+out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+print("generated:", tokenizer.decode(out[0], skip_special_tokens=True))
+'''
+HISTORY = "%%ddp\nhistory = trainer.state.log_history\n"
+PULL = "%ddp_pull history\nprint('pulled', len([h for h in history if 'loss' in h]), 'losses')"
+FAILING = "%%ddp\nx = 1\nraise ValueError('boom in a kept cell')\n"
+STILL = "%%ddp\nprint('still kept, world', torch.distributed.get_world_size())\n"
+STATUS = "%ddp_status"
+STOP = "%ddp_stop"
+
+
+def _kernel_family(client) -> list[psutil.Process]:
+    kernel = psutil.Process(client.km.provisioner.process.pid)
+    return [kernel, *kernel.children(recursive=True)]
+
+
+def _gone(procs: list[psutil.Process], within_s: float = 30) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    return alive
+
+
+def _run(client, nb, sources):
+    start = len(nb.cells)
+    nb.cells += [nbformat.v4.new_code_cell(s) for s in sources]
+    for i in range(start, len(nb.cells)):
+        client.execute_cell(nb.cells[i], i)
+    return nb.cells[start:]
+
+
+def _client(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    client = NotebookClient(nb, kernel_name="python3", timeout=600, allow_errors=True,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    return nb, client
+
+
+def test_kept_job_trains_again_generates_pulls_and_stops(tmp_path):
+    nb, client = _client(tmp_path)
+    env = kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))
+    with client.setup_kernel(env=env):
+        cells = _run(client, nb, ["%load_ext nbddp", SETUP, TRAIN, FIRST])
+        assert not any(errors(c) for c in cells), [errors(c) for c in cells]
+        assert "stay up" in stream(cells[2], "stdout")
+        ranks = [p for p in _kernel_family(client)[1:]]
+        assert len(ranks) >= 3  # torchrun and its 2 ranks, still up
+
+        again, second, generate, history, pull, failing, still, status = _run(
+            client, nb, [AGAIN, SECOND, GENERATE, HISTORY, PULL, FAILING, STILL, STATUS])
+        assert not any(errors(c) for c in (again, second, generate, history, pull, still, status))
+        first_loss, second_loss = map(float, re.search(r"losses (\S+) (\S+)", stream(second, "stdout")).groups())
+        assert second_loss < first_loss  # trained on from the first training's weights, not from the base model
+        assert stream(generate, "stdout").count("generated: Q: 12+7=? A:") == 1  # rank 0 alone prints it
+        assert "pulled 10 losses" in stream(pull, "stdout")
+        # a failing cell: the rank's error at the cell's line, and the job kept (every rank failed alike)
+        (error,) = errors(failing)
+        assert error.ename == "JobFailed" and "ValueError: boom in a kept cell" in "\n".join(error.traceback)
+        assert "line 3" in "\n".join(error.traceback)
+        assert "still kept, world 2" in stream(still, "stdout")
+        assert re.search(r"rank 1: pid \d+, cpu", stream(status, "stdout"))
+
+        (stop,) = _run(client, nb, [STOP])
+        assert "every rank has exited" in stream(stop, "stdout")
+        assert not _gone(ranks, within_s=15)
+        (after,) = _run(client, nb, [STILL])
+        assert "no kept job" in "\n".join(errors(after)[0].traceback) or "has ended" in "\n".join(errors(after)[0].traceback)
+
+
+@pytest.mark.parametrize("how", ["restart", "kill"])
+def test_kept_job_ends_with_its_kernel(tmp_path, how):
+    nb, client = _client(tmp_path)
+    env = kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))
+    with client.setup_kernel(env=env):
+        cells = _run(client, nb, ["%load_ext nbddp", SETUP, TRAIN])
+        assert not any(errors(c) for c in cells), [errors(c) for c in cells]
+        family = _kernel_family(client)
+        assert len(family) >= 4
+        if how == "restart":
+            client.km.restart_kernel(now=False)
+        else:
+            os.kill(family[0].pid, signal.SIGKILL)
+        alive = _gone(family, within_s=30)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
