@@ -10,6 +10,7 @@ import signal
 import nbformat
 import psutil
 import pytest
+from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
 from kernel import errors, kernel_env, stream
@@ -114,7 +115,7 @@ def test_kept_job_ends_with_its_kernel(tmp_path, how):
         family = _kernel_family(client)
         assert len(family) >= 4
         if how == "restart":
-            client.km.restart_kernel(now=False)
+            run_sync(client.km.restart_kernel)(now=False)
         else:
             os.kill(family[0].pid, signal.SIGKILL)
         alive = _gone(family, within_s=30)
