@@ -16,6 +16,7 @@ from .clean import CleanCell, Install, bound_names, clean_cell
 from .code import CellCode, CodeError
 from .engine.plan import plan_cell
 from .facts import JobFacts, gather_facts
+from .frameworks import check_frameworks
 from .lines import align
 from .rules import RULES
 
@@ -120,6 +121,7 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     warnings: list[str] = list(notes)
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
+    check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
     facts = gather_facts(codes)
     if facts.last_training is None:
         warnings.append(

@@ -240,7 +240,7 @@ class _Scan:
                         if part:
                             self.facts.trained_parts.setdefault(model, set()).add(part)
         name = dotted_name(node.func) or ""
-        if name.endswith("DistributedDataParallel") or name == "DDP":
+        if name.endswith(("DistributedDataParallel", "DPDDP")) or name == "DDP":  # DPDDP: Opacus's own
             self.facts.self_distributed = True
         if is_peft(node):
             self.facts.peft = True
