@@ -57,3 +57,12 @@ def test_automagic_reads_one_line_cells_only_as_ipython_does():
     # IPython prefilters a cell only when it is one line: in a longer cell the line is a syntax error there too
     with pytest.raises(CellError, match="cell 1, line 2: not valid Python"):
         convert("import os\npip install transformers\n")
+
+
+@pytest.mark.parametrize("line, argv", [
+    ("pip install torch  # already there", ["pip", "install", "torch"]),
+    ("!pip install -q peft # the adapter", ["pip", "install", "-q", "peft"]),
+    ("pip install git+https://github.com/x/y.git#egg=y", ["pip", "install", "git+https://github.com/x/y.git#egg=y"]),
+])
+def test_an_install_runs_without_its_trailing_comment_as_the_shell_runs_it(line, argv):
+    assert [i.argv() for i in convert(line).installs] == [argv]

@@ -57,7 +57,11 @@ class Install:
     command: str
 
     def argv(self) -> list[str]:
-        return shlex.split(self.command)
+        """The command's words, less a trailing comment (``pip install x  # why``): the kernel's shell, which
+        runs ``!pip``/``%pip`` lines, drops a word starting with ``#`` and all after it; a ``#`` inside a word
+        (``git+https://…#egg=x``) stays."""
+        words = shlex.split(self.command)
+        return words[: next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
 
 
 @dataclass(frozen=True)
