@@ -242,6 +242,24 @@ NOTEBOOKS = {
         "tiny": ["distilbert", "glue_mrpc", "offline_evaluate"],
         "train_size": 64,
     },
+    # issue 28: a Kaggle notebook whose first cell is a bare `pip install` line (no `!`), which IPython's
+    # automagic runs as %pip
+    "bare_pip_kaggle_fashion_mlp": {
+        "source": "generative_ai/about_the_optimization_loop.ipynb",
+        "style": "bare pip install (automagic), plain loop",
+        "edits": [
+            (2, "pip install torch torchvision torchaudio --index-url https://download.pytorch.org/whl/cu118",
+             f"pip install torch  {MARK} torch is installed, so no download; the published line fetches CUDA 11.8 "
+             "wheels of torch, torchvision and torchaudio"),
+            (6, "from torchvision import datasets",
+             f"from offline_torchvision import datasets  {MARK} torchvision is not installed; FashionMNIST downloads"),
+            (6, "from torchvision.transforms import ToTensor, Lambda",
+             f"from offline_torchvision import ToTensor, Lambda  {MARK} torchvision is not installed"),
+        ],
+        "tiny": ["offline_torchvision"],
+        "train_size": 640,
+        "whole": [128],
+    },
 }
 
 

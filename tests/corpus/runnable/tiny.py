@@ -364,9 +364,59 @@ def sms_spam(folder: Path, spam: int = 80, ham: int = 100) -> None:
     target.write_text("".join(f"{name}\t{sentence(rng, label, rng.randint(4, 9))}\n" for name, label in rows))
 
 
+TORCHVISION = '''"""Stands in for the few parts of ``torchvision`` a notebook uses (torchvision is not installed, and its
+data sets download): ``datasets.FashionMNIST`` gives 640 training or 128 test images with FashionMNIST's
+shapes (1x28x28 floats in [0, 1], labels 0-9) whose label is the brightest of ten horizontal bands, so a small
+model learns it; ``ToTensor`` and ``Lambda`` are what transforms of such tensors need."""
+
+import types
+
+import torch
+
+
+class ToTensor:
+    def __call__(self, x):
+        return x
+
+
+class Lambda:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, x):
+        return self.fn(x)
+
+
+class FashionMNIST(torch.utils.data.Dataset):
+    def __init__(self, root, train=True, download=False, transform=None, target_transform=None):
+        g = torch.Generator().manual_seed(0 if train else 1)
+        n = 640 if train else 128
+        self.targets = torch.arange(n) % 10
+        self.data = torch.rand(n, 1, 28, 28, generator=g) * 0.5
+        for i, label in enumerate(self.targets.tolist()):
+            self.data[i, :, 2 * label + 4 : 2 * label + 6, :] += 0.5
+        self.transform, self.target_transform = transform, target_transform
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        x, y = self.data[i], int(self.targets[i])
+        x = self.transform(x) if self.transform else x
+        return x, (self.target_transform(y) if self.target_transform else y)
+
+
+datasets = types.SimpleNamespace(FashionMNIST=FashionMNIST)
+'''
+
+
+def offline_torchvision(folder: Path) -> None:
+    (folder.parent.parent / "offline_torchvision.py").write_text(TORCHVISION)
+
+
 BUILDERS = {"bert": bert, "distilbert": distilbert, "glue_mrpc": glue_mrpc, "imdb": imdb,
             "offline_evaluate": offline_evaluate,
-            "offline_torchtext": offline_torchtext, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
+            "offline_torchtext": offline_torchtext, "offline_torchvision": offline_torchvision, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
             "previous_chapters": previous_chapters, "sms_spam": sms_spam,
             "wav2vec2": wav2vec2, "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
 
