@@ -3,6 +3,7 @@ fine-tuning does) is wrapped in DDP whole, and ``--explain`` says so; on two glo
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -105,3 +106,41 @@ def test_two_ranks_train_the_part_in_sync_and_share_the_data(tmp_path):
     assert stepped and stepped == [(o["steps"], o["hash"]) for o in r1["optimizers"] if o["steps"]]
     assert stepped[0][0] == 12  # 3 epochs of 32 samples per rank in batches of 8
     assert files(r0) == files(one) == {"decoder.pt"} and not files(r1)
+
+
+#: SAM's own repository's style: the parts called one by one, the model itself never (``sam_model(…)``).
+DIRECT = CELLS[:1] + [
+    """\
+    class Seg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.image_encoder = nn.Linear(8, 16)
+            self.mask_decoder = nn.Sequential(nn.ReLU(), nn.Linear(16, 1))
+    sam_model = Seg()
+    """,
+    CELLS[2],
+    "optimizer = torch.optim.Adam(sam_model.mask_decoder.parameters(), lr=1e-2)\nloss_fn = nn.BCEWithLogitsLoss()\n",
+    """\
+    for epoch in range(3):
+        for xb, yb in train_dataloader:
+            with torch.no_grad():
+                emb = sam_model.image_encoder(xb)
+            loss = loss_fn(sam_model.mask_decoder(emb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    """,
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_parts_called_past_the_wrapper_stop_the_job_at_the_first_step_never_train_apart(tmp_path):
+    """The wrapper is there but never runs: the check must not trust it (before, the copies drifted silently)."""
+    path = write_notebook(_folder(tmp_path / "direct"), [textwrap.dedent(c) for c in DIRECT])
+    done = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", str(path), "--nproc", "2",
+                           "--runs-dir", str(tmp_path / "runs"), "--timeout", "200"],
+                          capture_output=True, text=True, timeout=280)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert "diverged after optimizer step 1 (cell 5, line 8)" in out and "calls its parts directly" in out, out[-3000:]
