@@ -154,7 +154,8 @@ def test_public_notebook_of_a_framework_nbddp_does_not_distribute_is_refused(key
 
 
 def test_public_sam_fine_tuning_wraps_the_model_whose_mask_decoder_trains():
-    script = convert_notebook(PUBLIC / "transformers_tutorials" / "Fine_tune_SAM_(segment_anything)_on_a_custom_dataset.ipynb")
+    sam = "Fine_tune_SAM_(segment_anything)_on_a_custom_dataset.ipynb"
+    script = convert_notebook(PUBLIC / "transformers_tutorials" / sam)
     wraps = [c for c in script.changes if c.rule == "ddp_wrap"]
     assert [(c.cell, c.line) for c in wraps] == [(27, 9)] and "model.mask_decoder" in wraps[0].message
     assert "model = _nbddp.ddp(model)" in script.text
