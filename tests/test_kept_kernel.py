@@ -105,7 +105,14 @@ def test_kept_job_trains_again_generates_pulls_and_stops(tmp_path):
         assert "no kept job" in "\n".join(errors(after)[0].traceback) or "has ended" in "\n".join(errors(after)[0].traceback)
 
 
-@pytest.mark.parametrize("how", ["restart", "kill"])
+RANK1_FAILS = """%%ddp
+if torch.distributed.get_rank() == 1:
+    raise ValueError("rank 1 fails alone")
+torch.distributed.all_reduce(torch.zeros(1))
+"""
+
+
+@pytest.mark.parametrize("how", ["restart", "kill", "one rank fails"])
 def test_kept_job_ends_with_its_kernel(tmp_path, how):
     nb, client = _client(tmp_path)
     env = kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))
@@ -114,9 +121,16 @@ def test_kept_job_ends_with_its_kernel(tmp_path, how):
         assert not any(errors(c) for c in cells), [errors(c) for c in cells]
         family = _kernel_family(client)
         assert len(family) >= 4
-        if how == "restart":
-            run_sync(client.km.restart_kernel)(now=False)
+        if how == "one rank fails":  # rank 0 waits in the all-reduce: the job is ended, rank 1 named
+            (failed,) = _run(client, nb, [RANK1_FAILS])
+            text = "\n".join(errors(failed)[0].traceback)
+            assert "rank 1 failed" in text and "rank 1 fails alone" in text and "kept job was ended" in text, text
+            alive = _gone(family[1:], within_s=30)
+            assert family[0].is_running()
         else:
-            os.kill(family[0].pid, signal.SIGKILL)
-        alive = _gone(family, within_s=30)
+            if how == "restart":
+                run_sync(client.km.restart_kernel)(now=False)
+            else:
+                os.kill(family[0].pid, signal.SIGKILL)
+            alive = _gone(family, within_s=30)
         assert not alive, [(p.pid, p.cmdline()) for p in alive]
