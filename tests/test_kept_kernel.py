@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 
 import nbformat
 import psutil
@@ -46,6 +47,7 @@ PULL = "%ddp_pull history\nprint('pulled', len([h for h in history if 'loss' in 
 FAILING = "%%ddp\nx = 1\nraise ValueError('boom in a kept cell')\n"
 STILL = "%%ddp\nprint('still kept, world', torch.distributed.get_world_size())\n"
 STATUS = "%ddp_status"
+LONG = "%%ddp\ntrainer.args.max_steps = 100000\ntrainer.train()\n"
 STOP = "%ddp_stop"
 
 
@@ -97,6 +99,15 @@ def test_kept_job_trains_again_generates_pulls_and_stops(tmp_path):
         assert "line 3" in "\n".join(error.traceback)
         assert "still kept, world 2" in stream(still, "stdout")
         assert re.search(r"rank 1: pid \d+, cpu", stream(status, "stdout"))
+
+        # the stop button during a long training: the ranks stop together at a step and stay up
+        timer = threading.Timer(8, os.kill, (_kernel_family(client)[0].pid, signal.SIGINT))
+        timer.start()
+        (long,) = _run(client, nb, [LONG])
+        timer.join()
+        assert "ranks are kept: stopped together at a step boundary" in "\n".join(errors(long)[0].traceback)
+        (still,) = _run(client, nb, [STILL])
+        assert "still kept, world 2" in stream(still, "stdout"), still.outputs
 
         (stop,) = _run(client, nb, [STOP])
         assert "every rank has exited" in stream(stop, "stdout")
