@@ -109,6 +109,10 @@ def test_kept_job_trains_again_generates_pulls_and_stops(tmp_path):
         (still,) = _run(client, nb, [STILL])
         assert "still kept, world 2" in stream(still, "stdout"), still.outputs
 
+        # a %%ddp_setup cell changed under the kept job: refused, the ranks kept for %ddp_stop
+        _, refused = _run(client, nb, ["%%ddp_setup\nlearning_rate = 1e-3", STILL])
+        assert "%%ddp_setup cells changed" in "\n".join(errors(refused)[0].traceback)
+
         (stop,) = _run(client, nb, [STOP])
         assert "every rank has exited" in stream(stop, "stdout")
         assert not _gone(ranks, within_s=15)

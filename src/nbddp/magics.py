@@ -85,7 +85,7 @@ class NbddpMagics(Magics):
         super().__init__(shell)
         self.registry = Registry()
         self.record = executions.follow(shell)  # what the kernel ran, for %%ddp_train and a re-run %%ddp_setup
-        self.kept = KeptMagics(shell)  # the kept job's magics (%%ddp, …), registered beside these
+        self.kept = KeptMagics(shell, lambda: self.registry.cells)  # the kept job's magics (%%ddp, …), registered beside these
 
     def _execution_count(self) -> int:
         """The running cell's ``[N]``: its history entry is stored before it runs (in every IPython version,
@@ -148,7 +148,9 @@ class NbddpMagics(Magics):
         self.shell.user_ns[args.out] = job
         panel.close(job)
         if job.run.process is not None:
-            self.kept.start(KeptJob(job.run.process, channel, job.run_dir, list(prepared.script.cells), job.cwd))
+            registered = cell is not None and selection.source == "registered"
+            setup = tuple(c.source for c in self.registry.cells) if registered else None
+            self.kept.start(KeptJob(job.run.process, channel, job.run_dir, list(prepared.script.cells), job.cwd, setup))
             print(f"nbddp: the {nproc} rank(s) stay up: %%ddp cells run on them; %ddp_stop ends them"
                   + (f" (or {args.idle_limit:g} min idle)" if args.idle_limit else ""))
         error = outcome_error(job, label)
@@ -156,13 +158,13 @@ class NbddpMagics(Magics):
             raise error
 
     def _channel(self, args, nproc: int):
-        """The kept job's channel, for --keep; a kept job from before is stopped first (its GPUs are needed)."""
-        if not args.keep:
-            return None
-        if args.idle_limit < 0:
+        """The kept job's channel, for --keep; a kept job from before is stopped first: a new job needs its GPUs."""
+        if args.keep and args.idle_limit < 0:
             raise UsageError(f"--idle-limit takes minutes, 0 or more, not {args.idle_limit:g}")
+        if self.kept.job is not None and self.kept.job.alive:
+            print("nbddp: stopping the kept job first: this job needs its GPUs")
         self.kept.start(None)
-        return Channel(nproc, args.idle_limit * 60 or None)
+        return Channel(nproc, args.idle_limit * 60 or None) if args.keep else None
 
     @staticmethod
     def _show_script(script, args) -> None:

@@ -51,6 +51,7 @@ class KeptJob:
     run_dir: Path
     cells: list[Cell]  # the job's cells, then every %%ddp cell that ran through
     cwd: Path
+    setup: tuple[str, ...] | None = None  # the %%ddp_setup cells' code the ranks ran, when the job used them
     started: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     ended_because: str | None = None

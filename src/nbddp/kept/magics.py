@@ -33,10 +33,11 @@ def _no_job() -> NbddpError:
 
 @magics_class
 class KeptMagics(Magics):
-    def __init__(self, shell):
+    def __init__(self, shell, setup_cells=lambda: ()):
         super().__init__(shell)
         self.job: KeptJob | None = None
         self.count = 0
+        self.setup_cells = setup_cells  # the %%ddp_setup cells registered now
 
     def start(self, job: KeptJob | None) -> None:
         """A new kept job (or none) replaces the previous one, which is stopped first."""
@@ -58,6 +59,7 @@ class KeptMagics(Magics):
         saving, printing and plotting after a training run on rank 0. Rank 0's output is shown here; a failing
         rank's traceback at this cell's line. Interrupting stops the ranks together at the next step."""
         job = self._job()
+        self._refuse_changed_setup(job)
         self.count += 1
         kept = convert_kept_cell(cell, job.cells, job.run_dir, self.count)
         for warning in kept.script.warnings:
@@ -96,6 +98,14 @@ class KeptMagics(Magics):
             if answer.ended:
                 error.args = (f"{error.args[0]}; the other ranks did not finish, so the kept job was ended",)
             raise error
+
+    def _refuse_changed_setup(self, job: KeptJob) -> None:
+        """The %%ddp_setup cells the ranks ran are not those registered now: the ranks hold what the old cells
+        made (a model, a dataset), so a cell reading them would not run what the notebook says."""
+        now = tuple(c.source for c in self.setup_cells())
+        if job.setup is not None and now != job.setup:
+            raise NbddpError("the %%ddp_setup cells changed since the kept job started, and its ranks hold what the "
+                             "old ones made: run %%ddp_train --keep again to start from the cells as they are now")
 
     @staticmethod
     def _label(job: KeptJob, kept):
