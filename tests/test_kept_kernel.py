@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import nbformat
 import psutil
@@ -52,7 +53,13 @@ STOP = "%ddp_stop"
 
 
 def _kernel_family(client) -> list[psutil.Process]:
+    """The kernel and every process under it (a short-lived child vanishing meanwhile is left out)."""
     kernel = psutil.Process(client.km.provisioner.process.pid)
+    for _ in range(5):
+        try:
+            return [kernel, *kernel.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            time.sleep(0.1)
     return [kernel, *kernel.children(recursive=True)]
 
 
@@ -109,6 +116,14 @@ def test_kept_job_trains_again_generates_pulls_and_stops(tmp_path):
         (still,) = _run(client, nb, [STILL])
         assert "still kept, world 2" in stream(still, "stdout"), still.outputs
 
+        # values both ways: one pushed to every rank, one that does not pickle refused with the rank kept
+        push, pushed, unpicklable, pull_bad, still = _run(client, nb, [
+            "shared = {'scale': 21}\n%ddp_push shared", "%%ddp\nprint('pushed', shared['scale'] * 2)",
+            "%%ddp\nunpicklable = lambda: 1", "%ddp_pull unpicklable", STILL])
+        assert not errors(push) and "pushed 42" in stream(pushed, "stdout")
+        assert "cannot be sent to the kernel" in "\n".join(errors(pull_bad)[0].traceback)
+        assert "still kept, world 2" in stream(still, "stdout")
+
         # a %%ddp_setup cell changed under the kept job: refused, the ranks kept for %ddp_stop
         _, refused = _run(client, nb, ["%%ddp_setup\nlearning_rate = 1e-3", STILL])
         assert "%%ddp_setup cells changed" in "\n".join(errors(refused)[0].traceback)
@@ -127,12 +142,13 @@ torch.distributed.all_reduce(torch.zeros(1))
 """
 
 
-@pytest.mark.parametrize("how", ["restart", "kill", "one rank fails"])
+@pytest.mark.parametrize("how", ["restart", "kill", "one rank fails", "idle limit"])
 def test_kept_job_ends_with_its_kernel(tmp_path, how):
     nb, client = _client(tmp_path)
     env = kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))
     with client.setup_kernel(env=env):
-        cells = _run(client, nb, ["%load_ext nbddp", SETUP, TRAIN])
+        train = TRAIN.replace("--keep", "--keep --idle-limit 0.2") if how == "idle limit" else TRAIN
+        cells = _run(client, nb, ["%load_ext nbddp", SETUP, train])
         assert not any(errors(c) for c in cells), [errors(c) for c in cells]
         family = _kernel_family(client)
         assert len(family) >= 4
@@ -142,6 +158,10 @@ def test_kept_job_ends_with_its_kernel(tmp_path, how):
             assert "rank 1 failed" in text and "rank 1 fails alone" in text and "kept job was ended" in text, text
             alive = _gone(family[1:], within_s=30)
             assert family[0].is_running()
+        elif how == "idle limit":  # 12 s without a request: the ranks end themselves, the kernel stays
+            alive = _gone(family[1:], within_s=40)
+            (after,) = _run(client, nb, [STILL])
+            assert "the idle limit" in "\n".join(errors(after)[0].traceback)
         else:
             if how == "restart":
                 run_sync(client.km.restart_kernel)(now=False)

@@ -69,7 +69,8 @@ class KeptJob:
 
     def check_alive(self) -> None:
         if self.process.poll() is not None and self.ended_because is None:
-            self.ended_because = f"its processes exited (torchrun's code {self.process.returncode})"
+            self.ended_because = (f"its ranks exited (torchrun's code {self.process.returncode}): the idle limit, "
+                                  "or a rank ended itself; the ranks' logs are in " + str(self.run_dir / "logs"))
         if self.ended_because:
             raise KeptJobGone(f"the kept job has ended: {self.ended_because}. "
                               "Run %%ddp_train --keep again to start another")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 
 from IPython.core.error import UsageError
@@ -149,7 +150,12 @@ class KeptMagics(Magics):
         args = parse_argstring(self.ddp_push, line)
         if args.name not in self.shell.user_ns:
             raise UsageError(f"{args.name} is not defined in this kernel")
-        answer = self._job().request(("push", args.name, self.shell.user_ns[args.name]))
+        value = self.shell.user_ns[args.name]
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise NbddpError(f"%ddp_push {args.name}: the value cannot be sent to the ranks: {type(exc).__name__}: {exc}") from None
+        answer = self._job().request(("push", args.name, value))
         bad = [f"rank {r}: {rep[1]}" for r, rep in sorted(answer.replies.items()) if rep[0] == "error"]
         if bad:
             raise NbddpError(f"%ddp_push {args.name}: " + "; ".join(bad))

@@ -58,8 +58,18 @@ def serve(namespace: dict) -> None:
         _stop_requested.clear()
         reply = _handle(message, namespace, info)
         _flush()
+        _send(conn, reply)
+
+
+def _send(conn, reply: tuple) -> None:
+    """The reply, or what kept it from being sent (a pulled value that does not pickle): the rank stays up."""
+    try:
+        conn.send(reply)
+    except OSError:
+        pass
+    except Exception as exc:
         with contextlib.suppress(OSError):
-            conn.send(reply)
+            conn.send(("error", f"the value cannot be sent to the kernel: {type(exc).__name__}: {exc}", ""))
 
 
 def _read(conn, inbox: queue.Queue) -> None:
