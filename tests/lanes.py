@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import platform
 import subprocess
 
 import pytest
@@ -65,6 +66,8 @@ def _install() -> None:
                 getattr(os, name)))
 
 
+# platform asks `uname -p` once and keeps the answer: asked here, it is not charged to whichever test asks first
+platform.processor()
 _install()
 
 

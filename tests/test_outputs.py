@@ -70,6 +70,7 @@ CLAIMER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.e2e
 def test_a_folder_another_live_job_writes_is_warned_about_until_it_ends(tmp_path):
     out = tmp_path / "out"
     other = subprocess.Popen([sys.executable, "-c", CLAIMER, str(out)], stdout=subprocess.PIPE, text=True,

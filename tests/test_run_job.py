@@ -4,6 +4,8 @@ cells, to a ``JobResult`` (real torchrun, 2 gloo ranks)."""
 import inspect
 from pathlib import Path
 
+import pytest
+
 from nbddp import cli, job, magics
 from nbddp.cells import Selection, cells_from_sources
 from nbddp.job import JobResult, prepare_job, run_job
@@ -11,6 +13,7 @@ from nbddp.job import JobResult, prepare_job, run_job
 CELLS = ["import os\nrank = int(os.environ['RANK'])", "print(f'hello from rank {rank}', flush=True)"]
 
 
+@pytest.mark.e2e
 def test_a_notebook_file_and_a_selection_of_cells_run_the_same_way(tmp_path, notebook, monkeypatch):
     monkeypatch.chdir(tmp_path)
     said = []
