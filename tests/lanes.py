@@ -23,6 +23,9 @@ import pytest
 E2E = "e2e"
 _started: list[str] = []  # what this pytest process started, in order (a short description of each)
 _launching_fixtures: set[int] = set()  # id() of the FixtureDefs whose setup started a process
+#: how the summary names what was started, by a word of its command line (the first that matches)
+_KINDS = (("torchrun", ("nbddp.agent", "torch.distributed.run", "torchrun")), ("kernel", ("ipykernel",)),
+          ("nbddp CLI", ("nbddp.cli",)), ("other", ("",)))
 
 
 def _describe(what) -> str:
@@ -128,3 +131,15 @@ def pytest_runtest_teardown(item, nextitem):
                 f"`pytestmark = pytest.mark.e2e` marks it, mark the file's launching tests one by one instead).",
                 pytrace=False)
     return result
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for the lead's before/after: what this pytest process started (a launch that a started
+    process makes itself, as ``nbddp run`` or a kernel's ``%%ddp_train`` does, is counted as its parent)."""
+    if not _started:
+        return
+    counts = {name: 0 for name, _ in _KINDS}
+    for what in _started:
+        counts[next(name for name, words in _KINDS if any(w in what for w in words))] += 1
+    spelled = ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+    terminalreporter.write_line(f"lanes: {len(_started)} processes started by the tests ({spelled})")
