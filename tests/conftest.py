@@ -6,7 +6,7 @@ import nbformat
 import pytest
 
 # fails a test whose e2e mark does not match whether it started a process (tests/lanes.py)
-pytest_plugins = ["lanes"]
+pytest_plugins = ["lanes", "pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
