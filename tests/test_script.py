@@ -201,7 +201,7 @@ def test_the_garbage_collector_is_paused_while_converting_and_left_as_found(monk
 
     seen = []
     real = script_module.clean_cell
-    monkeypatch.setattr(script_module, "clean_cell", lambda cell: seen.append(gc.isenabled()) or real(cell))
+    monkeypatch.setattr(script_module, "clean_cell", lambda cell, *more: seen.append(gc.isenabled()) or real(cell, *more))
     assert gc.isenabled()
     convert_cells(cells_from_sources(["x = 1\n"]))
     assert seen == [False] and gc.isenabled()

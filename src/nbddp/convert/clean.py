@@ -30,6 +30,7 @@ from .ipython import (
     PLACEHOLDER,
     CellMagic,
     Magics,
+    automagic,
     cell_magic,
     installs_local_files,
     interpolates,
@@ -56,7 +57,11 @@ class Install:
     command: str
 
     def argv(self) -> list[str]:
-        return shlex.split(self.command)
+        """The command's words, less a trailing comment (``pip install x  # why``): the kernel's shell, which
+        runs ``!pip``/``%pip`` lines, drops a word starting with ``#`` and all after it; a ``#`` inside a word
+        (``git+https://…#egg=x``) stays."""
+        words = shlex.split(self.command)
+        return words[: next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
 
 
 @dataclass(frozen=True)
@@ -84,16 +89,34 @@ class CleanCell:
     capture: tuple[int, str] | None = None
 
 
-def clean_cell(cell: Cell) -> CleanCell:
-    """Turn one notebook cell into plain Python; raise ``CellError`` for a cell that does not parse."""
+def clean_cell(cell: Cell, bound: set[str] | None = None) -> CleanCell:
+    """Turn one notebook cell into plain Python; raise ``CellError`` for a cell that does not parse.
+
+    ``bound``: the names the notebook's earlier cells bind, where known. A one-line cell that Python reads
+    but IPython's automagic runs as a magic (``cd /kaggle/working``, ``ls``) is read as IPython reads it only
+    then: a name the kernel holds would keep it Python."""
     lines = cell.source.splitlines()
     first = next((i for i, ln in enumerate(lines) if ln.strip() and not FORM_LINE.match(ln)), None)
     if first is not None and lines[first].lstrip().startswith("%%"):
-        return _magic_cell(cell, lines, first)
-    return _python_cell(cell, lines, lines, 0)
+        return _magic_cell(cell, lines, first, bound)
+    return _python_cell(cell, lines, lines, 0, bound=bound)
 
 
-def _magic_cell(cell: Cell, lines: list[str], first: int) -> CleanCell:
+def bound_names(tree: ast.Module | None) -> set[str]:
+    """The names a cell's top-level statements bind (assignments, imports, functions, classes): what shadows
+    a magic's name for IPython's automagic in a later cell."""
+    names: set[str] = set()
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
+            names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    return names
+
+
+def _magic_cell(cell: Cell, lines: list[str], first: int, bound: set[str] | None = None) -> CleanCell:
     """A cell under a cell magic (on line ``first``, 0-based), as ``ipython.cell_magic`` says it is."""
     head = lines[first].strip()[2:]
     name = head.split()[0] if head.split() else ""
@@ -101,9 +124,11 @@ def _magic_cell(cell: Cell, lines: list[str], first: int) -> CleanCell:
     kind = cell_magic(name)
     if kind is CellMagic.CAPTURE:
         note = Note(offset, "%%capture: the cell's printed output is kept from the console, as in the kernel")
-        return _python_cell(cell, lines, body, offset, [note], capture=(offset, head[len("capture") :].strip()))
+        return _python_cell(cell, lines, body, offset, [note], capture=(offset, head[len("capture") :].strip()),
+                            bound=bound)
     if kind is CellMagic.WRAPPER:
-        return _python_cell(cell, lines, body, offset, [Note(offset, f"%%{name} dropped; the cell's code is kept")])
+        return _python_cell(cell, lines, body, offset, [Note(offset, f"%%{name} dropped; the cell's code is kept")],
+                            bound=bound)
     if kind is CellMagic.SHELL:
         return _shell_cell(cell, body, offset, name, head)
     if kind is CellMagic.WRITEFILE:
@@ -113,11 +138,11 @@ def _magic_cell(cell: Cell, lines: list[str], first: int) -> CleanCell:
 
 
 def _python_cell(cell: Cell, lines: list[str], body: list[str], offset: int, notes: list[Note] | None = None,
-                 capture: tuple[int, str] | None = None) -> CleanCell:
+                 capture: tuple[int, str] | None = None, bound: set[str] | None = None) -> CleanCell:
     """The cell's ``body`` (its lines from ``offset``, 0-based) as Python: IPython's syntax rewritten."""
     notes = list(notes or [])
     body_src = "\n".join(body) + "\n"
-    transformed, t_map, tree = _python(body_src, body, cell, offset, lines)
+    transformed, t_map, tree = _python(body_src, body, cell, offset, lines, bound)
     if t_map is None:
         t_map = list(range(len(body)))
     line_map = tuple(None if j is None else j + 1 + offset for j in t_map)
@@ -267,7 +292,7 @@ def _has_ipython_call(node: ast.AST) -> bool:
     return False
 
 
-def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list[str]):
+def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list[str], bound: set[str] | None = None):
     """The cell body as Python, which body line each of its lines comes from (None: one for one), its ast.
 
     A body that already parses is Python as it stands: IPython's transformers would leave it as it is, and
@@ -276,9 +301,18 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
     fix).
     """
     try:
-        return body_src, None, ast.parse(body_src)
+        tree = ast.parse(body_src)
     except SyntaxError:
         pass
+    else:
+        if bound is None or not _one_expression(tree, body):
+            return body_src, None, tree
+        at = next(i for i, line in enumerate(body) if line.strip())
+        magic = automagic(body[at], bound)  # ``cd /kaggle/working``, ``ls``: Python reads them, IPython runs them
+        if magic is None:
+            return body_src, None, tree
+        new_src = "\n".join([*body[:at], magic, *body[at + 1 :]]) + "\n"
+        return new_src, None, ast.parse(new_src)
     if (by_line := _transform_escape_lines(body)) is not None:
         transformed, tree = by_line
         return transformed, align(body, transformed.splitlines()), tree
@@ -289,6 +323,8 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
         if newer:
             raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         raise CellError(f"cannot read IPython syntax: {exc.msg}", cell=cell.index, line=offset + (exc.lineno or 1)) from None
+    if len(transformed.splitlines()) == 1:  # IPython's automagic: ``pip install x`` runs as %pip
+        transformed = (automagic(transformed, bound or frozenset()) or transformed.rstrip("\n")) + "\n"
     t_map = align(body, transformed.splitlines())
     try:
         return transformed, t_map, ast.parse(transformed)
@@ -298,6 +334,11 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
             raise CellError(newer[1], cell=cell.index, line=offset + newer[0], source=body[newer[0] - 1]) from None
         src_line = _body_line(t_map, exc.lineno or 1, offset)
         raise CellError(f"not valid Python: {exc.msg}", cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
+
+
+def _one_expression(tree: ast.Module, body: list[str]) -> bool:
+    """A cell of one line holding one expression: where IPython's automagic may read a magic Python reads too."""
+    return len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr) and sum(1 for ln in body if ln.strip()) == 1
 
 
 #: A line IPython's token transformers may rewrite: an escape first (``!cmd``, ``%magic``, ``?obj``),

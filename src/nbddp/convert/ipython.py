@@ -9,6 +9,7 @@ applies the answers as text, ``ipycalls.py`` with libcst; neither decides anythi
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 
@@ -118,6 +119,58 @@ def interpolates(command: str) -> bool:
     return bool(re.search(r"\{[^}]*\}|\$[A-Za-z_]", command))
 
 
+@functools.cache
+def _automagic_names() -> tuple[frozenset[str], dict[str, str]]:
+    """The line magics and shell aliases a fresh IPython shell knows: what its automagic may run without a
+    ``%``. From IPython's own tables (``BUILTIN_LAZY_MAGICS`` since 9, else its magic classes) and its default
+    aliases (``ls``, ``mkdir``, ``cp`` …, each with the command it runs)."""
+    from IPython.core import magics
+    from IPython.core.alias import default_aliases
+
+    table = getattr(magics, "BUILTIN_LAZY_MAGICS", None)
+    if table is not None:
+        names = set(table["line"])
+    else:  # IPython 8: the classes InteractiveShell.init_magics registers
+        names = {name for kind in dir(magics) if kind.endswith("Magics")
+                 for name in getattr(getattr(magics, kind), "magics", {}).get("line", ())}
+    aliases = dict(default_aliases())
+    return frozenset(names | set(aliases)), aliases
+
+
+def automagic(line: str, bound: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """A one-line cell as IPython's automagic reads it: ``pip install x`` → ``get_ipython().run_line_magic(
+    'pip', 'install x')``; None where IPython would run it as Python.
+
+    IPython applies its prefilter (``InteractiveShell.transform_cell``) only to a cell that is one line after
+    its input transformers: there ``AssignmentChecker`` keeps ``pip = 1`` Python and ``AutoMagicChecker``
+    runs a line whose first word is a magic or an alias as that magic, unless a keyword or a builtin shadows
+    it, or a name the kernel's namespace holds (``bound``: the names the notebook's earlier cells bind). The
+    split of the line (``LineInfo``) and the call written (``MagicHandler.handle``, which reads nothing but
+    the line) are IPython's own."""
+    import builtins
+    import keyword
+
+    from IPython.core.prefilter import MagicHandler
+    from IPython.core.splitinput import LineInfo
+
+    info = LineInfo(line.rstrip("\n"))
+    head = info.ifun.split(".", 1)[0]
+    if info.esc or info.ifun not in _automagic_names()[0] or info.the_rest[:1] in ("=", ","):
+        return None
+    if keyword.iskeyword(head) or hasattr(builtins, head) or head in bound:
+        return None
+    return MagicHandler.handle(None, info)  # a plain function of the line: no shell needed
+
+
+def alias_command(name: str, arg: str) -> str | None:
+    """The shell command IPython's default alias ``name`` runs with ``arg`` (``ls data`` → ``ls -F --color
+    data``), as ``Alias.__call__`` writes it; None for a name that is no alias."""
+    command = _automagic_names()[1].get(name)
+    if command is None:
+        return None
+    return command.replace("%l", arg) if "%l" in command else f"{command} {arg}".strip()
+
+
 class Magics:
     """What each ``get_ipython()`` statement of a cell becomes, and the installs and notes that go with it.
 
@@ -188,6 +241,8 @@ class Magics:
             return Action(Kind.STATEMENT, f"os.environ[{key!r}] = {value}")
         if name == "cd":
             return Action(Kind.STATEMENT, f"_nbddp.cd({arg.strip()!r})")
+        if name is not None and (command := alias_command(name, arg.strip())) is not None:
+            return Action(Kind.SHELL_COMMAND, command)  # ``ls``, ``mkdir x``: IPython's aliases run a shell
         if name in DROPPED_LINE_MAGICS or name is None:
             self.notes.append((line, f"%{name} dropped (notebook-only)"))
             return Action(Kind.DROPPED, f"%{name} {arg}".rstrip() + " dropped (notebook-only)")

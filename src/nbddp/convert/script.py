@@ -12,10 +12,11 @@ from .. import __version__
 from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError, printable
 from ..runtime.sourcemap import SourceMap, map_path
-from .clean import CleanCell, Install, clean_cell
+from .clean import CleanCell, Install, bound_names, clean_cell
 from .code import CellCode, CodeError
 from .engine.plan import plan_cell
 from .facts import JobFacts, gather_facts
+from .frameworks import check_frameworks
 from .lines import align
 from .rules import RULES
 
@@ -120,6 +121,7 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     warnings: list[str] = list(notes)
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
+    check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
     facts = gather_facts(codes)
     if facts.last_training is None:
         warnings.append(
@@ -153,9 +155,10 @@ def _clean_cells(cells: list[Cell], skip_bad_cells: bool, warnings: list[str]) -
     """Every cell cleaned and read; a cell that cannot be cleaned is the error, or a warning when skipped."""
     cleaned: list[CleanCell] = []
     codes: list[CellCode] = []
+    bound: set[str] = set()  # what the cells above bind: it keeps a name IPython's automagic would run Python
     for cell in cells:
         try:
-            clean = clean_cell(cell)
+            clean = clean_cell(cell, bound)
         except CellError as exc:
             if not skip_bad_cells:
                 raise
@@ -163,6 +166,7 @@ def _clean_cells(cells: list[Cell], skip_bad_cells: bool, warnings: list[str]) -
             continue
         cleaned.append(clean)
         codes.append(CellCode.read(clean.code, clean.tree, len(codes)))
+        bound |= bound_names(codes[-1].tree)
     return cleaned, codes
 
 

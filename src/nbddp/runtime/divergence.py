@@ -85,14 +85,30 @@ def install() -> bool:
     return True
 
 
+#: ``id`` of each DDP wrapper whose forward has run: only then does its backward average the gradients. A
+#: wrapper whose model's parts are called directly (``model.mask_decoder(x)`` past the wrapper) never runs, and
+#: its parameters count as unmanaged, so the check sees the copies drift instead of trusting the wrapper.
+_forward_ran: set[int] = set()
+
+
 def _remember_managed(wrapper) -> None:
+    ref = weakref.ref(wrapper)
     for param in wrapper.module.parameters():
-        _managed[id(param)] = weakref.ref(param)
+        _managed[id(param)] = (weakref.ref(param), ref)
+    wrapper.register_forward_pre_hook(lambda module, args: _forward_ran.add(id(module)))
 
 
 def _is_managed(param) -> bool:
-    ref = _managed.get(id(param))
-    return ref is not None and ref() is param
+    refs = _managed.get(id(param))
+    if refs is None or refs[0]() is not param:
+        return False
+    wrapper = refs[1]()
+    return wrapper is not None and id(wrapper) in _forward_ran
+
+
+def _bypassed(params: list) -> bool:
+    """Whether some of ``params`` sit in a DDP wrapper whose forward never ran (its parts called directly)."""
+    return any((refs := _managed.get(id(p))) is not None and refs[0]() is p for p in params)
 
 
 def _watch_batches() -> None:
@@ -266,12 +282,21 @@ def _divergence_message(params: list, total: int, step: int) -> str:
         f"nbddp: the ranks' copies of {model or 'the model'} diverged after optimizer step {step}"
         + (f" ({where})" if where else "")
         + f": {len(params)} of the {total} tensors this optimizer updates differ between ranks ({shown}). "
-        "They are not in a DistributedDataParallel wrapper, so each rank trains its own copy on its own share "
-        "of the data and no rank holds the trained model. Fix: wrap the model before its optimizer steps ("
-        + (f"{model} = _nbddp.ddp({model})" if model else "model = _nbddp.ddp(model)")
-        + ", or train it with a Trainer/Accelerate). If each rank is meant to train its own copy, run with "
-        f"{ALLOW_ENV}=1 (--allow-divergence)."
+        + (_bypassed_fix(model) if _bypassed(params) else
+           "They are not in a DistributedDataParallel wrapper, so each rank trains its own copy on its own share "
+           "of the data and no rank holds the trained model. Fix: wrap the model before its optimizer steps ("
+           + (f"{model} = _nbddp.ddp({model})" if model else "model = _nbddp.ddp(model)")
+           + ", or train it with a Trainer/Accelerate).")
+        + f" If each rank is meant to train its own copy, run with {ALLOW_ENV}=1 (--allow-divergence)."
     )
+
+
+def _bypassed_fix(model: str | None) -> str:
+    name = model or "model"
+    return (f"{name} is in a DistributedDataParallel wrapper, but the training calls its parts directly "
+            f"({name}.part(…)) and never {name}(…) itself, so the wrapper never runs and no gradient is averaged. "
+            f"Fix: call {name}(…) in the training step, or wrap the part the optimizer trains and call that "
+            f"({name}.part = _nbddp.ddp({name}.part)).")
 
 
 def _owner(params: list) -> tuple[str | None, list[str]]:

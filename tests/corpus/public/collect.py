@@ -39,6 +39,9 @@ REPOS = {
     "mrdbourke/pytorch-deep-learning": ("pytorch_dl", "MIT", "baa27b691617461c173ecf3439793cd8cde74e13"),
     "bentrevett/pytorch-sentiment-analysis": ("sentiment", "MIT", "329f654b2cfaed22fee432569ebd7a2674584f79"),
     "rasbt/LLMs-from-scratch": ("llms_from_scratch", "Apache-2.0", "28c65cdfbc3338e2e040016eea4b7fdf556e4d57"),
+    "NielsRogge/Transformers-Tutorials": ("transformers_tutorials", "MIT", "1140198d259d5d9e205ba45a5c3b456261fe2491"),
+    "pytorch/opacus": ("opacus", "Apache-2.0", "4d0ebc84613d214fbfd37fbfd1390e3747a625ce"),
+    "Aisuko/generative-ai": ("generative_ai", "Apache-2.0", "8e1aa00ce79b0ec15e2234301d6d75283b391fbf"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -137,7 +140,17 @@ PATHS = {
     "rasbt/LLMs-from-scratch": [
         "ch06/01_main-chapter-code/ch06.ipynb",
     ],
+    # issue 28: training nbddp refuses before launch (TensorFlow/Keras, JAX/Flax, Lightning, Opacus without
+    # DPDDP), an optimizer over a part of the model (SAM), a Kaggle notebook's bare `pip install` line
+    "NielsRogge/Transformers-Tutorials": [
+        "SAM/Fine_tune_SAM_(segment_anything)_on_a_custom_dataset.ipynb",
+        "CANINE/Fine_tune_CANINE_on_IMDb_(movie_review_binary_classification).ipynb",
+    ],
+    "pytorch/opacus": ["tutorials/building_image_classifier.ipynb"],
+    "Aisuko/generative-ai": ["pytorch/about_the_optimization_loop.ipynb"],
 }
+#: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
+PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]
 
 #: Python modules a notebook imports from its own folder, taken byte for byte (the runnable copies put them
 #: next to the notebook).

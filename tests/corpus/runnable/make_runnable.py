@@ -242,6 +242,51 @@ NOTEBOOKS = {
         "tiny": ["distilbert", "glue_mrpc", "offline_evaluate"],
         "train_size": 64,
     },
+    # issue 28: a Kaggle notebook whose first cell is a bare `pip install` line (no `!`), which IPython's
+    # automagic runs as %pip
+    "bare_pip_kaggle_fashion_mlp": {
+        "source": "generative_ai/about_the_optimization_loop.ipynb",
+        "style": "bare pip install (automagic), plain loop",
+        "edits": [
+            (2, "pip install torch torchvision torchaudio --index-url https://download.pytorch.org/whl/cu118",
+             f"pip install torch  {MARK} torch is installed, so no download; the published line fetches CUDA 11.8 "
+             "wheels of torch, torchvision and torchaudio"),
+            (6, "from torchvision import datasets",
+             f"from offline_torchvision import datasets  {MARK} torchvision is not installed; FashionMNIST downloads"),
+            (6, "from torchvision.transforms import ToTensor, Lambda",
+             f"from offline_torchvision import ToTensor, Lambda  {MARK} torchvision is not installed"),
+        ],
+        "tiny": ["offline_torchvision"],
+        "train_size": 640,
+        "whole": [128],
+    },
+    # issue 28: SAM fine-tuning, the optimizer over the model's mask decoder alone
+    "part_optimizer_sam_mask_decoder": {
+        "source": "transformers_tutorials/Fine_tune_SAM_(segment_anything)_on_a_custom_dataset.ipynb",
+        "style": "plain loop, optimizer over a part of the model",
+        "skip": {3: "pip installs need the network", 4: "pip installs need the network",
+                 6: "pip installs need the network"},
+        "edits": [
+            (8, "from datasets import load_dataset",
+             f"from datasets import load_from_disk  {MARK} the local copy of the data set"),
+            (8, 'dataset = load_dataset("nielsr/breast-cancer", split="train")',
+             f'dataset = load_from_disk("tiny/breast_cancer")  {MARK} 32 16x16 images with a mask each (tiny.py)'),
+            (16, 'processor = SamProcessor.from_pretrained("facebook/sam-vit-base")',
+             f'processor = SamProcessor.from_pretrained("tiny/sam")  {MARK} 64-pixel inputs, 16x16 masks'),
+            (24, 'model = SamModel.from_pretrained("facebook/sam-vit-base")',
+             f'model = SamModel.from_pretrained("tiny/sam")  {MARK} a one-layer SAM built from a config'),
+            (26, "import monai", f"import torch  {MARK} monai is not installed"),
+            (26, "optimizer = Adam(model.mask_decoder.parameters(), lr=1e-5, weight_decay=0)",
+             f"optimizer = Adam(model.mask_decoder.parameters(), lr=1e-3, weight_decay=0)  {MARK} a random tiny "
+             "model learns faster"),
+            (26, "seg_loss = monai.losses.DiceCELoss(sigmoid=True, squared_pred=True, reduction='mean')",
+             f"seg_loss = torch.nn.BCEWithLogitsLoss()  {MARK} monai is not installed: its DiceCELoss's "
+             "cross-entropy term alone"),
+            (27, "num_epochs = 100", f"num_epochs = 3  {MARK} fewer epochs"),
+        ],
+        "tiny": ["sam", "breast_cancer"],
+        "train_size": 32,
+    },
 }
 
 

@@ -17,6 +17,7 @@ def main(path: Path) -> int:
     os.chdir(path.parent)
     sys.path.insert(0, "")  # a kernel imports modules next to the notebook
     shell = InteractiveShell.instance()
+    shell.enable_gui = lambda gui=None: None  # ipykernel's shell accepts `%matplotlib inline`; the base one raises
     os.environ.setdefault("MPLBACKEND", "agg")  # figures are drawn, not shown
     cells = nbformat.read(path, as_version=4).cells
     for number, cell in enumerate(cells, start=1):

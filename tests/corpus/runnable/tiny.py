@@ -364,9 +364,99 @@ def sms_spam(folder: Path, spam: int = 80, ham: int = 100) -> None:
     target.write_text("".join(f"{name}\t{sentence(rng, label, rng.randint(4, 9))}\n" for name, label in rows))
 
 
+def sam(folder: Path) -> None:
+    """A SAM of one vision layer (hidden 16) on 64-pixel inputs, whose masks are 16x16, and its processor."""
+    import torch
+    from transformers import SamConfig, SamImageProcessor, SamModel, SamProcessor
+
+    config = SamConfig(
+        vision_config=dict(hidden_size=16, output_channels=16, num_hidden_layers=1, num_attention_heads=1,
+                           image_size=64, patch_size=16, mlp_dim=32, global_attn_indexes=[0], num_pos_feats=8),
+        prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=16, mask_input_channels=4),
+        mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, mlp_dim=32,
+                                 iou_head_hidden_dim=16))
+    torch.manual_seed(0)
+    SamModel(config).save_pretrained(str(folder))
+    SamProcessor(image_processor=SamImageProcessor(
+        size={"longest_edge": 64}, pad_size={"height": 64, "width": 64},
+        mask_size={"longest_edge": 16}, mask_pad_size={"height": 16, "width": 16})).save_pretrained(str(folder))
+
+
+def breast_cancer(folder: Path, n: int = 32) -> None:
+    """nielsr/breast-cancer's columns (image, label): 16x16 RGB images, each with a brighter rectangle that its
+    mask (the label, 0/1) marks: the masks are the size of the tiny SAM's."""
+    import numpy as np
+    import PIL.Image
+    from datasets import Dataset, Features, Image
+
+    rng = np.random.default_rng(0)
+    images, masks = [], []
+    for _ in range(n):
+        x0, y0 = rng.integers(1, 8, size=2)
+        w, h = rng.integers(4, 8, size=2)
+        mask = np.zeros((16, 16), dtype=np.uint8)
+        mask[y0 : y0 + h, x0 : x0 + w] = 1
+        image = (rng.random((16, 16, 3)) * 100 + mask[..., None] * 150).astype(np.uint8)
+        images.append(PIL.Image.fromarray(image))
+        masks.append(PIL.Image.fromarray(mask))
+    features = Features({"image": Image(), "label": Image()})
+    Dataset.from_dict({"image": images, "label": masks}, features=features).save_to_disk(str(folder))
+
+
+TORCHVISION = '''"""Stands in for the few parts of ``torchvision`` a notebook uses (torchvision is not installed, and its
+data sets download): ``datasets.FashionMNIST`` gives 640 training or 128 test images with FashionMNIST's
+shapes (1x28x28 floats in [0, 1], labels 0-9) whose label is the brightest of ten horizontal bands, so a small
+model learns it; ``ToTensor`` and ``Lambda`` are what transforms of such tensors need."""
+
+import types
+
+import torch
+
+
+class ToTensor:
+    def __call__(self, x):
+        return x
+
+
+class Lambda:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, x):
+        return self.fn(x)
+
+
+class FashionMNIST(torch.utils.data.Dataset):
+    def __init__(self, root, train=True, download=False, transform=None, target_transform=None):
+        g = torch.Generator().manual_seed(0 if train else 1)
+        n = 640 if train else 128
+        self.targets = torch.arange(n) % 10
+        self.data = torch.rand(n, 1, 28, 28, generator=g) * 0.5
+        for i, label in enumerate(self.targets.tolist()):
+            self.data[i, :, 2 * label + 4 : 2 * label + 6, :] += 0.5
+        self.transform, self.target_transform = transform, target_transform
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        x, y = self.data[i], int(self.targets[i])
+        x = self.transform(x) if self.transform else x
+        return x, (self.target_transform(y) if self.target_transform else y)
+
+
+datasets = types.SimpleNamespace(FashionMNIST=FashionMNIST)
+'''
+
+
+def offline_torchvision(folder: Path) -> None:
+    (folder.parent.parent / "offline_torchvision.py").write_text(TORCHVISION)
+
+
 BUILDERS = {"bert": bert, "distilbert": distilbert, "glue_mrpc": glue_mrpc, "imdb": imdb,
             "offline_evaluate": offline_evaluate,
-            "offline_torchtext": offline_torchtext, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
+            "offline_torchtext": offline_torchtext, "offline_torchvision": offline_torchvision,
+            "sam": sam, "breast_cancer": breast_cancer, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
             "previous_chapters": previous_chapters, "sms_spam": sms_spam,
             "wav2vec2": wav2vec2, "superb_ks": superb_ks, "llama_chat": llama_chat, "multilingual_thinking": multilingual_thinking}
 

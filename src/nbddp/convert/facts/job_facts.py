@@ -18,6 +18,9 @@ class JobFacts:
     collective_functions: set[str] = field(default_factory=set)
     #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
     ddp_models: set[str] = field(default_factory=set)
+    #: plain PyTorch: a model of ``ddp_models`` → the parts of it an optimizer gets (``mask_decoder`` for
+    #: ``Adam(model.mask_decoder.parameters())``): the model is wrapped whole, and ``--explain`` says why
+    trained_parts: dict[str, set[str]] = field(default_factory=dict)
     #: plain PyTorch: names bound to an optimizer (``optimizer = torch.optim.Adam(model.parameters())``)
     optimizers: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler

@@ -26,12 +26,21 @@ def is_optimizer(call: ast.Call) -> bool:
     return last_name(call.func) in _OPTIMIZERS or name.startswith(("torch.optim.", "optim."))
 
 
-def model_of_parameters(call: ast.Call) -> str | None:
-    """``model`` for ``model.parameters()`` / ``model.named_parameters()``."""
+def model_of_parameters(call: ast.Call) -> tuple[str, str] | None:
+    """``(model, part)`` for ``model.parameters()`` / ``model.named_parameters()`` (part ``""``), and for the
+    parameters of one of its parts, ``model.mask_decoder.parameters()`` (part ``"mask_decoder"``),
+    ``model.layers[-1].parameters()``: an optimizer over a part trains the model, which DDP wraps whole (its
+    gradients flow through the whole forward; the parts no step reaches are what DDP's search for unused
+    parameters is for)."""
     func = call.func
-    if isinstance(func, ast.Attribute) and func.attr in ("parameters", "named_parameters") and isinstance(func.value, ast.Name):
-        return func.value.id
-    return None
+    if not (isinstance(func, ast.Attribute) and func.attr in ("parameters", "named_parameters")):
+        return None
+    node = func.value
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return node.id, ast.unparse(func.value)[len(node.id):].lstrip(".")
 
 
 def is_peft(call: ast.Call) -> bool:

@@ -234,10 +234,13 @@ class _Scan:
         if is_optimizer(node):
             for arg in [*node.args, *(k.value for k in node.keywords)]:
                 for call in ast.walk(arg):
-                    if isinstance(call, ast.Call) and (model := model_of_parameters(call)) is not None:
+                    if isinstance(call, ast.Call) and (found := model_of_parameters(call)) is not None:
+                        model, part = found
                         self.facts.ddp_models.add(model)
+                        if part:
+                            self.facts.trained_parts.setdefault(model, set()).add(part)
         name = dotted_name(node.func) or ""
-        if name.endswith("DistributedDataParallel") or name == "DDP":
+        if name.endswith(("DistributedDataParallel", "DPDDP")) or name == "DDP":  # DPDDP: Opacus's own
             self.facts.self_distributed = True
         if is_peft(node):
             self.facts.peft = True

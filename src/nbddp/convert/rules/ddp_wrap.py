@@ -33,8 +33,18 @@ class DDPWrapRule(Rule):
     # -- what it does: libcst
 
     def _wrap(self, stmt: cst.BaseStatement, names: list[str]) -> list[cst.BaseStatement]:
-        self.note(stmt, f"{', '.join(names)} wrapped in DistributedDataParallel (gradients averaged over ranks)")
+        self.note(stmt, f"{', '.join(names)} wrapped in DistributedDataParallel (gradients averaged over ranks)"
+                        + "".join(self._part_note(n) for n in names))
         return [cst.parse_statement(f"{n} = _nbddp.ddp({n})\n") for n in names]
+
+    def _part_note(self, name: str) -> str:
+        """Why a model is wrapped whole where its optimizer trains one part (SAM's ``mask_decoder``)."""
+        parts = sorted(self.facts.trained_parts.get(name, ()))
+        if not parts:
+            return ""
+        what = ", ".join(f"{name}.{p}" for p in parts)
+        return (f"; whole, though its optimizer trains only {what}: the forward runs through the whole model, "
+                f"and DDP looks for the parameters a step leaves out (find_unused_parameters=True)")
 
     def _wrap_block(self, original: list[cst.BaseStatement], updated: list[cst.BaseStatement], planned) -> list:
         out: list[cst.BaseStatement] = []

@@ -1,0 +1,153 @@
+"""Training nbddp does not distribute, refused before launch with what to do instead.
+
+nbddp starts one PyTorch process per GPU with torchrun and makes a notebook's PyTorch training share the
+work. Training in another framework, or in one that starts and syncs its own processes, would run whole on
+every rank: each rank trains the full data set alone (TensorFlow/Keras, JAX), fails on its framework's own
+terms (PyTorch Lightning), or trains with the wrong privacy accounting (Opacus without its ``DPDDP``). Each
+is found in the cleaned cells' ast and refused at its cell and line (``check_frameworks``), before any
+process starts:
+
+- **TensorFlow/Keras** (``model.fit`` of a compiled Keras model, Hugging Face's ``TFTrainer``) and **JAX**
+  (``jax.grad``/``value_and_grad``, a Flax ``apply_gradients``): these use every GPU from one process
+  (``tf.distribute.MirroredStrategy``; ``jax.pmap`` or a ``jax.sharding.Mesh``); torchrun's ranks cannot.
+- **PyTorch Lightning** (``Trainer(…)`` of ``pytorch_lightning``/``lightning``): refused, with Lightning's own
+  recipe (``strategy="ddp_notebook"`` in the kernel). Under torchrun Lightning reads ``WORLD_SIZE`` and
+  refuses to start unless ``devices × num_nodes`` equals it; rewriting ``devices`` would not be enough, since
+  notebooks written for ``gpus=`` carry other arguments Lightning 2 removed (``progress_bar_refresh_rate``,
+  ``auto_lr_find``), and Lightning already shards, wraps and logs on rank 0 itself: nbddp would only add a
+  second launcher around its own.
+- **Opacus** (``make_private``): run as written where the notebook wraps its model in Opacus's
+  ``DifferentiallyPrivateDistributedDataParallel`` (``DPDDP``) itself, before ``make_private``: the notebook
+  is then one that distributes itself, so nbddp neither wraps the model nor shards the loader that
+  ``make_private`` replaces with its own distributed Poisson sampler (the facts' ``self_distributed``).
+  Without ``DPDDP``, refused at ``make_private`` with that fix: nbddp's plain DDP around the
+  ``GradSampleModule`` would average gradients Opacus already clipped and noised per rank, and its sampler
+  would make Opacus account the privacy budget on one rank's share.
+
+A notebook that imports none of these costs a few substring tests: the walk runs only where a cell names one.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from ..errors import CellError
+from .ast_helpers import dotted_name, last_name
+from .clean import CleanCell
+from .code import CellCode
+
+#: Words one of whose presence in a cell's text makes the check walk the notebook.
+_MARKERS = ("tensorflow", "keras", "jax", "flax", "lightning", "make_private", "TFTrainer")
+_TF_MODULES = ("tensorflow", "keras", "tf_keras")
+_JAX_MODULES = ("jax", "flax", "optax")
+_LIGHTNING_MODULES = ("pytorch_lightning", "lightning")
+
+_TF_FIX = ("TensorFlow/Keras training is not distributed by nbddp, which starts PyTorch processes with "
+           "torchrun: every rank would train on the whole data set alone. Run this notebook in its kernel, "
+           "where TensorFlow uses every GPU of one process: build and compile the model under "
+           "`strategy = tf.distribute.MirroredStrategy()` with `with strategy.scope(): …`, and model.fit "
+           "splits each batch across the GPUs")
+_JAX_FIX = ("JAX training is not distributed by nbddp, which starts PyTorch processes with torchrun: every "
+            "rank would train alone. Run this notebook in its kernel, where JAX uses every GPU of one process "
+            "(jax.pmap over jax.local_devices(), or a jax.sharding.Mesh with the batch sharded over it)")
+_LIGHTNING_FIX = ("PyTorch Lightning starts and syncs its own processes: under nbddp's torchrun it refuses "
+                  "to start unless devices × num_nodes equals WORLD_SIZE (and `gpus=` is gone since "
+                  "Lightning 2.0). Run this notebook in its kernel with Lightning's own recipe: "
+                  "Trainer(accelerator=\"gpu\", devices=-1, strategy=\"ddp_notebook\"), or as a script with "
+                  "strategy=\"ddp\"")
+_OPACUS_FIX = ("Opacus clips and noises each rank's gradients itself, so nbddp's DDP around the private model "
+               "would average them wrongly and its sampler would make Opacus count the privacy budget on one "
+               "rank's share. Wrap the model in Opacus's own DDP before make_private — `from "
+               "opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP`, then "
+               "`model = DPDDP(model)` — and pass make_private the whole data set's loader: Opacus then "
+               "samples each rank's share and accounts for the whole data, and nbddp leaves both to it")
+
+
+@dataclass(frozen=True)
+class _Found:
+    position: int  #: the cell's position among the cleaned cells
+    line: int  #: line of the cleaned code
+    message: str
+
+
+def check_frameworks(cleaned: list[CleanCell], codes: list[CellCode]) -> None:
+    """Raise ``CellError`` at the first training nbddp does not distribute (see the module's docstring)."""
+    if not any(marker in clean.code for clean in cleaned for marker in _MARKERS):
+        return
+    found = _Walk(codes).first()
+    if found is None:
+        return
+    clean = cleaned[found.position]
+    j = found.line - 1
+    line = clean.line_map[j] if 0 <= j < len(clean.line_map) else None
+    lines = clean.cell.source.splitlines()
+    source = lines[line - 1] if line and line <= len(lines) else ""
+    raise CellError(found.message, cell=clean.cell.index, line=line, source=source)
+
+
+class _Walk:
+    """One pass over the notebook's cells in order: the frameworks imported, then their training calls."""
+
+    def __init__(self, codes: list[CellCode]):
+        self.codes = codes
+        self.imported: set[str] = set()  # the top-level modules of _TF/_JAX/_LIGHTNING imported
+        self.lightning: set[str] = set()  # names bound to Lightning's modules or to its Trainer
+        self.jax_names: set[str] = set()  # ``grad``/``value_and_grad`` imported from jax by name
+        self.keras_models: set[str] = set()  # names whose .compile(…) was called (a Keras model)
+        self.dpddp = False
+
+    def first(self) -> _Found | None:
+        for code in self.codes:
+            for node in ast.walk(code.tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    self._imports(node)
+        calls = [(code.position, node) for code in self.codes for node in ast.walk(code.tree)
+                 if isinstance(node, ast.Call)]
+        for _, call in calls:
+            self._note(call)
+        found = [f for position, call in calls if (f := self._judge(position, call)) is not None]
+        return min(found, key=lambda f: (f.position, f.line), default=None)
+
+    def _imports(self, node: ast.Import | ast.ImportFrom) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                self.imported.add(top)
+                if top in _LIGHTNING_MODULES:
+                    self.lightning.add(alias.asname or top)
+        elif node.module:
+            top = node.module.split(".")[0]
+            self.imported.add(top)
+            if top in _LIGHTNING_MODULES:
+                self.lightning.update(a.asname or a.name for a in node.names)
+            if top == "jax":
+                self.jax_names.update(a.asname or a.name for a in node.names if a.name in ("grad", "value_and_grad"))
+            if top == "transformers" and any(a.name.startswith("TF") for a in node.names):
+                self.imported.add("tensorflow")  # Hugging Face's TF classes bring TensorFlow
+
+    def _note(self, call: ast.Call) -> None:
+        """What the judging needs from every call first: the Keras models compiled, Opacus's DDP used."""
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr == "compile" and isinstance(func.value, ast.Name):
+            self.keras_models.add(func.value.id)
+        if last_name(func) in ("DPDDP", "DifferentiallyPrivateDistributedDataParallel"):
+            self.dpddp = True
+
+    def _judge(self, position: int, call: ast.Call) -> _Found | None:
+        name, attr = dotted_name(call.func) or "", last_name(call.func)
+        if self.imported.intersection(_TF_MODULES):
+            owner = call.func.value if isinstance(call.func, ast.Attribute) else None
+            if attr in ("TFTrainer", "apply_gradients") or (
+                attr == "fit" and isinstance(owner, ast.Name) and owner.id in self.keras_models
+            ):  # Keras' fit, HF's TFTrainer, a GradientTape loop's optimizer step
+                return _Found(position, call.lineno, _TF_FIX)
+        if self.imported.intersection(_JAX_MODULES) and (
+            name in ("jax.grad", "jax.value_and_grad") or name in self.jax_names or attr == "apply_gradients"
+        ):
+            return _Found(position, call.lineno, _JAX_FIX)
+        if self.lightning and attr == "Trainer" and (name.split(".")[0] in self.lightning):
+            return _Found(position, call.lineno, _LIGHTNING_FIX)
+        if attr in ("make_private", "make_private_with_epsilon") and not self.dpddp:
+            return _Found(position, call.lineno, _OPACUS_FIX)
+        return None

@@ -1,0 +1,167 @@
+"""Training nbddp does not distribute is refused at conversion, before any process starts, naming the cell, the
+line and what to do instead (TensorFlow/Keras, JAX, PyTorch Lightning, Opacus without its DPDDP); Opacus with
+its own DPDDP runs as written, its loader left to Opacus. Public notebooks of each pattern are refused, or
+converted, the same way (no process is started here)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nbddp import job
+from nbddp.cells import Cell
+from nbddp.convert import convert_notebook
+from nbddp.convert.script import convert_cells
+from nbddp.errors import CellError
+
+PUBLIC = Path(__file__).resolve().parent / "corpus" / "public"
+
+
+def convert(*sources):
+    return convert_cells([Cell(i, textwrap.dedent(s)) for i, s in enumerate(sources, start=1)])
+
+
+def refusal(*sources) -> CellError:
+    with pytest.raises(CellError) as info:
+        convert(*sources)
+    return info.value
+
+
+KERAS = (
+    """\
+    import tensorflow as tf
+    from sklearn.preprocessing import StandardScaler
+    x = StandardScaler().fit(data)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    """,
+    "model.fit(x, y, epochs=3)\n",
+)
+
+
+def test_keras_fit_is_refused_at_its_line_with_mirrored_strategy():
+    error = refusal(*KERAS)
+    assert (error.cell, error.line) == (2, 1)
+    assert "tf.distribute.MirroredStrategy()" in str(error) and "model.fit(x, y, epochs=3)" in str(error)
+
+
+def test_hugging_face_tftrainer_is_refused():
+    error = refusal(
+        "from transformers import TFTrainer, TFTrainingArguments\n",
+        "args = TFTrainingArguments(output_dir='out')\ntrainer = TFTrainer(model=model, args=args)\ntrainer.train()\n",
+    )
+    assert (error.cell, error.line) == (2, 2) and "TensorFlow/Keras" in str(error)
+
+
+def test_a_gradient_tape_loop_is_refused_at_its_optimizer_step():
+    error = refusal("""\
+        import tensorflow as tf
+        for x, y in ds:
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        """)
+    assert (error.cell, error.line) == (1, 6)
+
+
+@pytest.mark.parametrize("imports, call", [
+    ("import jax", "jax.value_and_grad(loss_fn)"),
+    ("from jax import grad", "grad(loss_fn)"),
+    ("import optax\nfrom flax.training import train_state", "state.apply_gradients(grads=grads)"),
+])
+def test_jax_training_is_refused(imports, call):
+    error = refusal(imports + "\n", f"step = {call}\n")
+    assert (error.cell, error.line) == (2, 1) and "jax.pmap" in str(error)
+
+
+@pytest.mark.parametrize("imports, call", [
+    ("import pytorch_lightning as pl", "pl.Trainer(gpus=1, max_epochs=3)"),
+    ("from pytorch_lightning import Trainer", "Trainer(gpus=1)"),
+    ("import lightning as L", "L.Trainer(accelerator='gpu', devices=1)"),
+    ("from lightning.pytorch import Trainer", "Trainer(devices=2)"),
+])
+def test_lightning_is_refused_with_its_own_notebook_recipe(imports, call):
+    error = refusal(imports + "\n", f"model = Lit()\ntrainer = {call}\ntrainer.fit(model, loader)\n")
+    assert (error.cell, error.line) == (2, 2)
+    assert 'strategy="ddp_notebook"' in str(error) and "WORLD_SIZE" in str(error)
+
+
+OPACUS = """\
+    from opacus import PrivacyEngine
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_loader = DataLoader(ds, batch_size=64, shuffle=True)
+    model, optimizer, train_loader = PrivacyEngine().make_private(
+        module=model, optimizer=optimizer, data_loader=train_loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    for x, y in train_loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    """
+
+
+def test_opacus_without_its_dpddp_is_refused_with_the_dpddp_fix():
+    error = refusal(OPACUS)
+    assert (error.cell, error.line) == (1, 5) and "model = DPDDP(model)" in str(error)
+
+
+def test_opacus_with_its_dpddp_is_left_to_opacus():
+    script = convert(OPACUS.replace(
+        "    model = Net()\n",
+        "    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP\n"
+        "    model = DPDDP(Net())\n"))
+    # make_private swaps in its own distributed sampler on the whole data set's loader: nbddp adds none, nor a wrap
+    assert "distributed_sampler" not in script.text and "_nbddp.ddp(" not in script.text
+    assert not [c for c in script.changes if c.rule in ("sampler", "ddp_wrap", "set_epoch")]
+
+
+def test_a_pytorch_notebook_naming_the_frameworks_elsewhere_is_not_refused():
+    script = convert(
+        "import tensorflow as tf\nimport lightning\nfrom sklearn.linear_model import LogisticRegression\n",
+        "clf = LogisticRegression().fit(X, y)\nmodel = torch.compile(model)\n",
+        "optimizer = torch.optim.AdamW(model.parameters())\nfor b in train_loader:\n    model(b).backward()\n",
+    )
+    assert "_nbddp.ddp(model)" in script.text
+
+
+def test_a_refusal_comes_before_any_run_directory_or_process(tmp_path, notebook):
+    path = notebook([textwrap.dedent(c) for c in KERAS])
+    with pytest.raises(CellError, match="cell 2, line 1"):
+        job.run_job(path, runs_dir=tmp_path / "runs", nproc=1)
+    assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------ public notebooks of each pattern
+
+REFUSED = {
+    "hf_notebooks/text_classification-tf.ipynb": ("cell 60, line 17", "MirroredStrategy"),
+    "hf_notebooks/text_classification_flax.ipynb": ("cell 55, line 10", "jax.pmap"),
+    "transformers_tutorials/Fine_tune_CANINE_on_IMDb_(movie_review_binary_classification).ipynb":
+        ("cell 21, line 8", "ddp_notebook"),
+    "opacus/building_image_classifier.ipynb": ("cell 28, line 5", "DPDDP(model)"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_public_notebook_of_a_framework_nbddp_does_not_distribute_is_refused(key):
+    where, fix = REFUSED[key]
+    with pytest.raises(CellError) as info:
+        convert_notebook(PUBLIC / key)
+    assert str(info.value).startswith(f"{where}: ") and fix in str(info.value), info.value
+
+
+def test_public_sam_fine_tuning_wraps_the_model_whose_mask_decoder_trains():
+    sam = "Fine_tune_SAM_(segment_anything)_on_a_custom_dataset.ipynb"
+    script = convert_notebook(PUBLIC / "transformers_tutorials" / sam)
+    wraps = [c for c in script.changes if c.rule == "ddp_wrap"]
+    assert [(c.cell, c.line) for c in wraps] == [(27, 9)] and "model.mask_decoder" in wraps[0].message
+    assert "model = _nbddp.ddp(model)" in script.text
+
+
+def test_public_kaggle_notebook_with_a_bare_pip_install_converts():
+    script = convert_notebook(PUBLIC / "generative_ai" / "about_the_optimization_loop.ipynb")
+    assert [(i.cell, i.line) for i in script.installs] == [(2, 1)]
+    assert script.installs[0].command.startswith("pip install torch torchvision torchaudio --index-url")

@@ -1,0 +1,146 @@
+"""A model trained through an optimizer over one of its parts (``Adam(model.mask_decoder.parameters())``, as SAM
+fine-tuning does) is wrapped in DDP whole, and ``--explain`` says so; on two gloo ranks its replicas stay in sync."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nbddp.cells import Cell
+from nbddp.convert.script import convert_cells
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import write_notebook  # noqa: E402
+from test_runnable_corpus import RUNNABLE, environment, files, records, run  # noqa: E402
+
+#: SAM's fine-tuning in small: the encoder frozen, the optimizer over the mask decoder alone.
+CELLS = [
+    """\
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)
+    """,
+    """\
+    class Seg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(8, 16)
+            self.mask_decoder = nn.Sequential(nn.ReLU(), nn.Linear(16, 1))
+        def forward(self, x):
+            return self.mask_decoder(self.encoder(x))
+    model = Seg()
+    for name, param in model.named_parameters():
+        if name.startswith("encoder"):
+            param.requires_grad_(False)
+    """,
+    """\
+    x = torch.randn(64, 8)
+    y = (x.sum(1, keepdim=True) > 0).float()
+    train_dataloader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    """,
+    """\
+    optimizer = torch.optim.Adam(model.mask_decoder.parameters(), lr=1e-2)
+    loss_fn = nn.BCEWithLogitsLoss()
+    """,
+    """\
+    for epoch in range(3):
+        for xb, yb in train_dataloader:
+            loss = loss_fn(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        print(epoch, loss.item())
+    """,
+    'torch.save(model.mask_decoder.state_dict(), "decoder.pt")\n',
+]
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path / "sam_like.ipynb"
+
+
+def convert(cells):
+    return convert_cells([Cell(i, textwrap.dedent(c)) for i, c in enumerate(cells, start=1)])
+
+
+def test_the_model_whose_part_an_optimizer_gets_is_wrapped_and_explained():
+    script = convert(CELLS)
+    assert "model = _nbddp.ddp(model)" in script.text
+    wraps = [c for c in script.changes if c.rule == "ddp_wrap"]
+    assert [(c.cell, c.line) for c in wraps] == [(2, 9)], script.changes
+    assert "mask_decoder" in wraps[0].message, wraps[0].message
+    # the saved part comes from the plain model, not the wrapper
+    assert "_nbddp.unwrap(model)" in script.text
+
+
+def test_an_optimizer_over_a_part_reached_by_index_or_attribute_chain_wraps_the_model():
+    cells = list(CELLS)
+    cells[3] = "optimizer = torch.optim.SGD(params=model.mask_decoder[1].parameters(), lr=0.1)\n"
+    assert "model = _nbddp.ddp(model)" in convert(cells).text
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_two_ranks_train_the_part_in_sync_and_share_the_data(tmp_path):
+    single, ranks = (write_notebook(_folder(tmp_path / d), [textwrap.dedent(c) for c in CELLS])
+                     for d in ("single", "ranks"))
+    run([sys.executable, str(RUNNABLE / "run_cells.py"), str(single)],
+        environment(tmp_path / "rec-single", single.parent, NBDDP_TEST_RECORD_AS="single"), tmp_path / "single.log")
+    run([sys.executable, "-m", "nbddp.cli", "run", str(ranks), "--nproc", "2", "--runs-dir", str(tmp_path / "runs"),
+         "--timeout", "300"], environment(tmp_path / "rec-ranks", ranks.parent), tmp_path / "ranks.log")
+    one, two = records(tmp_path / "rec-single")["single"], records(tmp_path / "rec-ranks")
+    r0, r1 = two["0"], two["1"]
+    epochs = [sorted(p["indices"]) for p in one["passes"] if p["size"] == 64 and p["steps"]]
+    assert epochs == [list(range(64))] * 3
+    a = [p["indices"] for p in r0["passes"] if p["size"] == 64 and p["steps"]]
+    b = [p["indices"] for p in r1["passes"] if p["size"] == 64 and p["steps"]]
+    assert len(a) == len(b) == 3 and all(sorted(x + y) == list(range(64)) for x, y in zip(a, b))
+    stepped = [(o["steps"], o["hash"]) for o in r0["optimizers"] if o["steps"]]
+    assert stepped and stepped == [(o["steps"], o["hash"]) for o in r1["optimizers"] if o["steps"]]
+    assert stepped[0][0] == 12  # 3 epochs of 32 samples per rank in batches of 8
+    assert files(r0) == files(one) == {"decoder.pt"} and not files(r1)
+
+
+#: SAM's own repository's style: the parts called one by one, the model itself never (``sam_model(…)``).
+DIRECT = CELLS[:1] + [
+    """\
+    class Seg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.image_encoder = nn.Linear(8, 16)
+            self.mask_decoder = nn.Sequential(nn.ReLU(), nn.Linear(16, 1))
+    sam_model = Seg()
+    """,
+    CELLS[2],
+    "optimizer = torch.optim.Adam(sam_model.mask_decoder.parameters(), lr=1e-2)\nloss_fn = nn.BCEWithLogitsLoss()\n",
+    """\
+    for epoch in range(3):
+        for xb, yb in train_dataloader:
+            with torch.no_grad():
+                emb = sam_model.image_encoder(xb)
+            loss = loss_fn(sam_model.mask_decoder(emb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    """,
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_parts_called_past_the_wrapper_stop_the_job_at_the_first_step_never_train_apart(tmp_path):
+    """The wrapper is there but never runs: the check must not trust it (before, the copies drifted silently)."""
+    path = write_notebook(_folder(tmp_path / "direct"), [textwrap.dedent(c) for c in DIRECT])
+    done = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", str(path), "--nproc", "2",
+                           "--runs-dir", str(tmp_path / "runs"), "--timeout", "200"],
+                          capture_output=True, text=True, timeout=280)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert "diverged after optimizer step 1 (cell 5, line 8)" in out and "calls its parts directly" in out, out[-3000:]
