@@ -16,6 +16,7 @@ def load_ipython_extension(ipython) -> None:
     global _magics
     _magics = NbddpMagics(ipython)
     ipython.register_magics(_magics)
+    ipython.register_magics(_magics.kept)
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -70,6 +70,7 @@ def run_job(
     sink: Sink | None = None,
     on_metrics: Callable[[dict], None] | None = None,
     on_run_dir: Callable[[Path], None] | None = None,
+    keep=None,
 ) -> JobResult:
     """Train ``source`` (see ``prepare_job``) under torchrun and say what it left: the one call every front
     end makes, with the keywords ``options.run_options`` makes of the run options.
@@ -80,17 +81,25 @@ def run_job(
     runs). Run directories go under ``runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``; ``timeout_s`` bounds
     the job, ``collective_timeout_s`` each collective; ``resume`` continues ``trainer.train()`` from the
     last checkpoint (see ``launch.plan``). ``strategy`` (``auto``, ``ddp``, ``fsdp``, ``split``,
-    ``deepspeed``) is decided before launch (``strategy_launch``).
+    ``deepspeed``) is decided before launch (``strategy_launch``). ``keep`` (a ``kept.Channel``) keeps the
+    ranks up after the notebook's cells: the result's ``run.process`` is torchrun, left running.
     """
     check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                       torchrun_args=torchrun_args)
     job = prepare_job(source, skip_bad_cells=skip_bad_cells)
     cwd = Path(cwd) if cwd is not None else job.cwd
     nproc, env = strategy_launch(job.script, cwd, strategy, nproc, env, sink)
+    until = None
+    if keep is not None:
+        if env.get("NBDDP_STRATEGY") not in ("ddp", None):
+            raise NbddpError(f"--keep keeps DDP jobs only: this one runs {env['NBDDP_STRATEGY']}, whose sharded or "
+                             "split state a later cell could break; train it without --keep")
+        env = {**env, **keep.env()}
+        until = keep.ready
     run = _run_script(
         job.script, name=job.name, nproc=nproc, cwd=cwd, runs_dir=runs_dir, torchrun_args=torchrun_args, env=env,
         skip_installs=skip_installs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, resume=resume,
-        sink=sink, on_metrics=on_metrics, on_run_dir=on_run_dir,
+        sink=sink, on_metrics=on_metrics, on_run_dir=on_run_dir, until=until,
     )
     return JobResult.from_run(run, cwd, job.script)
 
@@ -111,6 +120,7 @@ def _run_script(
     sink: Sink | None,
     on_metrics: Callable[[dict], None] | None,
     on_run_dir: Callable[[Path], None] | None,
+    until: Callable[[], bool] | None = None,
 ) -> RunResult:
     """Write the script into a new run directory, run its installs once, then launch it under torchrun; the
     output folders the script names are checked and claimed for the launch (``outputs.py``)."""
@@ -130,7 +140,7 @@ def _run_script(
     with outputs.claimed(folders, run_dir) as shared:
         for warning in shared:
             (sink or _launch.stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
-        result = _launch.launch(plan, sink=sink, on_metrics=on_metrics)
+        result = _launch.launch(plan, sink=sink, on_metrics=on_metrics, until=until)
     failure = outputs.explain_no_space(result.failure, plan.cwd, list(result.log_history))
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 

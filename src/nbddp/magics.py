@@ -25,6 +25,9 @@ from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
 from .guard import guard
 from .job import prepare_job, run_job
+from .kept.channel import Channel
+from .kept.controller import KeptJob
+from .kept.magics import DEFAULT_IDLE_MIN, KeptMagics
 from .launch import default_nproc
 from .options import RUN_OPTIONS, run_options, split_torchrun_args
 from .preflight import check_output_file
@@ -41,6 +44,11 @@ TRAIN_OPTIONS = (
     (("--show-script",), dict(action="store_true", help="show the generated script before training")),
     (("--diff",), dict(action="store_true", help="show a unified diff from the cells' code to the script")),
     (("--save",), dict(metavar="PATH", help="also write the script (and PATH.map.json) to PATH")),
+    (("--keep",), dict(action="store_true", help="keep the ranks up after training, holding the model, trainer and data, "
+                      "for %%%%ddp cells, %%ddp_pull, %%ddp_push, %%ddp_status; %%ddp_stop ends them")),
+    (("--idle-limit",), dict(type=float, default=DEFAULT_IDLE_MIN, metavar="MIN",
+                             help="with --keep: end the kept ranks after MIN minutes without a request (default: "
+                                  f"{DEFAULT_IDLE_MIN:g}, so an abandoned session stops spending GPU quota; 0: never)")),
     (("--out",), dict(default="_ddp", metavar="VAR", help="the variable that gets the result (default: _ddp)")),
     (("--source",), dict(default="auto", choices=("auto", *SOURCES),
                          help="where the job's cells come from: %%%%ddp_setup cells, the notebook file above this "
@@ -77,6 +85,7 @@ class NbddpMagics(Magics):
         super().__init__(shell)
         self.registry = Registry()
         self.record = executions.follow(shell)  # what the kernel ran, for %%ddp_train and a re-run %%ddp_setup
+        self.kept = KeptMagics(shell, lambda: self.registry.cells)  # the kept job's magics (%%ddp, …), registered beside these
 
     def _execution_count(self) -> int:
         """The running cell's ``[N]``: its history entry is stored before it runs (in every IPython version,
@@ -127,14 +136,35 @@ class NbddpMagics(Magics):
         warning = doctor.kernel_memory_warning()
         if warning:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
-        panel = LivePanel(options["nproc"] or default_nproc())
-        job = run_job(prepared, **{**options, "env": {**options["env"], **panel.rich_env()}},
-                      sink=panel.sink, on_metrics=panel.on_metrics, on_run_dir=panel.on_run_dir)
+        nproc = options["nproc"] or default_nproc()
+        panel = LivePanel(nproc)
+        channel = self._channel(args, nproc)
+        try:
+            job = run_job(prepared, **{**options, "env": {**options["env"], **panel.rich_env()}}, keep=channel,
+                          sink=panel.sink, on_metrics=panel.on_metrics, on_run_dir=panel.on_run_dir)
+        finally:
+            if channel is not None and not channel.ready():
+                channel.close()
         self.shell.user_ns[args.out] = job
         panel.close(job)
+        if job.run.process is not None:
+            registered = cell is not None and selection.source == "registered"
+            setup = tuple(c.source for c in self.registry.cells) if registered else None
+            self.kept.start(KeptJob(job.run.process, channel, job.run_dir, list(prepared.script.cells), job.cwd, setup))
+            print(f"nbddp: the {nproc} rank(s) stay up: %%ddp cells run on them; %ddp_stop ends them"
+                  + (f" (or {args.idle_limit:g} min idle)" if args.idle_limit else ""))
         error = outcome_error(job, label)
         if error:
             raise error
+
+    def _channel(self, args, nproc: int):
+        """The kept job's channel, for --keep; a kept job from before is stopped first: a new job needs its GPUs."""
+        if args.keep and args.idle_limit < 0:
+            raise UsageError(f"--idle-limit takes minutes, 0 or more, not {args.idle_limit:g}")
+        if self.kept.job is not None and self.kept.job.alive:
+            print("nbddp: stopping the kept job first: this job needs its GPUs")
+        self.kept.start(None)
+        return Channel(nproc, args.idle_limit * 60 or None) if args.keep else None
 
     @staticmethod
     def _show_script(script, args) -> None:

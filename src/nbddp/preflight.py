@@ -19,12 +19,18 @@ from .errors import NbddpError, printable
 GPU_COUNT_ENV = "NBDDP_GPU_COUNT"
 
 
+#: A GPU driver's device files (NVIDIA's control device, AMD's ROCm, WSL's GPU): without any, torch sees no GPU.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
 def gpu_count() -> int:
     """GPUs torch sees here (``CUDA_VISIBLE_DEVICES`` applied), without initialising CUDA; 0 without torch.
     ``NBDDP_GPU_COUNT`` overrides it."""
     forced = os.environ.get(GPU_COUNT_ENV, "").strip()
     if forced.isdigit():
         return int(forced)
+    if not any(os.path.exists(dev) for dev in GPU_DEVICE_FILES):
+        return 0  # no GPU driver here: importing torch (seconds, in every launcher) would only say 0
     try:
         import torch
     except ImportError:

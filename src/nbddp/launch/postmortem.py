@@ -72,6 +72,7 @@ class RunResult:
     timed_out: bool = False
     stacks: tuple[RankStack, ...] = ()  # where each stopped rank was, when the job did not finish by itself
     stopped_by: int | None = None  # SIGTERM or SIGHUP that stopped the launcher (then ``interrupted`` too)
+    process: object | None = None  # torchrun's ``Popen``, left running for a kept job (``launch(until=…)``)
 
     @property
     def ok(self) -> bool:

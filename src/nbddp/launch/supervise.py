@@ -38,13 +38,17 @@ GRACE_S = 3.0
 STACKS_WAIT_S = 2.0
 
 
-def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None) -> RunResult:
+def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None,
+           until: Callable[[], bool] | None = None) -> RunResult:
     """Run the plan to the end; stream rank 0 to ``sink``; leave no process behind whatever happens.
 
     A Ctrl-C (``KeyboardInterrupt``), SIGTERM or SIGHUP (a scheduler's stop, a closed terminal) or the
     plan's timeout stops every rank; another of those signals while they are being stopped is held back until
     they are gone, so it cannot leave ranks running. A SIGTERM or SIGHUP that would have ended this process
     ends it once the ranks are gone and the stop is reported (``_StopSignals``).
+
+    ``until`` (a kept job: every rank has finished the notebook's cells and is waiting for the kernel) returns
+    with the processes left running: ``RunResult.process`` is torchrun's, for the kept job to end later.
     """
     sink = sink or stdout_sink
     plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -57,16 +61,19 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
             )
         except OSError as exc:
             raise LaunchError(f"cannot start torchrun: {exc}") from None
-        followers = [_Follower(plan.log_dir, 0, stream, sink) for stream in ("stdout", "stderr")]
+        followers = [Follower(plan.log_dir, 0, stream, sink) for stream in ("stdout", "stderr")]
         followers.append(_Notices(plan.run_dir / records.NOTICES_FILE, sink))  # from other jobs (outputs.claimed)
-        metrics = _MetricsReader(plan.metrics_path, on_metrics)
-        interrupted = timed_out = False
+        metrics = MetricsReader(plan.metrics_path, on_metrics)
+        interrupted = timed_out = kept = False
         with _StopSignals() as stop:
             try:
                 while proc.poll() is None:
                     for f in followers:
                         f.poll()
                     metrics.poll()
+                    if until is not None and until():
+                        kept = True
+                        break
                     if plan.timeout_s and time.monotonic() - started > plan.timeout_s:
                         timed_out = True
                         break
@@ -78,7 +85,8 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
                 with _interrupts_held() as held:
                     if (timed_out or interrupted) and proc.poll() is None:
                         ask_for_stacks(proc, plan.log_dir)
-                    terminate_tree(proc)
+                    if not kept:
+                        terminate_tree(proc)
                 interrupted = interrupted or bool(held)
                 stop.note(next((h for h in held if h != signal.SIGINT), None))
                 stopped_by = stop.received
@@ -86,7 +94,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
             f.poll(final=True)
         metrics.poll()
         metrics.add_last_step()
-    code = proc.returncode
+    code = 0 if kept else proc.returncode
     failure, stacks = None, ()
     if code != 0 or timed_out or interrupted:
         stacks = read_stacks(plan.log_dir, plan.script, read_source_map(plan.script))
@@ -105,6 +113,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         timed_out=timed_out,
         stacks=stacks,
         stopped_by=stopped_by,
+        process=proc if kept else None,
     )
     if interrupted or timed_out:  # a hang is often ended this way: say where each rank was
         what = "interrupted" if interrupted else f"timed out after {plan.timeout_s:.0f} s"
@@ -259,7 +268,7 @@ def _signal(p: psutil.Process, sig: int) -> None:
         pass
 
 
-class _Follower:
+class Follower:
     """Follows one rank's log file as it grows and passes new text on, decoding UTF-8 across reads."""
 
     def __init__(self, log_dir: Path, rank: int, stream: str, sink: Sink):
@@ -302,7 +311,7 @@ class _Notices:
             self.sink("stderr", whole.decode("utf-8", "replace"))
 
 
-class _MetricsReader:
+class MetricsReader:
     """Reads the JSON lines rank 0's metrics callback appends."""
 
     def __init__(self, path: Path, callback: Callable[[dict], None] | None):

@@ -77,11 +77,16 @@ def setup() -> RankInfo:
 def cleanup() -> None:
     """Wait for every rank, then leave the process group. Safe to call twice or without ``setup()``.
 
-    The wait and the moment after it are what keep a finished rank from aborting at exit (``sync``).
+    The wait and the moment after it are what keep a finished rank from aborting at exit (``sync``). In a
+    kept job (``%%ddp_train --keep``) the rank first serves the kernel with the script's namespace (the
+    caller's globals) until it is stopped (``serve``).
     """
     import torch.distributed as dist
 
-    from . import sync
+    from . import serve, sync
+
+    if serve.kept():
+        serve.serve(sys._getframe(1).f_globals)
 
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):

@@ -1,0 +1,197 @@
+"""``%%ddp``, ``%ddp_pull``, ``%ddp_push``, ``%ddp_status``, ``%ddp_stop``: the kept job's magics.
+
+``%%ddp_train --keep`` (``nbddp.magics``) starts the kept job and hands it to ``KeptMagics.start``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ..display import outcome_error
+from ..display.text import cell_label
+from ..errors import JobFailed, NbddpError
+from ..guard import guard
+from ..job import JobResult
+from ..launch import RankFailure, RunResult, map_traceback
+from ..runtime.sourcemap import read_source_map
+from .cell import convert_kept_cell
+from .controller import KeptJob
+from .view import CellView
+
+#: The idle limit's default, in minutes: Kaggle counts GPU quota (30 h a week) while a session holds GPUs,
+#: so kept ranks nobody uses are ended after half an hour.
+DEFAULT_IDLE_MIN = 30.0
+
+
+def _no_job() -> NbddpError:
+    return NbddpError("no kept job: run %%ddp_train --keep first (its ranks stay up for %%ddp cells)")
+
+
+@magics_class
+class KeptMagics(Magics):
+    def __init__(self, shell, setup_cells=lambda: ()):
+        super().__init__(shell)
+        self.job: KeptJob | None = None
+        self.count = 0
+        self.setup_cells = setup_cells  # the %%ddp_setup cells registered now
+
+    def start(self, job: KeptJob | None) -> None:
+        """A new kept job (or none) replaces the previous one, which is stopped first."""
+        if self.job is not None:
+            self.job.stop()
+        self.job = job
+
+    def _job(self) -> KeptJob:
+        if self.job is None:
+            raise _no_job()
+        self.job.check_alive()
+        return self.job
+
+    @cell_magic
+    @guard("running a %%ddp cell", passthrough=(UsageError,))
+    def ddp(self, line: str, cell: str):
+        """Run this cell on every rank of the kept job (%%ddp_train --keep), converted by the same rules as
+        the job's cells: another trainer.train() trains on every rank from the weights they hold; generation,
+        saving, printing and plotting after a training run on rank 0. Rank 0's output is shown here; a failing
+        rank's traceback at this cell's line. Interrupting stops the ranks together at the next step."""
+        job = self._job()
+        self._refuse_changed_setup(job)
+        self.count += 1
+        kept = convert_kept_cell(cell, job.cells, job.run_dir, self.count)
+        for warning in kept.script.warnings:
+            if "no training call found" not in warning:
+                print(f"nbddp: warning: {warning}")
+        view = CellView(job.nproc, job.run_dir)
+        followers, metrics = job.followers(view.sink, view.on_metrics)
+
+        def follow():
+            for f in followers:
+                f.poll()
+            metrics.poll()
+
+        started = time.monotonic()
+        answer = job.request(("run", str(kept.path), kept.first, kept.last), follow=follow)
+        for f in followers:
+            f.poll(final=True)
+        metrics.poll()
+        failure = self._failure(answer, kept)
+        stopped = answer.interrupted or any(rep[0] == "ok" and rep[1] for rep in answer.replies.values())
+        run = RunResult(returncode=1 if failure or answer.ended else 0, run_dir=job.run_dir, script=kept.path,
+                        duration_s=time.monotonic() - started, log_history=tuple(metrics.records),
+                        failure=failure, interrupted=stopped and not failure)
+        result = JobResult.from_run(run, job.cwd, kept.script)
+        view.close(result)
+        if not failure and not answer.ended:
+            job.cells.append(kept.cell)
+            self.shell.user_ns["_ddp"] = result if metrics.records else self.shell.user_ns.get("_ddp")
+        if stopped and not failure:
+            where = "ended" if answer.ended else "kept: stopped together at a step boundary"
+            raise JobFailed(f"interrupted; the ranks are {where}")
+        if answer.ended and not failure:
+            raise JobFailed(f"the kept job was ended: {job.ended_because}")
+        error = outcome_error(result, self._label(job, kept))
+        if error:
+            if answer.ended:
+                error.args = (f"{error.args[0]}; the other ranks did not finish, so the kept job was ended",)
+            raise error
+
+    def _refuse_changed_setup(self, job: KeptJob) -> None:
+        """The %%ddp_setup cells the ranks ran are not those registered now: the ranks hold what the old cells
+        made (a model, a dataset), so a cell reading them would not run what the notebook says."""
+        now = tuple(c.source for c in self.setup_cells())
+        if job.setup is not None and now != job.setup:
+            raise NbddpError("the %%ddp_setup cells changed since the kept job started, and its ranks hold what the "
+                             "old ones made: run %%ddp_train --keep again to start from the cells as they are now")
+
+    @staticmethod
+    def _label(job: KeptJob, kept):
+        base = cell_label(job.cells, "execution")
+        return lambda index: "this %%ddp cell" if index == kept.cell.index else base(index)
+
+    @staticmethod
+    def _failure(answer, kept) -> RankFailure | None:
+        errors = sorted((r, rep) for r, rep in answer.replies.items() if rep[0] == "error")
+        if not errors:
+            return None
+        rank, (_, message, tb) = errors[0]
+        text, cell, line = map_traceback(tb, kept.path, read_source_map(kept.path))
+        source = ""
+        if cell == kept.cell.index and line:
+            source = kept.cell.source.splitlines()[line - 1] if line <= len(kept.cell.source.splitlines()) else ""
+        return RankFailure(rank=rank, message=message, traceback=text, cell=cell, line=line, source=source)
+
+    @magic_arguments()
+    @argument("name", help="a variable of the ranks' namespace")
+    @argument("--rank", type=int, default=0, help="the rank to take it from (default: 0)")
+    @line_magic
+    @guard("running %ddp_pull", passthrough=(UsageError,))
+    def ddp_pull(self, line: str):
+        """Bring a picklable value from rank 0 (or --rank R) of the kept job into this kernel, under its name."""
+        args = parse_argstring(self.ddp_pull, line)
+        job = self._job()
+        if args.rank not in job.channel.ranks:
+            raise UsageError(f"--rank takes 0 to {job.nproc - 1}, not {args.rank}")
+        reply = job.request(("pull", args.name), ranks=[args.rank]).replies[args.rank]
+        if reply[0] == "error":
+            raise NbddpError(f"%ddp_pull {args.name}: rank {args.rank}: {reply[1]}")
+        self.shell.user_ns[args.name] = reply[1]
+
+    @magic_arguments()
+    @argument("name", help="a variable of this kernel")
+    @line_magic
+    @guard("running %ddp_push", passthrough=(UsageError,))
+    def ddp_push(self, line: str):
+        """Send a picklable value of this kernel to every rank of the kept job, under its name."""
+        args = parse_argstring(self.ddp_push, line)
+        if args.name not in self.shell.user_ns:
+            raise UsageError(f"{args.name} is not defined in this kernel")
+        value = self.shell.user_ns[args.name]
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise NbddpError(f"%ddp_push {args.name}: the value cannot be sent to the ranks: {type(exc).__name__}: {exc}") from None
+        answer = self._job().request(("push", args.name, value))
+        bad = [f"rank {r}: {rep[1]}" for r, rep in sorted(answer.replies.items()) if rep[0] == "error"]
+        if bad:
+            raise NbddpError(f"%ddp_push {args.name}: " + "; ".join(bad))
+
+    @line_magic
+    @guard("running %ddp_status", passthrough=(UsageError,))
+    def ddp_status(self, line: str = ""):
+        """What is kept: ranks, their devices and memory, idle time, how the job ends."""
+        if self.job is None or not self.job.alive:
+            why = f" (the last one {self.job.ended_because})" if self.job and self.job.ended_because else ""
+            print(f"nbddp: no kept job{why}")
+            return
+        job = self.job
+        idle = time.monotonic() - job.last_used
+        answer = job.request(("status",))
+        print(f"nbddp: kept job, {job.nproc} rank(s), up {time.monotonic() - job.started:.0f} s, idle {idle:.0f} s"
+              f"{_limit(job)}; run directory {job.run_dir}")
+        for rank, reply in sorted(answer.replies.items()):
+            if reply[0] != "ok":
+                print(f"  rank {rank}: {reply[1]}")
+                continue
+            s = reply[1]
+            gpu = f", GPU memory {s['gpu_memory'] / 2**30:.2f} GiB" if s.get("gpu_memory") is not None else ""
+            print(f"  rank {rank}: pid {s['pid']}, {s['device']}, host memory {s['rss'] / 2**30:.2f} GiB{gpu}")
+
+    @line_magic
+    @guard("running %ddp_stop", passthrough=(UsageError,))
+    def ddp_stop(self, line: str = ""):
+        """End the kept job: every rank leaves the process group and exits."""
+        if self.job is None or not self.job.alive:
+            print("nbddp: no kept job to stop")
+            return
+        self.job.stop()
+        print("nbddp: the kept job has ended; every rank has exited")
+
+
+def _limit(job: KeptJob) -> str:
+    limit = job.channel.idle_limit_s
+    return f" (ended after {limit / 60:g} min idle)" if limit else " (no idle limit)"

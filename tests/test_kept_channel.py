@@ -1,0 +1,91 @@
+"""A kept job's channel and cell conversion, without processes: the socket is this user's alone, the key is
+checked, and a %%ddp cell is converted by the job's rules with its own line numbers."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+
+import pytest
+
+from nbddp.cells import Cell
+from nbddp.kept.cell import convert_kept_cell
+from nbddp.kept.channel import Channel, peer_uid
+from nbddp.runtime.serve import KEY_ENV, SOCKET_ENV
+
+
+def _wait(predicate, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture
+def channel():
+    ch = Channel(2, idle_limit_s=60)
+    yield ch
+    ch.close()
+
+
+def test_the_socket_is_in_a_folder_only_this_user_can_enter(channel):
+    assert stat.S_IMODE(channel.folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(channel.address).st_mode) == 0o600
+    env = channel.env()
+    assert env[SOCKET_ENV] == channel.address and bytes.fromhex(env[KEY_ENV]) == channel.key
+    assert len(channel.key) == 32
+
+
+def test_a_client_without_the_key_is_refused(channel):
+    with pytest.raises(AuthenticationError):
+        Client(channel.address, family="AF_UNIX", authkey=b"x" * 32)
+    assert _wait(lambda: channel.refused)
+    assert not channel.ranks and not channel.ready()
+
+
+def test_ranks_with_the_key_are_known_by_their_rank_and_uid(channel):
+    clients = []
+    for rank in (1, 0):
+        conn = Client(channel.address, family="AF_UNIX", authkey=channel.key)
+        conn.send(("hello", rank, 1000 + rank, "cpu"))
+        clients.append(conn)
+    assert _wait(channel.ready)
+    assert channel.info == {0: (1000, "cpu"), 1: (1001, "cpu")}
+    assert all(peer_uid(conn) == os.getuid() for conn in channel.ranks.values())
+    channel.ranks[1].send(("status",))
+    assert clients[0].recv() == ("status",)  # the connection that said rank 1
+    for conn in clients:
+        conn.close()
+
+
+def test_closing_removes_the_folder():
+    ch = Channel(1, idle_limit_s=None)
+    assert "NBDDP_KEEP_IDLE" not in ch.env()
+    ch.close()
+    assert not ch.folder.exists()
+
+
+HISTORY = [
+    Cell(1, "from transformers import Trainer\ntrainer = Trainer(model=model, args=args, train_dataset=ds)\n"),
+    Cell(2, "# %%ddp_train --keep\ntrainer.train()\n"),
+]
+
+
+def test_a_second_training_runs_on_every_rank_and_generation_on_rank0(tmp_path):
+    again = convert_kept_cell("trainer.train()\n", HISTORY, tmp_path, 1)
+    assert again.code.splitlines() == ["# [cell 3]", "# %%ddp", "trainer.train()"]  # on every rank, as it is
+    generate = convert_kept_cell('out = model.generate(**inputs)\nprint("generated", out)\n',
+                                 [*HISTORY, again.cell], tmp_path, 2)
+    assert "_nbddp.on_rank0()" in generate.code and "print(" in generate.code
+    assert generate.path.exists() and generate.path.with_name(generate.path.name + ".map.json").exists()
+    # each of the cell's lines keeps its line in the cell (line 1 is the %%ddp line)
+    smap = generate.script.source_map
+    script_lines = generate.script.text.splitlines()
+    printed = next(n for n in range(generate.first, generate.last + 1) if "print(" in script_lines[n - 1])
+    assert smap.lookup(printed) == (generate.cell.index, 3)
+    assert generate.cell.index == 4  # after every cell of the history
