@@ -54,7 +54,8 @@ def test_each_launch_pattern_is_found(source, line):
 
 
 @pytest.mark.parametrize("source", [
-    "!pip install torch\n", "# !torchrun train.py\n", "print('run torchrun train.py')\n", "!python --version\n",
+    "!pip install torch\n", '!pip install "deepspeed==0.8.0" ninja --upgrade\n', "# !torchrun train.py\n",
+    "print('run torchrun train.py')\n", "!python --version\n",
 ])
 def test_what_launches_no_training_is_not_a_launch(source):
     assert find_launches(cells(source)) == ()
