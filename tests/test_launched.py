@@ -163,3 +163,48 @@ def test_a_failed_launched_rank_is_said_at_its_writefile_cell_and_line(tmp_path)
     line = TRAIN.splitlines().index('    raise RuntimeError("launched training failed on purpose")') + 1
     assert f"launched rank 1 failed in cell 2, line {line} (train.py, line {line - 1})" in out, out[-4000:]
     assert "launched training failed on purpose" in out
+
+
+PLAIN = """\
+%%writefile scripts/train_plain.py
+import argparse, json, os
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--epochs", type=int, default=1)
+args = parser.parse_args()
+with open(f"plain-seen-{os.environ.get('RANK', 'single')}.txt", "a") as fh:
+    fh.write(json.dumps({"world": int(os.environ.get("WORLD_SIZE", 1))}) + "\\n")
+data = torch.tensor(json.load(open("train_dataset.json")))
+loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+model = torch.nn.Linear(1, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+for epoch in range(args.epochs):
+    for batch in loader:
+        loss = ((model(batch[:, :1]) - batch[:, 1:]) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+torch.save(model.state_dict(), "plain.pt")
+print("plain training done", flush=True)
+"""
+
+
+@pytest.mark.e2e
+def test_python_of_a_plain_training_script_runs_converted_on_every_rank(tmp_path):
+    import nbformat
+
+    (tmp_path / "scripts").mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (PREP, PLAIN, "!python scripts/train_plain.py --epochs 2", POST)]
+    nbformat.write(nb, tmp_path / "tutorial.ipynb")
+    proc = _run(tmp_path, tmp_path / "tutorial.ipynb")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "runs converted on 2 processes" in out and "plain training done" in out
+    for rank in (0, 1):
+        assert (tmp_path / f"plain-seen-{rank}.txt").read_text().splitlines() == ['{"world": 2}']
+    assert not (tmp_path / "plain-seen-single.txt").exists()
+    assert len((tmp_path / "prep_runs.txt").read_text().splitlines()) == 1
+    assert len((tmp_path / "post_runs.txt").read_text().splitlines()) == 1
+    assert "Timed out" not in out
