@@ -208,3 +208,27 @@ def test_python_of_a_plain_training_script_runs_converted_on_every_rank(tmp_path
     assert len((tmp_path / "prep_runs.txt").read_text().splitlines()) == 1
     assert len((tmp_path / "post_runs.txt").read_text().splitlines()) == 1
     assert "Timed out" not in out
+
+
+@pytest.mark.e2e
+def test_the_timeout_ends_the_launched_ranks_too(tmp_path):
+    import time
+
+    import nbformat
+    from conftest import no_rank_processes
+
+    name = f"slow_train_{os.getpid()}.py"
+    slow = (f"%%writefile {name}\nimport time, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+            "open(f'started-{dist.get_rank()}', 'w').close()\ntime.sleep(600)\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (slow, f"!torchrun --nproc_per_node=2 {name}", POST)]
+    nbformat.write(nb, tmp_path / "slow.ipynb")
+    started = time.monotonic()
+    proc = _run(tmp_path, tmp_path / "slow.ipynb", "--timeout", "60")
+    assert proc.returncode != 0 and time.monotonic() - started < 200, proc.stderr[-3000:]
+    assert (tmp_path / "started-0").exists() and (tmp_path / "started-1").exists(), proc.stderr[-3000:]
+    deadline = time.monotonic() + 15
+    while not no_rank_processes(name) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert no_rank_processes(name)
+    assert not (tmp_path / "post_runs.txt").exists()
