@@ -232,3 +232,16 @@ def test_the_timeout_ends_the_launched_ranks_too(tmp_path):
         time.sleep(0.5)
     assert no_rank_processes(name)
     assert not (tmp_path / "post_runs.txt").exists()
+
+
+@pytest.mark.e2e
+def test_nbddp_run_takes_a_python_script_as_a_notebook(tmp_path):
+    (tmp_path / "prep.py").write_text(PREP)
+    subprocess.run([sys.executable, "prep.py"], cwd=tmp_path, check=True)
+    script = tmp_path / "train_plain.py"
+    script.write_text(PLAIN.split("\n", 1)[1])
+    proc = _run(tmp_path, script)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "plain training done" in proc.stdout
+    for rank in (0, 1):
+        assert (tmp_path / f"plain-seen-{rank}.txt").read_text().splitlines() == ['{"world": 2}']
