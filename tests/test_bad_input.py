@@ -170,7 +170,7 @@ def test_a_notebook_deleting_its_run_directory_is_told_at_its_cell_and_line(tmp_
     old = os.getcwd()
     os.chdir(tmp_path)
     try:
-        code = cli.main(["run", str(nb), "--nproc", "2", "--runs-dir", "runs"])
+        code = cli.main(["run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", "runs"])
     finally:
         os.chdir(old)
     err = capsys.readouterr().err
@@ -208,6 +208,6 @@ def test_a_run_importing_bitsandbytes_streams_no_kernel_notice(tmp_path, capsys)
     nb = tmp_path / "bnb.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import bitsandbytes\nprint('in')")]),
                    str(nb))
-    assert cli.main(["run", str(nb), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert cli.main(["run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")]) == 0
     said = "".join(capsys.readouterr()) + "".join(p.read_text() for p in (tmp_path / "runs").rglob("std*.log"))
     assert "gemm_4bit_forward" not in said and "in" in said

@@ -129,7 +129,7 @@ def test_two_jobs_writing_one_folder_are_both_warned(tmp_path):
 
     nb = write_notebook(tmp_path / "first.ipynb", [FIRST_JOB])
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    first = subprocess.Popen([sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2", "--runs-dir", "runs"],
+    first = subprocess.Popen([sys.executable, "-m", "nbddp.cli", "run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", "runs"],
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240

@@ -14,7 +14,7 @@ CELLS = ["import os\nrank = int(os.environ['RANK'])", "print(f'hello from rank {
 def test_a_notebook_file_and_a_selection_of_cells_run_the_same_way(tmp_path, notebook, monkeypatch):
     monkeypatch.chdir(tmp_path)
     said = []
-    from_file = run_job(notebook(CELLS, name="greet.ipynb"), nproc=2, runs_dir=tmp_path / "runs",
+    from_file = run_job(notebook(CELLS, name="greet.ipynb"), every_rank=True, nproc=2, runs_dir=tmp_path / "runs",
                         sink=lambda stream, text: said.append(text), on_run_dir=said.append)
     assert isinstance(from_file, JobResult) and from_file.ok, from_file.failure
     assert "hello from rank 0" in "".join(s for s in said if isinstance(s, str))
@@ -22,7 +22,7 @@ def test_a_notebook_file_and_a_selection_of_cells_run_the_same_way(tmp_path, not
     assert from_file.script.text == from_file.script_path.read_text()
 
     selection = Selection(tuple(cells_from_sources(CELLS, origin="greet.ipynb")), "notebook", "greet.ipynb")
-    from_cells = run_job(selection, nproc=2, runs_dir=tmp_path / "runs", sink=lambda stream, text: None)
+    from_cells = run_job(selection, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=lambda stream, text: None)
     assert from_cells.ok and from_cells.cwd == tmp_path.resolve() and from_cells.run_dir.name.endswith("-greet")
     assert from_cells.script.text == from_file.script.text
 

@@ -98,7 +98,7 @@ def test_every_rank_starts_from_the_same_seed_and_rank_0_reports_the_job(tmp_pat
     nb = notebook(["import random\nimport torch\nprint('draw', random.random(), torch.rand(1).item(), flush=True)"])
     chunks = []
     result = run_job(
-        nb, nproc=2, runs_dir=tmp_path / "runs", env={"NBDDP_SEED": "1234"}, sink=lambda s, t: chunks.append(t)
+        nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", env={"NBDDP_SEED": "1234"}, sink=lambda s, t: chunks.append(t)
     ).run
     assert result.ok
     out = "".join(chunks)
