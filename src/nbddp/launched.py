@@ -184,9 +184,12 @@ def _python(args: list[str], nproc: int) -> int:
     real = real_tool("python") or sys.executable
     if args[:2] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
         return _torchrun(args[2:], nproc)
-    script = args[0] if args and args[0].endswith(".py") else None
+    flags = 0
+    while flags < len(args) and args[flags] in ("-u", "-B", "-O", "-OO", "-E", "-s", "-I"):
+        flags += 1  # flags that take no value: `python -u train.py` is still the script's run
+    script = args[flags] if flags < len(args) and args[flags].endswith(".py") else None
     if script and Path(script).is_file() and _trains(Path(script)):
-        return _converted(Path(script), args[1:], nproc)
+        return _converted(Path(script), args[flags + 1:], nproc)
     return run([real, *args])
 
 
