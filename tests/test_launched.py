@@ -245,3 +245,22 @@ def test_nbddp_run_takes_a_python_script_as_a_notebook(tmp_path):
     assert "plain training done" in proc.stdout
     for rank in (0, 1):
         assert (tmp_path / f"plain-seen-{rank}.txt").read_text().splitlines() == ['{"world": 2}']
+
+
+@pytest.mark.e2e
+def test_a_bash_cell_running_torchrun_for_one_process_runs_on_every_rank(tmp_path):
+    """NeMo's pattern: ``%%bash`` + ``torchrun --nproc_per_node=1 …``, fitted to the job's two processes."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    bash = "%%bash\nset -e\ntorchrun --nproc_per_node=1 train.py\necho bash cell done"
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (PREP, TRAIN, bash, POST)]
+    nbformat.write(nb, tmp_path / "nemo_like.ipynb")
+    proc = _run(tmp_path, tmp_path / "nemo_like.ipynb")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "asks for --nproc-per-node 1" in out and "bash cell done" in out
+    for rank in (0, 1):
+        assert [json.loads(ln)["world"] for ln in (tmp_path / f"seen-{rank}.txt").read_text().splitlines()] == [2]
+    assert len((tmp_path / "prep_runs.txt").read_text().splitlines()) == 1
+    assert len((tmp_path / "post_runs.txt").read_text().splitlines()) == 1
