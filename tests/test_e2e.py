@@ -14,16 +14,11 @@ from nbddp.job import run_job
 pytestmark = pytest.mark.e2e
 
 
-def collect():
-    chunks = []
-    return chunks, lambda stream, text: chunks.append(text)
-
-
 def test_quickstart_trains_on_two_ranks_through_the_cli(tmp_path):
     nb = tmp_path / "quickstart.ipynb"
     shutil.copy(QUICKSTART, nb)
     proc = subprocess.run(
-        [sys.executable, "-m", "nbddp.cli", "run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")],
+        [sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")],
         cwd=tmp_path, capture_output=True, text=True, timeout=400,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )
@@ -43,11 +38,8 @@ def test_quickstart_trains_on_two_ranks_through_the_cli(tmp_path):
     assert no_rank_processes(str(run_dir))
 
 
-def test_rank_one_output_goes_only_to_its_log(tmp_path, notebook):
-    nb = notebook(["import os\nprint('hello from rank', os.environ['RANK'], flush=True)"])
-    chunks, sink = collect()
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=sink).run
-    streamed = "".join(chunks)
+def test_rank_one_output_goes_only_to_its_log(greeting_job):
+    result, streamed = greeting_job.job.run, greeting_job.streamed
     assert result.ok
     assert "hello from rank 0" in streamed and "hello from rank 1" not in streamed
     assert "hello from rank 1" in result.rank_log(1).read_text()
@@ -61,7 +53,7 @@ def test_a_failing_rank_is_reported_at_its_cell_and_line(tmp_path, notebook):
         ],
         markdown_first=True,
     )
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None).run
+    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None).run
     assert not result.ok
     f = result.failure
     assert (f.rank, f.cell, f.line) == (1, 3, 3)
