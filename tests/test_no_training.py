@@ -142,6 +142,7 @@ LAUNCHED = {
     "philschmid/rl-with-llms-in-2025-dpo.ipynb": "!python scripts/dpo/run_dpo.py",
     "philschmid/fsdp-qlora-distributed-llama3.ipynb": "torchrun --nproc_per_node=4 ./scripts/run_fsdp_qlora.py",
     "philschmid/deepseed-flan-t5-summarization.ipynb": "!deepspeed --num_gpus=8 scripts/run_seq2seq_deepspeed.py",
+    "nemo/llama3-lora-nemofw.ipynb": "torchrun --nproc_per_node=1 \\",
 }
 
 
@@ -149,4 +150,4 @@ LAUNCHED = {
 def test_a_public_notebook_training_from_a_shell_line_runs_launched_from_that_line(key):
     script = convert_notebook(PUBLIC / key)
     assert not script.trains and job.decide_mode(script) == "launched"
-    assert LAUNCHED[key] in script.launches[0].text
+    assert any(LAUNCHED[key] in launch.text for launch in script.launches), script.launches
