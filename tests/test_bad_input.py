@@ -127,7 +127,7 @@ def test_a_runs_folder_that_cannot_be_made_is_said_by_the_api_too(tiny_notebook)
     from nbddp.job import run_job
 
     with pytest.raises(NbddpError, match="cannot make a run directory under /proc/nope .*--runs-dir or NBDDP_RUNS"):
-        run_job(tiny_notebook, nproc=1, runs_dir="/proc/nope", strategy="ddp")
+        run_job(tiny_notebook, every_rank=True, nproc=1, runs_dir="/proc/nope", strategy="ddp")
 
 
 # ------------------------------------------------------------------ a notebook deleting its own run directory

@@ -109,7 +109,7 @@ def test_a_stop_signal_to_the_cli_stops_every_rank_and_says_where_they_were(tmp_
 API_JOB = """
 import sys
 from nbddp.job import run_job
-run_job(sys.argv[1], nproc=2, runs_dir=sys.argv[2])
+run_job(sys.argv[1], every_rank=True, nproc=2, runs_dir=sys.argv[2])
 print("launch returned", flush=True)
 """
 
