@@ -54,7 +54,7 @@ def launch_overhead(work: Path, repeat: int, cells: list[str] = CELLS, name: str
     script = work / f"{name}.py"  # the same cells as a minimal hand-written DDP script: join the group, leave it
     script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n" + "\n".join(cells)
                       + "\ndist.destroy_process_group()\n")
-    nbddp = [sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2", "--runs-dir", str(work / "runs")]
+    nbddp = [sys.executable, "-m", "nbddp.cli", "run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", str(work / "runs")]
     plain = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     a, b = [], []
     for _ in range(repeat):  # alternate, so drift touches both alike
@@ -68,7 +68,7 @@ def interrupt(work: Path, repeat: int) -> dict:
     times = []
     for _ in range(repeat):
         runs = work / f"runs-int-{len(times)}"
-        proc = subprocess.Popen([sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2", "--runs-dir",
+        proc = subprocess.Popen([sys.executable, "-m", "nbddp.cli", "run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir",
                                  str(runs)], cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for line in proc.stdout:  # rank 0 is in the sleeping cell
             if "ready" in line:
@@ -99,7 +99,7 @@ def line_latency(work: Path) -> dict:
             if line.startswith("STAMP "):
                 delays.append(now - float(line.split()[1]))
 
-    run_job(nb, nproc=2, runs_dir=work / "runs-lat", sink=sink)
+    run_job(nb, every_rank=True, nproc=2, runs_dir=work / "runs-lat", sink=sink)
     return {"lines": len(delays), "median_ms": 1000 * statistics.median(delays), "p95_ms":
             1000 * sorted(delays)[int(0.95 * (len(delays) - 1))]}
 

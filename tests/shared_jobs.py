@@ -40,7 +40,7 @@ def greeting_job(tmp_path_factory) -> Launched:
 
     folder = tmp_path_factory.mktemp("greeting")
     said: list = []
-    job = run_job(write_notebook(folder / "greet.ipynb", GREETING_CELLS), nproc=2, runs_dir=folder / "runs",
-                  env={"NBDDP_SEED": str(GREETING_SEED)}, sink=lambda stream, text: said.append(text),
-                  on_run_dir=said.append)
+    job = run_job(write_notebook(folder / "greet.ipynb", GREETING_CELLS), every_rank=True, nproc=2,
+                  runs_dir=folder / "runs", env={"NBDDP_SEED": str(GREETING_SEED)},
+                  sink=lambda stream, text: said.append(text), on_run_dir=said.append)
     return Launched(folder, job, said)

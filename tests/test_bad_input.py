@@ -127,7 +127,7 @@ def test_a_runs_folder_that_cannot_be_made_is_said_by_the_api_too(tiny_notebook)
     from nbddp.job import run_job
 
     with pytest.raises(NbddpError, match="cannot make a run directory under /proc/nope .*--runs-dir or NBDDP_RUNS"):
-        run_job(tiny_notebook, nproc=1, runs_dir="/proc/nope", strategy="ddp")
+        run_job(tiny_notebook, every_rank=True, nproc=1, runs_dir="/proc/nope", strategy="ddp")
 
 
 # ------------------------------------------------------------------ a notebook deleting its own run directory
@@ -171,7 +171,7 @@ def test_a_notebook_deleting_its_run_directory_is_told_at_its_cell_and_line(tmp_
     old = os.getcwd()
     os.chdir(tmp_path)
     try:
-        code = cli.main(["run", str(nb), "--nproc", "2", "--runs-dir", "runs"])
+        code = cli.main(["run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", "runs"])
     finally:
         os.chdir(old)
     err = capsys.readouterr().err
@@ -209,6 +209,6 @@ def test_a_run_importing_bitsandbytes_streams_no_kernel_notice(tmp_path, capsys)
     nb = tmp_path / "bnb.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import bitsandbytes\nprint('in')")]),
                    str(nb))
-    assert cli.main(["run", str(nb), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert cli.main(["run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")]) == 0
     said = "".join(capsys.readouterr()) + "".join(p.read_text() for p in (tmp_path / "runs").rglob("std*.log"))
     assert "gemm_4bit_forward" not in said and "in" in said

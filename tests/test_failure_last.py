@@ -99,7 +99,7 @@ dist.all_reduce(t)  # rank 0 waits here for a peer that is gone'''
 def test_the_failing_ranks_report_is_the_last_thing_shown(tmp_path):
     nb = write_notebook(tmp_path / "fails.ipynb", [RANK_1_FAILS])
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2", "--runs-dir", "runs"],
+    proc = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", "--every-rank", str(nb), "--nproc", "2", "--runs-dir", "runs"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr

@@ -30,7 +30,7 @@ def test_a_save_that_fills_the_disk_is_named_with_its_folder_and_free_space(tmp_
         f"if dist.get_rank() == 0:\n    torch.save(weights, {str(out / 'model.pt')!r})\n"
         f"else:\n    time.sleep(600)",
     ])
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
     f = result.failure
     assert (f.rank, f.cell) == (0, 3)
     assert f.message.startswith(f"No space left on device: writing to {out} (")
@@ -46,7 +46,7 @@ def test_an_unwritable_output_folder_is_refused_before_launch(tmp_path, notebook
     (tmp_path / "outputs").write_text("a file where the Trainer's folder should be")
     nb = notebook(["from transformers import TrainingArguments",
                    "args = TrainingArguments(\n    output_dir='outputs/run1',\n    max_steps=60)\nprint('trained')"])
-    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", tmp_path / "runs", cwd=tmp_path)
+    proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", tmp_path / "runs", cwd=tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err
     assert (f"nbddp: error: cell 2, line 2: TrainingArguments(output_dir=…) writes to {tmp_path / 'outputs' / 'run1'}, "
@@ -62,12 +62,12 @@ def test_a_second_job_writing_the_same_output_folder_is_warned_and_so_is_the_fir
                               "    print('step', i, flush=True)\n    time.sleep(0.05)"], name="first.ipynb")
     second = notebook([SAVING, "dist.all_reduce(t)\ntorch.save(t, 'out/b.pt')"], name="second.ipynb")
     runs = tmp_path / "runs"
-    proc = nbddp_cli("run", first, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
+    proc = nbddp_cli("run", "--every-rank", first, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
     try:
         wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "the first job stepping")
         (first_run,) = runs.iterdir()
         said = []
-        result = run_job(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
+        result = run_job(second, every_rank=True, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
         assert result.ok
         warning = f"nbddp: warning: another job (pid {proc.pid}, run directory {first_run}) is writing to {tmp_path / 'out'} too"
         assert warning in "".join(said)
@@ -79,7 +79,7 @@ def test_a_second_job_writing_the_same_output_folder_is_warned_and_so_is_the_fir
     assert (f"nbddp: warning: another job (pid {os.getpid()}, run directory {second_run}) started writing to "
             f"{tmp_path / 'out'} too: their checkpoints and saves will overwrite each other") in first_said
     said.clear()
-    result = run_job(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
+    result = run_job(second, every_rank=True, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
     assert result.ok and "another job" not in "".join(said)  # the first job's claim ended with it
     assert no_rank_processes(str(tmp_path))
 
@@ -91,7 +91,7 @@ LOOP = "t = torch.ones(1)\nfor i in range(100000):\n    dist.all_reduce(t)\n    
 def test_a_stop_signal_to_the_cli_stops_every_rank_and_says_where_they_were(tmp_path, notebook, reaper, sig):
     nb = notebook([IMPORTS, LOOP])
     runs = tmp_path / "runs"
-    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
+    proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
     try:
         wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "both ranks stepping")
         (run_dir,) = runs.iterdir()
@@ -109,7 +109,7 @@ def test_a_stop_signal_to_the_cli_stops_every_rank_and_says_where_they_were(tmp_
 API_JOB = """
 import sys
 from nbddp.job import run_job
-run_job(sys.argv[1], nproc=2, runs_dir=sys.argv[2])
+run_job(sys.argv[1], every_rank=True, nproc=2, runs_dir=sys.argv[2])
 print("launch returned", flush=True)
 """
 

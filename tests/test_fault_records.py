@@ -281,7 +281,7 @@ def nbddp(*args, cwd):
 def test_a_bad_notebook_is_one_clear_error_and_nothing_runs(tmp_path, content, says):
     nb = tmp_path / "bad.ipynb"
     nb.write_text(content)
-    proc = nbddp("run", nb, "--runs-dir", tmp_path / "runs", cwd=tmp_path)
+    proc = nbddp("run", "--every-rank", nb, "--runs-dir", tmp_path / "runs", cwd=tmp_path)
     assert proc.returncode == 2
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("nbddp: error:")]
     assert len(errors) == 1 and says in errors[0] and "Traceback" not in proc.stderr
@@ -353,7 +353,7 @@ def test_a_busy_master_port_through_the_cli_is_one_line_and_exit_2(tmp_path, not
         held.bind(("", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc = nbddp("run", nb, "--runs-dir", tmp_path / "runs", "--", f"--master-port={port}", cwd=tmp_path)
+        proc = nbddp("run", "--every-rank", nb, "--runs-dir", tmp_path / "runs", "--", f"--master-port={port}", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"nbddp: error: port {port} (--master-port) is already in use on this machine; "

@@ -78,7 +78,7 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path, notebook, r
         "t = torch.ones(1)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
         "for _ in range(600):\n    dist.all_reduce(t)\n    time.sleep(0.1)",
     ])
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
     assert not result.ok
     f = result.failure
     assert str(f).startswith("rank 1 was killed (signal 9): SIGKILL")
@@ -96,7 +96,7 @@ def test_a_rank_that_segfaults_is_named_with_its_signal_cell_and_line(tmp_path, 
         "t = torch.ones(1)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n    ctypes.string_at(0)  # native crash\n"
         "time.sleep(600)",
     ])
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
     f = result.failure
     assert (f.rank, f.signal, f.cell, f.line) == (1, 11, 2, 4)
     assert str(f).startswith("rank 1 was killed (signal 11) in cell 2, line 4: SIGSEGV: crashed (segmentation fault)")
@@ -111,7 +111,7 @@ def test_a_rank_stuck_in_a_collective_fails_after_the_collective_timeout(tmp_pat
         "t = torch.ones(1)\ndist.all_reduce(t)\nprint('synced', flush=True)",
         "if dist.get_rank() == 1:\n    time.sleep(600)\ndist.all_reduce(t)",
     ])
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet, collective_timeout_s=5).run
+    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet, collective_timeout_s=5).run
     assert not result.ok
     f = result.failure
     # the rank that waited names the collective it waited in …
@@ -137,7 +137,7 @@ def test_the_job_timeout_stops_every_rank_and_says_where_each_was(tmp_path, note
     chunks = []
     started = time.monotonic()
     # the job's own timeout, under a collective timeout far longer
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
+    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
                      timeout_s=120, collective_timeout_s=3600).run
     assert result.timed_out and not result.ok
     assert time.monotonic() - started < 120 + 30
@@ -152,7 +152,7 @@ def test_the_job_timeout_stops_every_rank_and_says_where_each_was(tmp_path, note
 def test_interrupting_the_launcher_ends_every_rank_within_5_seconds(tmp_path, notebook, reaper):
     nb = notebook([IMPORTS, "t = torch.ones(1)\nfor i in range(100000):\n    dist.all_reduce(t)\n    print('step', i, flush=True)\n    time.sleep(0.05)"])
     runs = tmp_path / "runs"
-    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
+    proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
     try:
         wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "both ranks stepping")
         (run_dir,) = runs.iterdir()
@@ -173,7 +173,7 @@ def test_interrupting_the_launcher_ends_every_rank_within_5_seconds(tmp_path, no
 def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path, notebook, reaper):
     nb = notebook([IMPORTS, "t = torch.ones(1)\nfor i in range(100000):\n    dist.all_reduce(t)\n    print('step', i, flush=True)\n    time.sleep(0.05)"])
     runs = tmp_path / "runs"
-    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
+    proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", runs, cwd=tmp_path)
     try:
         wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "both ranks stepping")
         (run_dir,) = runs.iterdir()
@@ -202,7 +202,7 @@ def test_two_jobs_at_once_with_the_default_port_taken(tmp_path, notebook, reaper
     results, outputs = [None, None], [[], []]
 
     def job(k):
-        results[k] = run_job(nb, nproc=2, runs_dir=runs, sink=lambda s, t: outputs[k].append(t)).run
+        results[k] = run_job(nb, every_rank=True, nproc=2, runs_dir=runs, sink=lambda s, t: outputs[k].append(t)).run
 
     try:
         threads = [threading.Thread(target=job, args=(k,)) for k in (0, 1)]
@@ -235,7 +235,7 @@ def test_a_weights_file_being_saved_when_a_rank_dies_is_never_truncated(tmp_path
         f"        torch.save(weights, {str(out / 'weights.pt')!r})\n"
         f"        print('saved', i, flush=True)",
     ])
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
     assert result.failure and result.failure.rank == 1 and result.failure.signal == 9
     assert rank_log_says(tmp_path / "runs", 0, "saved 1")  # rank 0 was saving over and over when stopped
     import torch
@@ -250,7 +250,7 @@ def test_arguments_with_shell_metacharacters_stay_arguments(tmp_path, notebook, 
     odd.mkdir()
     nb = notebook(["import os\nprint('hello from', os.environ['RANK'], flush=True)"], name="nb;touch PWNED4 &.ipynb")
     nb = nb.rename(odd / nb.name)
-    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", odd / "runs|touch PWNED5", cwd=odd)
+    proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", odd / "runs|touch PWNED5", cwd=odd)
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-3000:]
     assert "hello from 0" in out
@@ -265,7 +265,7 @@ def test_secrets_in_the_environment_reach_the_ranks_but_no_file(tmp_path, notebo
                    "print('resume', os.environ.get('NBDDP_RESUME'), 'timeout', os.environ.get('NBDDP_TIMEOUT'), flush=True)\n"
                    "raise RuntimeError('fail on purpose, so error files are written')"])
     runs = tmp_path / "runs"
-    proc = nbddp_cli("run", nb, "--nproc", "2", "--runs-dir", runs, "--resume", "--collective-timeout", "77",
+    proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", runs, "--resume", "--collective-timeout", "77",
                      cwd=tmp_path, env={"HF_TOKEN": secret})
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 1
@@ -285,7 +285,7 @@ def test_two_nodes_on_loopback_train_together(tmp_path, notebook, reaper):
     nb = notebook([IMPORTS, "t = torch.tensor([float(dist.get_rank() + 1)])\ndist.all_reduce(t)\n"
                    "print('world', dist.get_world_size(), 'rank', dist.get_rank(), 'sum', int(t.item()), flush=True)"])
     nodes = [
-        nbddp_cli("run", nb, "--nproc", "1", "--nnodes", "2", "--node-rank", str(k),
+        nbddp_cli("run", "--every-rank", nb, "--nproc", "1", "--nnodes", "2", "--node-rank", str(k),
                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--runs-dir", tmp_path / f"node{k}", cwd=tmp_path)
         for k in (0, 1)
     ]

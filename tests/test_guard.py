@@ -46,7 +46,7 @@ def test_the_cli_says_one_paragraph_and_saves_the_traceback(nb, monkeypatch, cap
 
 def test_once_a_job_has_its_run_directory_the_traceback_goes_there(nb, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(nbddp.launch, "launch", boom)
-    assert cli.main(["run", str(nb), "--nproc", "1", "--strategy", "ddp", "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert cli.main(["run", "--every-rank", str(nb), "--nproc", "1", "--strategy", "ddp", "--runs-dir", str(tmp_path / "runs")]) == 2
     saved = assert_one_paragraph(capsys.readouterr().err, f"running nbddp run {nb}")
     assert saved.parent.parent == tmp_path / "runs" and saved.name == guard.ERROR_FILE
 

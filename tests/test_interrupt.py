@@ -10,7 +10,7 @@ from kernel import kernel_env
 
 pytestmark = pytest.mark.e2e
 
-TICKING = '''%%ddp_train --nproc 2
+TICKING = '''%%ddp_train --nproc 2 --every-rank
 import time
 for i in range(600):
     print("tick", i, flush=True)
@@ -78,7 +78,7 @@ def test_interrupting_the_kernel_stops_every_rank_and_a_rerun_works(tmp_path):
         assert error["ename"] == "JobInterrupted" and "every rank and torchrun have exited" in error["evalue"]
         assert error["traceback"] == [f"JobInterrupted: {error['evalue']}"]
 
-        status, text, errors = execute(kc, '%%ddp_train --nproc 2\nimport os\nprint("again on", os.environ["RANK"])')
+        status, text, errors = execute(kc, '%%ddp_train --nproc 2 --every-rank\nimport os\nprint("again on", os.environ["RANK"])')
         assert status == "ok" and not errors and "again on 0" in text and "finished in" in text, (text, errors)
         assert no_rank_processes(str(tmp_path))
     finally:

@@ -56,7 +56,7 @@ def test_the_example_notebook_trains_with_a_live_panel_and_leaves_its_result(tmp
     assert no_rank_processes(str(tmp_path))
 
 
-FAIL = '''%%ddp_train --nproc 2 --env NBDDP_TEST_GREETING=hello
+FAIL = '''%%ddp_train --nproc 2 --every-rank --env NBDDP_TEST_GREETING=hello
 print("greeting:", os.environ["NBDDP_TEST_GREETING"], flush=True)
 if os.environ["RANK"] == "1":
     raise ValueError("boom on rank 1")
@@ -76,7 +76,7 @@ def test_notebook_cells_a_failing_rank_and_a_whole_notebook_file(tmp_path):
         "import os\nimport time",
         "%%ddp_train --dry-run --diff --save saved.py\nprint('dry')",
         FAIL,
-        f"%ddp_train {other.name} --nproc 2 --out other_result",
+        f"%ddp_train {other.name} --nproc 2 --every-rank --out other_result",
         "print('other ok:', other_result.ok)",
     ]
     # Jupyter's server tells the kernel its notebook through JPY_SESSION_NAME (ipykernel sets __session__)

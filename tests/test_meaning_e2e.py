@@ -49,7 +49,7 @@ def test_a_notebook_of_kernel_conveniences_runs_on_two_ranks_as_in_the_kernel(tm
     path = job_dir / "demo.ipynb"
     _save_4_4_with_ids(path, [FORM + CELLS[0]] + CELLS[1:])
     proc = subprocess.run(
-        [sys.executable, "-m", "nbddp.cli", "run", str(path), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")],
+        [sys.executable, "-m", "nbddp.cli", "run", "--every-rank", str(path), "--nproc", "2", "--runs-dir", str(tmp_path / "runs")],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )

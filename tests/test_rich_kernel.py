@@ -6,7 +6,7 @@ from kernel import execute, stream
 
 pytestmark = pytest.mark.e2e
 
-RICH = '''%%ddp_train --nproc 2
+RICH = '''%%ddp_train --nproc 2 --every-rank
 import matplotlib.pyplot as plt
 from IPython.display import HTML, display
 display(HTML("<b>RICH-HTML</b>"))

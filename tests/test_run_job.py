@@ -24,7 +24,7 @@ def test_a_notebook_file_and_a_selection_of_cells_run_the_same_way(greeting_job,
     assert from_file.script.text == from_file.script_path.read_text()
 
     selection = Selection(tuple(cells_from_sources(CELLS, origin="greet.ipynb")), "notebook", "greet.ipynb")
-    from_cells = run_job(selection, nproc=2, runs_dir=folder / "runs", sink=lambda stream, text: None)
+    from_cells = run_job(selection, every_rank=True, nproc=2, runs_dir=folder / "runs", sink=lambda stream, text: None)
     assert from_cells.ok and from_cells.cwd == folder.resolve() and from_cells.run_dir.name.endswith("-greet")
     assert from_cells.script.text == from_file.script.text
 

@@ -11,7 +11,7 @@ from nbddp.magics import NbddpMagics
 
 SHARED_FLAGS = ("--nproc", "--timeout", "--collective-timeout", "--resume", "--shim", "--no-shim", "--no-checkpointing",
                 "--allow-divergence", "--env", "--skip-installs", "--skip-bad-cells", "--runs-dir", "--nnodes",
-                "--node-rank", "--rdzv-endpoint", "--strategy")
+                "--node-rank", "--rdzv-endpoint", "--strategy", "--every-rank")
 
 
 def _cli_run_parser() -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def test_parsed_options_become_the_same_run_job_keywords(parse):
     keywords = run_options(args, ["--max-restarts=0"])
     assert keywords == dict(
         nproc=None, timeout_s=30.0, collective_timeout_s=60.0, resume=True, skip_installs=False, skip_bad_cells=False,
-        runs_dir=None, strategy="auto", env={"A": "1", "NBDDP_SHIM_UNSLOTH": "1", "NBDDP_DISABLE_CHECKPOINTING": "1"},
+        runs_dir=None, strategy="auto", every_rank=False, env={"A": "1", "NBDDP_SHIM_UNSLOTH": "1", "NBDDP_DISABLE_CHECKPOINTING": "1"},
         torchrun_args=["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=host:29400", "--max-restarts=0"],
     )
     assert set(keywords) <= set(inspect.signature(run_job).parameters)  # every option reaches run_job by name

@@ -21,7 +21,7 @@ for i in tqdm(range(10_000), file=sys.stderr, mininterval=0):
 def test_the_failure_headline_starts_a_line_of_its_own(tmp_path):
     nb = write_notebook(tmp_path / "bar.ipynb", [BAR_THEN_FAIL])
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", "--every-rank", str(nb), "--nproc", "2"], capture_output=True,
                           text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 1
     lines = proc.stderr.split("\n")

@@ -39,9 +39,45 @@ def read_notebook(path: str | Path) -> list[Cell]:
 
 def load_notebook(path: str | Path) -> tuple[list[Cell], tuple[str, ...]]:
     """The code cells of the notebook at ``path``, less those tagged ``nbddp-skip``, and notes on what was
-    repaired to read it (see ``read_nbformat``)."""
+    repaired to read it (see ``read_nbformat``). A Python script (``.py``) is read as cells too
+    (``script_cells``), so ``nbddp run train.py`` takes a script as it takes a notebook."""
+    if Path(path).suffix == ".py":
+        return script_cells(path), ()
     nb, notes = read_nbformat(path)
     return notebook_cells(nb, origin=str(path)), notes
+
+
+#: A cell marker of the percent format (VS Code, Spyder, jupytext): ``# %%`` starts a cell.
+_PERCENT = re.compile(r"^# ?%%(?!%)")
+
+
+def script_cells(path: str | Path) -> list[Cell]:
+    """A Python script's cells: the parts between ``# %%`` markers where it has them (markdown parts,
+    ``# %% [markdown]``, left out but counted, as a notebook counts its cells), else the whole file as one
+    cell, so a failure maps to the script's own line where the file is one cell."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise NotebookError(f"{path}: no such script") from None
+    except OSError as exc:
+        raise NotebookError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise NotebookError(f"{path}: not UTF-8 (byte {exc.start}); save the script as UTF-8") from None
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if _PERCENT.match(line)]
+    if not starts:
+        return [Cell(1, text, str(path))]
+    parts = ([lines[: starts[0]]] if "\n".join(lines[: starts[0]]).strip() else []) + [
+        lines[a:b] for a, b in zip(starts, starts[1:] + [len(lines)])
+    ]
+    cells = []
+    for index, part in enumerate(parts, start=1):
+        if part and _PERCENT.match(part[0]) and "[markdown]" in part[0]:
+            continue
+        body = part[1:] if part and _PERCENT.match(part[0]) else part
+        cells.append(Cell(index, "\n".join(body), str(path)))
+    return cells
 
 
 def read_nbformat(path: str | Path) -> tuple[nbformat.NotebookNode, tuple[str, ...]]:

@@ -67,6 +67,7 @@ def run_job(
     collective_timeout_s: float | None = None,
     resume: bool = False,
     strategy: str = "auto",
+    every_rank: bool = False,
     sink: Sink | None = None,
     on_metrics: Callable[[dict], None] | None = None,
     on_run_dir: Callable[[Path], None] | None = None,
@@ -81,14 +82,26 @@ def run_job(
     runs). Run directories go under ``runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``; ``timeout_s`` bounds
     the job, ``collective_timeout_s`` each collective; ``resume`` continues ``trainer.train()`` from the
     last checkpoint (see ``launch.plan``). ``strategy`` (``auto``, ``ddp``, ``fsdp``, ``split``,
-    ``deepspeed``) is decided before launch (``strategy_launch``). ``keep`` (a ``kept.Channel``) keeps the
-    ranks up after the notebook's cells: the result's ``run.process`` is torchrun, left running.
+    ``deepspeed``) is decided before launch (``strategy_launch``). A notebook with no training call nbddp
+    recognises is refused before launch (``check_trains``) unless ``every_rank`` (``--every-rank``).
+    ``keep`` (a ``kept.Channel``) keeps the ranks up after the notebook's cells: the result's ``run.process``
+    is torchrun, left running.
     """
     check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                       torchrun_args=torchrun_args)
     job = prepare_job(source, skip_bad_cells=skip_bad_cells)
+    mode = decide_mode(job.script, every_rank)
     cwd = Path(cwd) if cwd is not None else job.cwd
-    nproc, env = strategy_launch(job.script, cwd, strategy, nproc, env, sink)
+    launched = None
+    if mode == "launched":  # the notebook once, in one process; the command it launches on every GPU
+        if keep is not None:
+            raise NbddpError("--keep keeps a job whose cells train on every rank; this notebook starts its training "
+                             f"from a shell line ({job.script.launches[0]}): run it without --keep")
+        launched, nproc = nproc or _launch.default_nproc(), 1
+        _say(sink, f"nbddp: the notebook starts its training from a shell line ({job.script.launches[0]}): its "
+                   f"cells run once, in one process, and the command it launches on {launched} processes\n")
+    else:
+        nproc, env = strategy_launch(job.script, cwd, strategy, nproc, env, sink)
     until = None
     if keep is not None:
         if env.get("NBDDP_STRATEGY") not in ("ddp", None):
@@ -99,7 +112,7 @@ def run_job(
     run = _run_script(
         job.script, name=job.name, nproc=nproc, cwd=cwd, runs_dir=runs_dir, torchrun_args=torchrun_args, env=env,
         skip_installs=skip_installs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, resume=resume,
-        sink=sink, on_metrics=on_metrics, on_run_dir=on_run_dir, until=until,
+        sink=sink, on_metrics=on_metrics, on_run_dir=on_run_dir, until=until, launched=launched,
     )
     return JobResult.from_run(run, cwd, job.script)
 
@@ -121,9 +134,11 @@ def _run_script(
     on_metrics: Callable[[dict], None] | None,
     on_run_dir: Callable[[Path], None] | None,
     until: Callable[[], bool] | None = None,
+    launched: int | None = None,
 ) -> RunResult:
     """Write the script into a new run directory, run its installs once, then launch it under torchrun; the
-    output folders the script names are checked and claimed for the launch (``outputs.py``)."""
+    output folders the script names are checked and claimed for the launch (``outputs.py``). ``launched``:
+    the processes the notebook's own launch command runs with, through the stand-ins (``nbddp.launched``)."""
     folders = outputs.output_folders(script, cwd)
     outputs.check_writable(folders)
     runs = Path(runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
@@ -131,6 +146,12 @@ def _run_script(
     if on_run_dir:
         on_run_dir(run_dir)
     path = script.write(run_dir / "script.py")
+    if launched:
+        from .launched import launched_env
+
+        written = {launch.script: (launch.written_by, launch.first_line) for launch in script.launches
+                   if launch.written_by}
+        env = launched_env(dict(env or {}), run_dir, launched, written)
     if script.installs and not skip_installs:
         _launch.run_installs((i.argv() for i in script.installs), sink)
     plan = _launch.plan(
@@ -212,6 +233,42 @@ def check_job_options(
             raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
     _launch.check_master_port(list(torchrun_args))
     preflight.check_torchrun_args(list(torchrun_args))  # -- --nnodes=0 and the like
+
+
+#: What the converter recognises as training, as the refusal words it.
+LOOKED_FOR = ("a Trainer's or TRL trainer's .train(), unsloth_train(…), a loop calling loss.backward(), "
+              "notebook_launcher(…), an imported training helper given a model and its optimizer")
+
+
+def _say(sink: Sink | None, text: str) -> None:
+    (sink or _launch.stdout_sink)("stderr", text)
+
+
+def decide_mode(script: Script, every_rank: bool = False) -> str:
+    """How the job runs: ``every-rank`` (the converted notebook on every rank: a training call was found, or
+    ``--every-rank`` asks for it), ``launched`` (its training is a command a shell line launches: the
+    notebook once, that command on every GPU, ``nbddp.launched``); else refused before launch."""
+    if script.trains or every_rank:
+        return "every-rank"
+    if script.launches:
+        return "launched"
+    check_trains(script, every_rank)
+    return "every-rank"
+
+
+def check_trains(script: Script, every_rank: bool = False) -> None:
+    """Refuse, before anything is made or started, a script in which the converter found no training call
+    and no shell line launching one: launched N times, every cell would run on every rank, each training
+    alone. ``every_rank`` (``--every-rank``) runs it so all the same, as asked."""
+    if script.trains or script.launches or every_rank:
+        return
+    seems = (f"its training seems to be at {script.seems}" if script.seems
+             else "nbddp cannot tell where it trains")
+    raise NbddpError(
+        f"{script.source_map.origin}: no training call found (looked for {LOOKED_FOR}, and for a shell line "
+        f"launching torchrun, accelerate launch, deepspeed or python SCRIPT.py); {seems}. Make the training "
+        "one of those, or pass --every-rank to run every cell on every rank"
+    )
 
 
 def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,

@@ -24,7 +24,7 @@ from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
 from .guard import guard
-from .job import prepare_job, run_job
+from .job import check_trains, prepare_job, run_job
 from .kept.channel import Channel
 from .kept.controller import KeptJob
 from .kept.magics import DEFAULT_IDLE_MIN, KeptMagics
@@ -35,7 +35,7 @@ from .preflight import check_output_file
 
 # argparse fills in %(prog)s here, so "%%" is one "%"; the heading adds the first line's other "%"
 TRAIN_USAGE = """%%ddp_train [options] [-- TORCHRUN_ARGS]                  a cell: the cells above it, then this one
-  %%ddp_train NOTEBOOK.ipynb [options] [-- TORCHRUN_ARGS]    a whole notebook file"""
+  %%ddp_train NOTEBOOK.ipynb [options] [-- TORCHRUN_ARGS]    a whole notebook file (or a script.py)"""
 
 
 #: ``%%ddp_train``'s own options, before the run options it shares with ``nbddp run`` (``options.RUN_OPTIONS``).
@@ -109,7 +109,7 @@ class NbddpMagics(Magics):
         the last lines of rank 0's output, both updated in place, then a summary. The result lands in _ddp
         (or --out VAR): metrics, log_history, output_dir, adapters, script_path, log_dir. A failing rank's
         traceback is shown at its notebook cell and line; interrupting the kernel stops every rank. As a
-        line magic, %ddp_train path/to/notebook.ipynb trains a whole notebook. Arguments after -- go to
+        line magic, %ddp_train path/to/notebook.ipynb trains a whole notebook (or a script.py). Arguments after -- go to
         torchrun, e.g. %%ddp_train -- --nnodes=2 --node-rank=0 --rdzv-endpoint=HOST:29500
         """
         ours, torchrun_args = split_torchrun_args(arg_split(line, posix=True))
@@ -133,6 +133,7 @@ class NbddpMagics(Magics):
         self._show_script(prepared.script, args)
         if args.dry_run:
             return
+        check_trains(prepared.script, options["every_rank"])  # before the panel shows anything
         warning = doctor.kernel_memory_warning()
         if warning:
             print(f"nbddp: warning: {warning}", file=sys.stderr)

@@ -69,6 +69,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
     (("--strategy",), dict(default="auto", choices=("auto", "ddp", "fsdp", "split", "deepspeed"),
                            help="how the model is spread over the GPUs: auto (ddp where a replica fits the smallest "
                                 "GPU, else fsdp, else split; the estimate is printed), ddp, fsdp, split or deepspeed")),
+    (("--every-rank",), dict(action="store_true", help="run every cell on every rank even where nbddp finds no "
+                             "training call (otherwise refused before launch)")),
     (("--env",), dict(action="append", default=[], metavar="K=V", help="an environment variable for the ranks (repeatable)")),
     (("--skip-installs",), dict(action="store_true", help="do not run the notebook's pip installs before launch")),
     (("--skip-bad-cells",), dict(action="store_true", help="leave out cells that do not parse, with a warning")),

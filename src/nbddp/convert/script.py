@@ -17,6 +17,7 @@ from .code import CellCode, CodeError
 from .engine.plan import plan_cell
 from .facts import JobFacts, gather_facts
 from .frameworks import check_frameworks
+from .launches import Launch, find_launches, seems_to_train
 from .lines import align
 from .rules import RULES
 
@@ -48,6 +49,12 @@ class Script:
     #: training (``JobFacts.whole_model_saves``, ``JobFacts.rank0_forwards``): what FSDP cannot run
     whole_model_saves: tuple[tuple[int, int | None], ...] = ()
     rank0_forwards: tuple[tuple[int, int | None], ...] = ()
+    #: whether the facts found a training call (a Trainer's ``train()``, a loop's ``backward()`` …); where
+    #: none, the shell lines that seem to start the training instead (``launches.find_launches``)
+    trains: bool = True
+    launches: tuple[Launch, ...] = ()
+    #: where, with neither, the training seems to be ("cell 4, line 2: model.fit(x)"), or None
+    seems: str | None = None
 
     def diff(self) -> str:
         """A unified diff from the notebook's code cells to the script."""
@@ -123,10 +130,13 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
     check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
     facts = gather_facts(codes)
-    if facts.last_training is None:
-        warnings.append(
-            "no training call found (trainer.train(), unsloth_train(…)): every cell runs on every rank"
-        )
+    launches = find_launches(cells) if facts.last_training is None else ()
+    if launches:
+        warnings.append(f"no training call found in the code; its training is a command it launches ({launches[0]}): "
+                        "nbddp run runs the notebook once and that command on every GPU")
+    elif facts.last_training is None:
+        warnings.append("no training call found (trainer.train(), unsloth_train(…)): nbddp run refuses it unless "
+                        "--every-rank (every cell on every rank)")
     changes: list[Change] = []
     body: list[tuple[str, tuple[int, int] | None]] = []  # the script's lines, each with its (cell, line)
     for clean, code in zip(cleaned, codes):
@@ -148,6 +158,9 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
         warnings=tuple(warnings),
         whole_model_saves=_cell_places(facts.whole_model_saves, cleaned),
         rank0_forwards=_cell_places(facts.rank0_forwards, cleaned),
+        trains=facts.last_training is not None,
+        launches=launches,
+        seems=seems_to_train(cells) if facts.last_training is None else None,
     )
 
 

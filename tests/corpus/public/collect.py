@@ -42,6 +42,8 @@ REPOS = {
     "NielsRogge/Transformers-Tutorials": ("transformers_tutorials", "MIT", "1140198d259d5d9e205ba45a5c3b456261fe2491"),
     "pytorch/opacus": ("opacus", "Apache-2.0", "4d0ebc84613d214fbfd37fbfd1390e3747a625ce"),
     "Aisuko/generative-ai": ("generative_ai", "Apache-2.0", "8e1aa00ce79b0ec15e2234301d6d75283b391fbf"),
+    "philschmid/deep-learning-pytorch-huggingface": ("philschmid", "MIT", "59b37973074de90004d10e5ff636f98160c9743a"),
+    "NVIDIA/NeMo": ("nemo", "Apache-2.0", "ec0b6240c44380ec8552ac8b7c9a0dd41adcffda"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -148,6 +150,15 @@ PATHS = {
     ],
     "pytorch/opacus": ["tutorials/building_image_classifier.ipynb"],
     "Aisuko/generative-ai": ["pytorch/about_the_optimization_loop.ipynb"],
+    # issue 28: training started from a shell line (`!python scripts/run_sft.py`, `!torchrun …`, `!deepspeed …`)
+    "philschmid/deep-learning-pytorch-huggingface": [
+        "training/fine-tune-llms-in-2025.ipynb",
+        "training/rl-with-llms-in-2025-dpo.ipynb",
+        "training/fsdp-qlora-distributed-llama3.ipynb",
+        "training/deepseed-flan-t5-summarization.ipynb",
+    ],
+    # issue 28: `%%bash` + `torchrun --nproc_per_node=1 …` (NeMo's LoRA tutorial)
+    "NVIDIA/NeMo": ["tutorials/llm/llama-3/llama3-lora-nemofw.ipynb"],
 }
 #: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
 PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]
@@ -175,6 +186,7 @@ TAG_PATTERNS = {
     "colab_form": r"#\s*@(title|param|markdown)",
     "shell": r"(?m)^\s*!",
     "cell_magic": r"(?m)^%%",
+    "shell_launch": r"(?m)^\s*!.*\b(torchrun|deepspeed|accelerate launch|python \S+\.py)\b",
     "loader_factory": None,  # computed by loader_factory()
     "save_then_load": None,  # computed by save_then_load()
 }
