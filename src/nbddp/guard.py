@@ -88,7 +88,7 @@ def internal_error(doing: str, exc: BaseException) -> InternalError:
 
 def _save(doing: str, exc: BaseException) -> tuple[Path | None, str]:
     """Write the report: the run directory's ``ERROR_FILE`` where a job has one, else a temporary file."""
-    from . import __version__
+    from ._version import __version__
 
     text = "".join([
         f"nbddp {__version__} internal error while {doing}\n",

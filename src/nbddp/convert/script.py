@@ -8,7 +8,7 @@ import gc
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from .._version import __version__
 from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError, printable
 from ..runtime.sourcemap import SourceMap, map_path

@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from .._version import __version__
 from ..cells import read_notebook
 from ..convert import convert_cells
 from ..errors import NbddpError
