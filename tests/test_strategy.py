@@ -335,7 +335,7 @@ def test_a_templates_strategy_parameter_reaches_the_job(name, monkeypatch):
     import nbformat
 
     import nbddp.display
-    import nbddp.job
+    import nbddp.template
 
     nb = nbformat.read(Path(__file__).resolve().parents[1] / "templates" / f"{name}.ipynb", as_version=4)
     (parameters,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
@@ -345,7 +345,7 @@ def test_a_templates_strategy_parameter_reaches_the_job(name, monkeypatch):
     class Done:
         ok = True
 
-    monkeypatch.setattr(nbddp.job, "run_template", lambda path, ns, **kwargs: (asked.update(kwargs), Done()))
+    monkeypatch.setattr(nbddp.template, "run_template", lambda path, ns, **kwargs: (asked.update(kwargs), Done()))
     monkeypatch.setattr(nbddp.display, "summary", lambda result: "")
     exec(nb.cells[-1].source, {"nproc": 0, "strategy": "split"})
     assert asked == {"nproc": None, "strategy": "split"}

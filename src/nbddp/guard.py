@@ -1,4 +1,4 @@
-"""One guard around nbddp's entry points: the CLI, the magics and the templates (``job.run_template``).
+"""One guard around nbddp's entry points: the CLI, the magics and the templates (``template.run_template``).
 
 An exception in nbddp's own code (not a refusal, not a rank's failure) becomes one paragraph, an
 ``InternalError``: what nbddp was doing, the exception in one line, where its full traceback was saved (the
