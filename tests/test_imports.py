@@ -85,3 +85,8 @@ def test_the_launcher_needs_nothing_from_the_converter():
 
 def test_the_converter_has_no_import_circle():
     assert circles(graph("nbddp.convert")) == []
+
+
+def test_the_package_has_no_import_circle():
+    """Lazy imports and those for type checking count too: a circle is one to read, whenever it loads."""
+    assert circles(graph("nbddp")) == []
