@@ -1,8 +1,8 @@
 """Which way to spread a job over the GPUs, from what its script loads and how it trains.
 
-``decide(script_text, cwd, requested)`` reads the converted script (``ast``, no import of the user's
-libraries): the model it loads (the id or folder given to a loader's ``from_pretrained``; its
-``config.json`` from the folder or the Hugging Face cache, never the network), the dtype and 4/8-bit
+``decide(shape, cwd, requested)`` takes what the converter read from the script (``Script.shape``,
+``convert/facts/shape.py``; ``ast``, no import of the user's libraries): the model it loads (the id or
+folder given to a loader's ``from_pretrained``; its ``config.json`` from the folder or the Hugging Face cache, never the network), the dtype and 4/8-bit
 quantization, the LoRA rank and target modules, the per-device batch size, the sequence length and
 gradient checkpointing. ``estimate`` turns these into the bytes one rank needs under each strategy, and
 ``choose`` picks for ``auto``: DDP where one GPU holds a whole replica, else FSDP (weights, gradients and
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .convert.facts.shape import JobShape, read_shape
+from .convert.facts.shape import JobShape, ShapeUnread, read_shape
 from .errors import NbddpError, printable
 from .model_config import Dims, SizeUnknown, read_json
 
@@ -250,10 +250,11 @@ SPLIT_NOTE = ("split runs the layers one GPU after another in a single process: 
               "for a model that fits one, and no faster with more GPUs")
 
 
-def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: str = "auto",
+def decide(source: str | JobShape | ShapeUnread, cwd: str | os.PathLike | None = None, requested: str = "auto",
            gpu_free: tuple[int, ...] | None = None) -> Decision:
     """The strategy a job runs with: ``requested`` itself, checked, or ``auto``'s choice with its estimate.
 
+    ``source``: the model's shape the converter read (``Script.shape``), or a script's text to read it from.
     What nbddp reads on the way (the script's facts, a model's config, the GPUs' memory) is read from files a
     person gives it and libraries it does not control: a slip there is not the job's fault. So any exception
     but a refusal (``NbddpError``) falls back: ``auto`` and ``ddp`` to DDP, saying why (``Decision.fallback``);
@@ -262,20 +263,25 @@ def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: st
     if requested not in STRATEGIES:
         raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {requested!r}")
     try:
-        return _decide(script_text, cwd, requested, gpu_free)
+        shape = read_shape(source) if isinstance(source, str) else source
+        if isinstance(shape, ShapeUnread):
+            return _fall_back(requested, shape.why)
+        return _decide(shape, cwd, requested, gpu_free)
     except NbddpError:
         raise
     except Exception as exc:  # broad on purpose: see the docstring
-        why = printable(f"{type(exc).__name__}: {exc}")[:300]
-        if requested in ("auto", "ddp"):
-            return Decision("ddp", f"nbddp could not decide the strategy ({why}); DDP assumed", requested,
-                            fallback=why)
-        raise NbddpError(f"--strategy {requested} could not be prepared: nbddp could not read what it needs ({why}); "
-                         "run with --strategy ddp, and please report this") from None
+        return _fall_back(requested, printable(f"{type(exc).__name__}: {exc}")[:300])
 
 
-def _decide(script_text: str, cwd, requested: str, gpu_free: tuple[int, ...] | None) -> Decision:
-    shape = read_shape(script_text)
+def _fall_back(requested: str, why: str) -> Decision:
+    """DDP for ``auto`` and ``ddp`` when nbddp could not read what it decides from; a refusal otherwise."""
+    if requested in ("auto", "ddp"):
+        return Decision("ddp", f"nbddp could not decide the strategy ({why}); DDP assumed", requested, fallback=why)
+    raise NbddpError(f"--strategy {requested} could not be prepared: nbddp could not read what it needs ({why}); "
+                     "run with --strategy ddp, and please report this") from None
+
+
+def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | None) -> Decision:
     if requested == "deepspeed" and not _installed("deepspeed"):
         raise NbddpError("--strategy deepspeed needs DeepSpeed, which is not installed here: pip install deepspeed "
                          "(or use --strategy fsdp, which shards the same way with PyTorch alone)")

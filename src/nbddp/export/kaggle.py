@@ -218,7 +218,7 @@ def export_kaggle(
     if not allow_secrets:
         check_secrets(cells)
     script = convert_cells(cells, origin=notebook.name, skip_bad_cells=skip_bad_cells)
-    decision = decide(script.text, notebook.resolve().parent, strategy, gpu_free=ACCELERATOR_GPUS.get(accelerator, ()))
+    decision = decide(script.shape, notebook.resolve().parent, strategy, gpu_free=ACCELERATOR_GPUS.get(accelerator, ()))
     refuse_what_it_cannot_run(decision, script)
     launcher = _LAUNCHER.format(
         strategy_lines=_strategy_lines(decision.strategy),

@@ -33,9 +33,21 @@ class JobShape:
     upcast: bool = False  # prepare_model_for_kbit_training: what bitsandbytes left unquantized becomes fp32
 
 
+@dataclass(frozen=True)
+class ShapeUnread:
+    """Why a script's shape could not be read (``"ValueError: …"``): ``strategy.decide`` falls back as for any
+    slip on its way."""
+
+    why: str
+
+
 def read_shape(script_text: str) -> JobShape:
     """The model and training facts of a converted script (or any Python source)."""
-    tree = ast.parse(script_text)
+    return shape_of(ast.parse(script_text))
+
+
+def shape_of(tree: ast.Module) -> JobShape:
+    """The model and training facts of a parsed script."""
     strings = _literal_names(tree)
     found: dict = {}
     for node in ast.walk(tree):
