@@ -143,7 +143,7 @@ def test_deepspeed_is_refused_where_there_is_no_gpu(monkeypatch, llama_8b):
 
 
 def test_the_ranks_get_a_zero_config_the_trainer_fills_in():
-    from nbddp.runtime.strategy import deepspeed_config
+    from nbddp.runtime.apply_strategy import deepspeed_config
 
     three = deepspeed_config(3)
     assert three["zero_optimization"]["stage"] == 3 and three["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
