@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+#: Words in a ``from_pretrained`` owner that say it is not a model.
+_NOT_MODELS = ("Tokenizer", "Processor", "Config", "FeatureExtractor", "ImageProcessor", "Dataset")
 #: Unsloth's loader classes: FSDP cannot shard what they build.
 _UNSLOTH = ("FastLanguageModel", "FastModel", "FastVisionModel", "FastTextModel")
 
@@ -98,7 +100,7 @@ def _keywords(node: ast.Call, strings: dict) -> dict[str, object]:
 def _read_call(node: ast.Call, strings: dict, found: dict) -> None:
     owner, name = _callee(node)
     kw = _keywords(node, strings)
-    if name == "from_pretrained" and _is_model_loader(owner):
+    if name == "from_pretrained" and is_model_loader_owner(owner):
         first = node.args[0] if node.args else next(
             (k.value for k in node.keywords if k.arg in ("pretrained_model_name_or_path", "model_name")), None)
         source = _value(first, strings)
@@ -143,10 +145,6 @@ def _turns_on_checkpointing(owner: str, name: str, kw: dict) -> bool:
     return name == "prepare_model_for_kbit_training" or (name == "get_peft_model" and owner in _UNSLOTH)
 
 
-def _is_model_loader(owner: str) -> bool:
-    return owner in _UNSLOTH or owner.startswith("AutoModel") or "For" in owner
-
-
 def _read_trainer_config(kw: dict, found: dict) -> None:
     if isinstance(kw.get("per_device_train_batch_size"), int):
         found["batch"] = kw["per_device_train_batch_size"]
@@ -157,3 +155,15 @@ def _read_trainer_config(kw: dict, found: dict) -> None:
         found["checkpointing"] = True
     if isinstance(kw.get("optim"), str):
         found["optim"] = kw["optim"]
+
+
+def is_model_loader_owner(owner: str | None) -> bool:
+    """Whether ``owner.from_pretrained(…)`` loads a model (not a tokenizer, processor or config): the one answer
+    for the shape's model and the ``device_map`` rule (``rules/device_map.py``).
+
+    Covers ``AutoModel*``, ``*For*`` (``LlamaForCausalLM``), ``AutoPeftModel*``, ``PeftModel`` and Unsloth's
+    ``FastLanguageModel``/``FastModel``/``FastVisionModel``.
+    """
+    if not owner or any(word in owner for word in _NOT_MODELS):
+        return False
+    return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))
