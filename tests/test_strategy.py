@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import strategy
+from nbddp import choose_strategy as strategy
 from nbddp.cells import cells_from_sources
 from nbddp.convert import convert_cells, convert_notebook
 from nbddp.errors import NbddpError

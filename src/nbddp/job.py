@@ -164,12 +164,12 @@ def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env:
 
     Split mode is one process driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``.
     """
-    from . import strategy
+    from . import choose_strategy
 
-    decision = strategy.decide(script.shape, cwd, requested)
+    decision = choose_strategy.decide(script.shape, cwd, requested)
     if requested != "auto" or decision.gpu_free or decision.fallback:
         (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
-    strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
+    choose_strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env
 

@@ -35,7 +35,7 @@ def notebooks() -> list[tuple[str, Path]]:
 
 def launcher_reads(script, cwd: Path) -> list[str]:
     """What the launcher reads from a script before launch, spelled stably."""
-    from nbddp import outputs, strategy
+    from nbddp import choose_strategy as strategy, outputs
 
     shape = getattr(script, "shape", None) or strategy.read_shape(script.text)
     folders = [(str(f.path.relative_to(cwd)) if f.path.is_relative_to(cwd) else str(f.path), f.cell, f.line, f.what)

@@ -33,7 +33,7 @@ from ..cells import read_notebook
 from ..convert import convert_cells
 from ..errors import NbddpError
 from ..runtime.io import atomic_write_text
-from ..strategy import decide, refuse_what_it_cannot_run
+from ..choose_strategy import decide, refuse_what_it_cannot_run
 from .secrets import check_secrets, find_leftovers
 
 #: The file name ``kaggle kernels push`` looks for.
