@@ -1,7 +1,7 @@
 """The converter is the one reader of notebook code: what the launcher needs (the model's shape, the output
 folders) comes with the ``Script``, and one predicate says what loads a model."""
 
-from nbddp import strategy
+from nbddp import choose_strategy as strategy
 from nbddp.cells import cells_from_sources
 from nbddp.convert import convert_cells
 from nbddp.convert.facts.shape import ShapeUnread, is_model_loader_owner
