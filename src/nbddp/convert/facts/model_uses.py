@@ -1,6 +1,6 @@
 """Facts about what a plain loop does with the models DDP wraps that only a whole replica allows: pickling one
 whole (``torch.save(model, …)``) and running one on rank 0 alone. Under FSDP the wrap shards the model, and
-``strategy.refuse_what_it_cannot_run`` refuses both before launch, at the places recorded here."""
+``choose_strategy.refuse_what_it_cannot_run`` refuses both before launch, at the places recorded here."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The model's shape: what a converted script says about the model it loads and how it trains, for the launcher's
-choice of strategy (``strategy.decide``), read once by the converter (``Script.shape``).
+choice of strategy (``choose_strategy.decide``), read once by the converter (``Script.shape``).
 
 ``read_shape`` reads any Python source with ``ast`` (no import of the user's libraries): the model it loads
 (the id or folder given to a loader's ``from_pretrained``), the dtype and 4/8-bit quantization, the LoRA rank
@@ -37,8 +37,8 @@ class JobShape:
 
 @dataclass(frozen=True)
 class ShapeUnread:
-    """Why a script's shape could not be read (``"ValueError: …"``): ``strategy.decide`` falls back as for any
-    slip on its way."""
+    """Why a script's shape could not be read (``"ValueError: …"``): ``choose_strategy.decide`` falls back as
+    for any slip on its way."""
 
     why: str
 
