@@ -5,8 +5,9 @@ import inspect
 from pathlib import Path
 
 from nbddp import cli, job, magics, template
-from nbddp.cells import Selection, cells_from_sources
+from nbddp.cells import cells_from_sources
 from nbddp.job import JobResult, prepare_job, run_job
+from nbddp.selection import Selection
 
 CELLS = ["import os\nrank = int(os.environ['RANK'])", "print(f'hello from rank {rank}', flush=True)"]
 

@@ -13,11 +13,12 @@ from typing import Callable, Iterable, Sequence, Union
 
 from . import launch as _launch
 from . import outputs, preflight
-from .cells import Cell, Selection
+from .cells import Cell
 from .convert import Script, convert_cells, convert_notebook
 from .errors import NbddpError
 from .launch import RankFailure, RunResult, Sink
 from .runtime.records import Event
+from .selection import Selection
 
 #: Where run directories go unless told otherwise (``NBDDP_RUNS``).
 DEFAULT_RUNS = "nbddp_runs"
