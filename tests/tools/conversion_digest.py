@@ -9,6 +9,8 @@ installs, changes, warnings and the places the FSDP refusals read), what the lau
     python tests/tools/conversion_digest.py > before.txt
     ... reshape ...
     python tests/tools/conversion_digest.py | diff before.txt -
+
+``--split`` prints two digests a notebook: the conversion's, then what the launcher reads from it.
 """
 
 from __future__ import annotations
@@ -55,8 +57,18 @@ def digest(path: Path, cwd: Path) -> str:
         return "refused " + hashlib.sha256(f"{type(exc).__name__}: {exc}".encode()).hexdigest()[:16]
     parts = [script.text, script.source_map.to_json(), repr(script.installs), repr(script.changes),
              repr(script.warnings), repr(script.whole_model_saves), repr(script.rank0_forwards)]
-    parts += launcher_reads(script, cwd)
+    launcher = launcher_reads(script, cwd)
+    if SPLIT:  # the conversion and what the launcher reads from it, apart: which of the two changed
+        return f"{_sha(parts)} {_sha(launcher)}"
+    return _sha(parts + launcher)
+
+
+def _sha(parts: list[str]) -> str:
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+
+
+#: ``--split``: two digests a notebook, its conversion's and the launcher's reading of it
+SPLIT = "--split" in sys.argv
 
 
 def main() -> None:
