@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from .convert.facts.shape import JobShape, ShapeUnread, read_shape
@@ -326,6 +327,19 @@ RANK0_FORWARD = ("rank 0 alone runs the model here (after training), but under -
                  "in shards across the ranks and every rank must take part in its forward: the job would wait here "
                  "until the collective timeout. Run with --strategy ddp or split, or load the saved state dict "
                  "(torch.save(model.state_dict(), PATH)) into a plain model and run that one")
+
+
+def settle(script, cwd, requested: str, gpu_free: tuple[int, ...] | None = None,
+           say: Callable[[Decision], None] | None = None) -> Decision:
+    """The strategy a converted ``Script`` runs with, for every front end that launches or exports one:
+    ``decide`` on the converter's ``Script.shape``, the decision handed to ``say`` (the launcher shows it), then
+    refused where the notebook does what the strategy cannot run (``refuse_what_it_cannot_run``): after the
+    choice is said, so a refusal of ``auto``'s choice is read with it."""
+    decision = decide(script.shape, cwd, requested, gpu_free=gpu_free)
+    if say is not None:
+        say(decision)
+    refuse_what_it_cannot_run(decision, script)
+    return decision
 
 
 def refuse_what_it_cannot_run(decision: Decision, script) -> None:

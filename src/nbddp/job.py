@@ -167,10 +167,11 @@ def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env:
     """
     from . import choose_strategy
 
-    decision = choose_strategy.decide(script.shape, cwd, requested)
-    if requested != "auto" or decision.gpu_free or decision.fallback:
-        (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
-    choose_strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
+    def say(decision: choose_strategy.Decision) -> None:
+        if requested != "auto" or decision.gpu_free or decision.fallback:
+            (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
+
+    decision = choose_strategy.settle(script, cwd, requested, say=say)
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env
 
