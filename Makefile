@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.nbddp-installed
 
-.PHONY: demo test test-browser test-colab bench clean
+.PHONY: demo test test-fast test-e2e test-browser test-colab bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## train the embedded tiny model on 2 processes (CPU/gloo without GPUs)
 	$(VENV)/bin/nbddp run notebooks/quickstart.ipynb --nproc 2
 
-test: $(STAMP)  ## the full test suite, as CI runs it
-	$(PY) -m pytest -q
+# Two lanes, kept honest by tests/lanes.py: a test that starts a process (torchrun, a kernel, a subprocess
+# running nbddp) is marked e2e, one that starts none is not. The fast lane runs first, so a quick failure shows early.
+test: test-fast test-e2e  ## the full test suite, as CI runs it
+
+test-fast: $(STAMP)  ## the tests that start no process (a few minutes)
+	$(PY) -m pytest -q -m 'not e2e and not browser and not colab'
+
+test-e2e: $(STAMP)  ## the tests that start processes: torchrun on 2 gloo ranks, kernels, the nbddp CLI
+	$(PY) -m pytest -q -m 'e2e and not browser and not colab'
 
 # Chromium comes from the system's packages (never a browser download): installed with apt where this can.
 CHROMIUM_HINT := no chromium: install your system's package (Debian/Ubuntu: apt-get install -y chromium) and run make test-browser again

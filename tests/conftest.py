@@ -5,6 +5,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+# lanes: fails a test whose e2e mark does not match whether it started a process (tests/lanes.py);
+# shared_jobs: jobs several tests read, launched once per session
+pytest_plugins = ["lanes", "pytester", "shared_jobs"]
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
 

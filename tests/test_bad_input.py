@@ -136,6 +136,7 @@ DELETES_RUNS = '''import shutil
 shutil.rmtree("runs", ignore_errors=True)  # tidy up'''
 
 
+@pytest.mark.e2e
 def test_deleting_the_run_directory_is_refused_at_its_line(tmp_path):
     """In a process of its own: an audit hook cannot be removed."""
     import subprocess

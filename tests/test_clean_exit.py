@@ -8,13 +8,12 @@ import torch
 from nbddp.runtime import sync
 from test_grad_ckpt import run_job
 
-pytestmark = pytest.mark.e2e
-
 #: Launches of the racing job: with the runtime before the fix about one in five aborted (SIGABRT, "terminate
 #: called without an active exception"), and this test failed in its 5th launch.
 LAUNCHES = 8
 
 
+@pytest.mark.e2e
 def test_a_finished_job_never_aborts_at_exit(tmp_path):
     for attempt in range(LAUNCHES):
         result, out = run_job(tmp_path / str(attempt), "exit_race.py", shim=True)

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import QUICKSTART, ROOT
 
 
@@ -9,6 +11,7 @@ def nbddp(*args, cwd=None):
                           cwd=cwd, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.e2e
 def test_convert_writes_a_runnable_script_and_its_map(tmp_path):
     out = tmp_path / "train.py"
     proc = nbddp("convert", QUICKSTART, "-o", out)
@@ -19,6 +22,7 @@ def test_convert_writes_a_runnable_script_and_its_map(tmp_path):
     assert (tmp_path / "train.py.map.json").exists()
 
 
+@pytest.mark.e2e
 def test_convert_explain_and_diff(tmp_path):
     proc = nbddp("convert", QUICKSTART, "--explain")
     assert "device_map=\"auto\" → this rank's device  [device_map]" in proc.stdout
@@ -27,6 +31,7 @@ def test_convert_explain_and_diff(tmp_path):
     assert proc.stdout.startswith("---") and "+_nbddp.setup()" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "bad.ipynb"
     bad.write_text("{oops")
@@ -35,6 +40,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert proc.stderr.startswith("nbddp: error: ") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_unparsable_cell_names_cell_and_line(tmp_path):
     import nbformat
 

@@ -14,11 +14,6 @@ from nbddp.job import run_job
 pytestmark = pytest.mark.e2e
 
 
-def collect():
-    chunks = []
-    return chunks, lambda stream, text: chunks.append(text)
-
-
 def test_quickstart_trains_on_two_ranks_through_the_cli(tmp_path):
     nb = tmp_path / "quickstart.ipynb"
     shutil.copy(QUICKSTART, nb)
@@ -43,11 +38,8 @@ def test_quickstart_trains_on_two_ranks_through_the_cli(tmp_path):
     assert no_rank_processes(str(run_dir))
 
 
-def test_rank_one_output_goes_only_to_its_log(tmp_path, notebook):
-    nb = notebook(["import os\nprint('hello from rank', os.environ['RANK'], flush=True)"])
-    chunks, sink = collect()
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=sink).run
-    streamed = "".join(chunks)
+def test_rank_one_output_goes_only_to_its_log(greeting_job):
+    result, streamed = greeting_job.job.run, greeting_job.streamed
     assert result.ok
     assert "hello from rank 0" in streamed and "hello from rank 1" not in streamed
     assert "hello from rank 1" in result.rank_log(1).read_text()

@@ -110,6 +110,7 @@ def test_ordinary_code_is_not_a_secret():
     assert find_secrets(cells) == []
 
 
+@pytest.mark.e2e
 def test_export_stops_at_a_secret_and_shows_the_kaggle_way(tmp_path):
     nb = write_notebook(tmp_path / "nb.ipynb", ["import os", TOKENS["Hugging Face token"]], markdown_first=True)
     with pytest.raises(SecretError) as info:

@@ -1,6 +1,7 @@
 """The rest of the fault matrix on real runs (torchrun, gloo, 2 CPU ranks): a full disk, a stopped launcher,
 the last step reported; each named, no process left behind."""
 
+import os
 import re
 import shutil
 import signal
@@ -56,7 +57,7 @@ def test_an_unwritable_output_folder_is_refused_before_launch(tmp_path, notebook
 SAVING = IMPORTS + "\nt = torch.ones(1)\nos.makedirs('out', exist_ok=True)"
 
 
-def test_a_second_job_writing_the_same_output_folder_is_warned(tmp_path, notebook, reaper):
+def test_a_second_job_writing_the_same_output_folder_is_warned_and_so_is_the_first(tmp_path, notebook, reaper):
     first = notebook([SAVING, "for i in range(100000):\n    dist.all_reduce(t)\n    torch.save(t, 'out/a.pt')\n"
                               "    print('step', i, flush=True)\n    time.sleep(0.05)"], name="first.ipynb")
     second = notebook([SAVING, "dist.all_reduce(t)\ntorch.save(t, 'out/b.pt')"], name="second.ipynb")
@@ -70,9 +71,13 @@ def test_a_second_job_writing_the_same_output_folder_is_warned(tmp_path, noteboo
         assert result.ok
         warning = f"nbddp: warning: another job (pid {proc.pid}, run directory {first_run}) is writing to {tmp_path / 'out'} too"
         assert warning in "".join(said)
+        second_run = result.run_dir
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        _, first_said = proc.communicate(timeout=60)
+    # both are warned: the first job, already running, heard of the second in its stream
+    assert (f"nbddp: warning: another job (pid {os.getpid()}, run directory {second_run}) started writing to "
+            f"{tmp_path / 'out'} too: their checkpoints and saves will overwrite each other") in first_said
     said.clear()
     result = run_job(second, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
     assert result.ok and "another job" not in "".join(said)  # the first job's claim ended with it

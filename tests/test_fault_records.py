@@ -93,6 +93,7 @@ def test_an_exit_without_traceback_says_so(job, tmp_path):
     assert str(f) == "rank 1 failed: exited with code 3 without a Python traceback (sys.exit or os._exit?)"
 
 
+@pytest.mark.e2e
 def test_a_crashed_rank_is_located_by_its_stack_dump(job, tmp_path):
     """A real faulthandler dump: a process running the script's line 11 is stopped with SIGTERM."""
     script, logs = job
@@ -245,6 +246,7 @@ RESUME = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.e2e
 def test_resume_continues_from_the_last_checkpoint(tmp_path):
     out = tmp_path / "outputs"
     env = {**os.environ, "NBDDP_RESUME": "1"}
@@ -268,6 +270,7 @@ def nbddp(*args, cwd):
                           cwd=cwd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("content, says", [
     ('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "source": "x"}]}',
      "not a notebook"),  # schema-invalid
@@ -296,6 +299,7 @@ def test_ranks_torchrun_stopped_with_sigterm_are_not_the_cause(job, tmp_path):
     assert read_failure(logs, script, failures=failures).rank == 1
 
 
+@pytest.mark.e2e
 def test_the_agent_ends_itself_when_its_launcher_is_already_gone():
     def agent_start(launcher_pid: int, then_sleep: int) -> int:
         code = f"from nbddp.agent import die_with_parent\nimport time\ndie_with_parent({launcher_pid})\ntime.sleep({then_sleep})"
@@ -328,6 +332,7 @@ def test_where_ranks_were_names_notebook_lines_and_the_last_trainer_step(tmp_pat
                       "nbddp:   last Trainer step: 12 of 100\n")
 
 
+@pytest.mark.e2e
 def test_saves_reach_the_names_transformers_and_peft_bind_at_import():
     code = textwrap.dedent('''
         from nbddp.runtime import saves
@@ -341,6 +346,7 @@ def test_saves_reach_the_names_transformers_and_peft_bind_at_import():
     assert proc.stdout.strip() == "True"
 
 
+@pytest.mark.e2e
 def test_a_busy_master_port_through_the_cli_is_one_line_and_exit_2(tmp_path, notebook):
     nb = notebook(["print('never runs')"])
     with socket.socket() as held:
@@ -387,6 +393,7 @@ def test_an_nccl_watchdog_abort_is_located_in_the_waiting_rank(job, tmp_path):
     assert [str(st) for st in stacks] == ["rank 0 was at cell 2, line 3: line12", "rank 1 was at cell 2, line 1: line10"]
 
 
+@pytest.mark.e2e
 def test_the_stacks_header_a_rank_writes_is_the_one_the_launcher_reads(tmp_path):
     """Writer (the rank's lifecycle) and reader (the launcher) share one format: ``runtime.records``."""
     from nbddp.runtime import records

@@ -22,6 +22,7 @@ def run_all(tmp_path, ngpu: int, checks: str, path: str | None = None) -> subpro
     return subprocess.run(["bash", str(RUN_ALL)], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.e2e
 def test_on_one_gpu_the_two_gpu_checks_skip_without_running(tmp_path):
     done = run_all(tmp_path, 1, "ckpt templates each-template")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -30,12 +31,14 @@ def test_on_one_gpu_the_two_gpu_checks_skip_without_running(tmp_path):
     assert not list((tmp_path / "logs").iterdir())  # nothing ran
 
 
+@pytest.mark.e2e
 def test_without_a_gpu_every_check_skips(tmp_path):
     done = run_all(tmp_path, 0, "quickstart magic ckpt t4-fp16 templates each-template unsloth")
     assert done.returncode == 0 and "== GPU proofs (0 GPU(s))" in done.stdout
     assert done.stdout.count("SKIP ") == 2 * 7 and "PASS" not in done.stdout and "FAIL" not in done.stdout
 
 
+@pytest.mark.e2e
 def test_a_check_that_fails_sets_the_exit_status(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from nbddp import doctor
 from nbddp.magics import NbddpMagics
@@ -25,6 +27,7 @@ def test_help_texts_are_plain_and_complete():
     assert SHIM_NAMES == tuple(sorted(load(m).NAME for m in SHIMS))  # the help names every shim there is
 
 
+@pytest.mark.e2e
 def test_the_shim_names_come_from_the_shims_folder_without_importing_the_runtime():
     """The help text's names are the module files of runtime/shims; reading them loads neither torch nor the
     runtime (a magic's or the CLI's parser is built in a kernel that may never train)."""
@@ -36,6 +39,7 @@ def test_the_shim_names_come_from_the_shims_folder_without_importing_the_runtime
     assert out.splitlines() == [" ".join(files), "[]"]
 
 
+@pytest.mark.e2e
 def test_doctor_shows_each_check_as_it_is_done(monkeypatch):
     shown, at_probe = [], []
     real_probe = doctor.all_reduce_probe

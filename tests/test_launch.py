@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from nbddp.convert.script import SourceMap
 from nbddp.launch import map_traceback, plan, terminate_tree
@@ -38,6 +39,7 @@ def test_plan_passes_arguments_as_argv_and_finds_its_runtime(tmp_path):
     assert "--standalone" not in multi.argv
 
 
+@pytest.mark.e2e
 def test_terminate_tree_ends_grandchildren_in_their_own_sessions():
     child = textwrap.dedent('''
         import subprocess, sys, time

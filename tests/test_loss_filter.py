@@ -9,8 +9,6 @@ import pytest
 from nbddp.runtime.shims import loss_filter
 from test_grad_ckpt import run_job
 
-pytestmark = pytest.mark.e2e
-
 STEPS = 8
 
 
@@ -20,6 +18,7 @@ def result(tmp_path, shim: bool, **env) -> dict:
     return json.loads(out.split("RESULT ", 1)[1].splitlines()[0]) | {"out": out}
 
 
+@pytest.mark.e2e
 def test_filter_on_the_device_logs_what_the_trainer_logs_without_a_host_wait_per_step(tmp_path):
     own, on_device = result(tmp_path, shim=False), result(tmp_path, shim=True)
     unfiltered = result(tmp_path, shim=True, FILTER="0")  # the user turned the filter off: left alone

@@ -131,6 +131,7 @@ def _kernel_output(nb):
     return [stream(cell, "stdout") for cell in nb.cells]
 
 
+@pytest.mark.e2e
 def test_shell_lines_print_what_the_kernel_prints(tmp_path):
     """The same cells in a real kernel and as the converted script (one process): the same output."""
     from kernel import execute
@@ -150,6 +151,7 @@ def test_shell_lines_print_what_the_kernel_prints(tmp_path):
     assert got.endswith(expected), (got, expected)
 
 
+@pytest.mark.e2e
 def test_a_failing_bash_cell_raises_as_in_ipython(tmp_path):
     script = convert_cells([Cell(1, "%%bash\necho out\nexit 4"), Cell(2, "print('after')")])
     path = tmp_path / "script.py"
@@ -192,6 +194,7 @@ def test_an_install_that_would_replace_torch_is_named_and_skipped(monkeypatch):
     assert stack_replacement(["pip", "install", f"torch=={version('torch')}"]) is None
 
 
+@pytest.mark.e2e
 def test_an_install_in_the_script_that_would_replace_torch_is_skipped_in_the_rank(tmp_path):
     import os
     from importlib.metadata import version
@@ -211,6 +214,7 @@ def test_an_install_in_the_script_that_would_replace_torch_is_skipped_in_the_ran
 # 5. The notebook's folder
 
 
+@pytest.mark.e2e
 def test_script_imports_modules_from_its_working_directory(tmp_path):
     (tmp_path / "helper_functions.py").write_text("def hello():\n    return 'hi from helper'\n")
     run = tmp_path / "runs" / "r1"
@@ -236,6 +240,7 @@ def _run_as_rank(tmp_path, sources, **env):
                           text=True, env=rank_env, stdin=subprocess.DEVNULL, timeout=300)
 
 
+@pytest.mark.e2e
 def test_input_in_a_rank_says_what_to_do(tmp_path):
     proc = _run_as_rank(tmp_path, ["x = 1", "name = input('Your name: ')\nprint(name)"])
     assert proc.returncode != 0 and "input() waits for a person" in proc.stderr, proc.stderr
@@ -243,6 +248,7 @@ def test_input_in_a_rank_says_what_to_do(tmp_path):
     assert note.line == 1 and "input() waits for a person" in note.message
 
 
+@pytest.mark.e2e
 def test_hub_login_without_a_token_says_what_to_do(tmp_path):
     cells = ["from huggingface_hub import notebook_login\nnotebook_login()\nprint('logged in')"]
     proc = _run_as_rank(tmp_path, cells)
@@ -296,6 +302,7 @@ def test_an_ordinary_syntax_error_does_not_blame_the_python_version():
     assert "needs Python" not in str(err.value) and err.value.line == 2
 
 
+@pytest.mark.e2e
 def test_a_captured_cell_keeps_its_shell_output_from_the_console(tmp_path):
     cells = ["print('before')", "%%capture out\n!echo from-shell\nprint('from-python')", "print('after', out.stdout.split())"]
     convert_cells([Cell(i, src) for i, src in enumerate(cells, 1)]).write(tmp_path / "script.py")

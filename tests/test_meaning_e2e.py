@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 
 from conftest import ROOT, no_rank_processes
 from kernel import execute, stream
@@ -33,6 +34,7 @@ def _save_4_4_with_ids(path, sources):
     path.write_text(json.dumps(data))
 
 
+@pytest.mark.e2e
 def test_a_notebook_of_kernel_conveniences_runs_on_two_ranks_as_in_the_kernel(tmp_path):
     kernel_dir, job_dir = tmp_path / "kernel", tmp_path / "job"
     for folder in (kernel_dir, job_dir):

@@ -24,6 +24,7 @@ BAD = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("argv, message", BAD)
 def test_the_cli_refuses_bad_numbers_before_anything_starts(tmp_path, notebook, argv, message):
     nb = notebook(["print('never runs')"])

@@ -70,6 +70,7 @@ CLAIMER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.e2e
 def test_a_folder_another_live_job_writes_is_warned_about_until_it_ends(tmp_path):
     out = tmp_path / "out"
     other = subprocess.Popen([sys.executable, "-c", CLAIMER, str(out)], stdout=subprocess.PIPE, text=True,
@@ -103,48 +104,6 @@ def test_a_full_disk_is_named_from_the_errno_path_or_the_trainer_folder(tmp_path
     assert f.message.startswith(f"No space left on device: writing to {tmp_path / 'trainer_out'} (")
     other = failure("ValueError: nothing to do with disks")
     assert explain_no_space(other, tmp_path) is other and explain_no_space(None, tmp_path) is None
-
-
-FIRST_JOB = '''import os, time, torch
-os.makedirs("out", exist_ok=True)
-open("ready", "w").close()
-time.sleep(8)  # the second job starts meanwhile
-torch.save({}, "out/x.pt")'''
-
-SECOND_CLAIM = textwrap.dedent('''
-    import sys
-    from pathlib import Path
-    from nbddp.outputs import OutputFolder, claimed
-    with claimed([OutputFolder(Path(sys.argv[1]), 1, 1, "x")], Path(sys.argv[2])) as warnings:
-        print(warnings, flush=True)
-''')
-
-
-@pytest.mark.e2e
-def test_two_jobs_writing_one_folder_are_both_warned(tmp_path):
-    """The second job is warned as it starts (above); the first, already running, hears of it in its stream."""
-    import time
-
-    from conftest import write_notebook
-
-    nb = write_notebook(tmp_path / "first.ipynb", [FIRST_JOB])
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    first = subprocess.Popen([sys.executable, "-m", "nbddp.cli", "run", str(nb), "--nproc", "2", "--runs-dir", "runs"],
-                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "ready").exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        second = subprocess.run([sys.executable, "-c", SECOND_CLAIM, str(tmp_path / "out"), "/runs/second"],
-                                capture_output=True, text=True, env=env, timeout=60)
-        assert f"is writing to {tmp_path / 'out'} too" in second.stdout, second.stdout + second.stderr
-        out, err = first.communicate(timeout=240)
-    finally:
-        first.kill()
-    assert first.returncode == 0, err
-    assert "nbddp: warning: another job (pid " in err
-    assert (f"run directory /runs/second) started writing to {tmp_path / 'out'} too: their checkpoints and saves "
-            "will overwrite each other") in err
 
 
 def test_a_notebook_shows_the_warning_rather_than_fold_it_with_the_start_up_lines():

@@ -23,6 +23,7 @@ from nbddp.selection import split_cell_magic  # noqa: E402
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
 
 
+@pytest.mark.e2e
 def test_help_names_nproc_and_the_device_command():
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "prove_unsloth.py"), "--help"],
                           capture_output=True, text=True, env=ENV, timeout=120)
@@ -44,6 +45,7 @@ def test_the_copy_points_at_local_files_and_marks_every_edit(tmp_path):
     assert any("max_steps = 7," in ln for ln in changed)
 
 
+@pytest.mark.e2e
 def test_nbddp_converts_the_copy(tmp_path):
     path = proof.notebook_copy(tmp_path / "nb.ipynb", Path("/models/m"), Path("/data/rows.json"), steps=7)
     proc = subprocess.run([sys.executable, "-m", "nbddp.cli", "convert", str(path), "-o", str(tmp_path / "nb.py")],

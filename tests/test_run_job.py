@@ -4,27 +4,29 @@ cells, to a ``JobResult`` (real torchrun, 2 gloo ranks)."""
 import inspect
 from pathlib import Path
 
+import pytest
+
 from nbddp import cli, job, magics, template
 from nbddp.cells import cells_from_sources
 from nbddp.job import JobResult, prepare_job, run_job
 from nbddp.selection import Selection
+from shared_jobs import GREETING_CELLS
 
-CELLS = ["import os\nrank = int(os.environ['RANK'])", "print(f'hello from rank {rank}', flush=True)"]
+CELLS = GREETING_CELLS
 
 
-def test_a_notebook_file_and_a_selection_of_cells_run_the_same_way(tmp_path, notebook, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    said = []
-    from_file = run_job(notebook(CELLS, name="greet.ipynb"), nproc=2, runs_dir=tmp_path / "runs",
-                        sink=lambda stream, text: said.append(text), on_run_dir=said.append)
+@pytest.mark.e2e
+def test_a_notebook_file_and_a_selection_of_cells_run_the_same_way(greeting_job, monkeypatch):
+    folder, said, from_file = greeting_job.folder, greeting_job.said, greeting_job.job  # greet.ipynb, run_job
+    monkeypatch.chdir(folder)
     assert isinstance(from_file, JobResult) and from_file.ok, from_file.failure
-    assert "hello from rank 0" in "".join(s for s in said if isinstance(s, str))
+    assert "hello from rank 0" in greeting_job.streamed
     assert said[0] == from_file.run_dir and from_file.run_dir.name.endswith("-greet")  # on_run_dir came first
     assert from_file.script.text == from_file.script_path.read_text()
 
     selection = Selection(tuple(cells_from_sources(CELLS, origin="greet.ipynb")), "notebook", "greet.ipynb")
-    from_cells = run_job(selection, nproc=2, runs_dir=tmp_path / "runs", sink=lambda stream, text: None)
-    assert from_cells.ok and from_cells.cwd == tmp_path.resolve() and from_cells.run_dir.name.endswith("-greet")
+    from_cells = run_job(selection, nproc=2, runs_dir=folder / "runs", sink=lambda stream, text: None)
+    assert from_cells.ok and from_cells.cwd == folder.resolve() and from_cells.run_dir.name.endswith("-greet")
     assert from_cells.script.text == from_file.script.text
 
 

@@ -92,16 +92,10 @@ def test_a_bad_seed_is_named(monkeypatch):
 
 
 @pytest.mark.e2e
-def test_every_rank_starts_from_the_same_seed_and_rank_0_reports_the_job(tmp_path, notebook):
-    from nbddp.job import run_job
-
-    nb = notebook(["import random\nimport torch\nprint('draw', random.random(), torch.rand(1).item(), flush=True)"])
-    chunks = []
-    result = run_job(
-        nb, nproc=2, runs_dir=tmp_path / "runs", env={"NBDDP_SEED": "1234"}, sink=lambda s, t: chunks.append(t)
-    ).run
+def test_every_rank_starts_from_the_same_seed_and_rank_0_reports_the_job(greeting_job):
+    # shared_jobs.greeting_job ran with NBDDP_SEED=1234 (GREETING_SEED)
+    result, out = greeting_job.job.run, greeting_job.streamed
     assert result.ok
-    out = "".join(chunks)
     assert "nbddp: 2 process(es), backend " in out and ", seed 1234" in out
     draw0 = next(line for line in out.splitlines() if line.startswith("draw"))
     draw1 = next(line for line in result.rank_log(1).read_text().splitlines() if line.startswith("draw"))

@@ -103,6 +103,7 @@ BAD = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path, case):
     content, reason = BAD[case]
@@ -114,11 +115,13 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path, case):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.e2e
 def test_no_training_call_is_a_warning_not_an_error(notebook):
     proc = _cli("convert", notebook(["import os\nprint(os.sep)"]))
     assert proc.returncode == 0 and "nbddp: warning: no training call found" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_bad_cell_names_cell_and_line_and_can_be_skipped(notebook):
     path = notebook(["a = 1", "%time x = (\n", "trainer = Trainer()\ntrainer.train()"], markdown_first=True)
     proc = _cli("convert", path)
@@ -127,6 +130,7 @@ def test_bad_cell_names_cell_and_line_and_can_be_skipped(notebook):
     assert proc.returncode == 0 and "skipped cell 3" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_explain_puts_every_change_at_a_cell_and_line():
     corpus = Path(__file__).resolve().parent / "corpus"
     for name in ("unsloth_kaggle_sft", "pytorch_image_cnn", "kaggle_magics"):
@@ -179,6 +183,7 @@ def test_odd_but_valid_cells_convert_and_compile(crlf):
     compile(script.text, "script.py", "exec")
 
 
+@pytest.mark.e2e
 def test_the_job_api_imports_neither_libcst_nor_ipython():
     """libcst and IPython's transformers load with the first cell that needs them, not with nbddp's API."""
     code = ("import sys, nbddp.job, nbddp.launch, nbddp.cli, nbddp.convert\n"

@@ -13,6 +13,7 @@ from nbddp.export.kaggle import runtime_zip
 from nbddp.runtime import selflaunch
 
 
+@pytest.mark.e2e
 def test_runtime_zip_is_reproducible_and_importable_alone(tmp_path):
     data = runtime_zip()
     assert data == runtime_zip()  # same sources, same bytes: an export can be diffed
@@ -58,6 +59,7 @@ def run_exported(tmp_path, sources):
                           timeout=300)
 
 
+@pytest.mark.e2e
 def test_a_failing_install_stops_before_launch(tmp_path):
     proc = run_exported(tmp_path, ["!pip install -q --no-index nbddp-no-such-package-xyz", "print('trained')"])
     assert proc.returncode != 0

@@ -356,6 +356,7 @@ def test_wrap_keeps_static_and_class_methods(monkeypatch):
     assert Loader.static(1) == 1 and Loader.klass(2) == (Loader, 2)
 
 
+@pytest.mark.e2e
 def test_setup_imports_none_of_the_notebooks_libraries(tmp_path):
     """Unsloth must be imported before transformers, TRL and PEFT: nbddp's setup-time code imports none."""
     import subprocess

@@ -22,6 +22,7 @@ REQUIRED = ("model_name", "max_seq_length", "lora_r", "learning_rate", "max_step
             "output_dir", "precision")
 
 
+@pytest.mark.e2e
 def test_committed_templates_are_what_build_py_writes():
     proc = subprocess.run([sys.executable, str(TEMPLATES / "build.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
