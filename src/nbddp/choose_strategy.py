@@ -2,9 +2,9 @@
 
 ``decide(shape, cwd, requested)`` takes what the converter read from the script (``Script.shape``,
 ``convert/facts/shape.py``; ``ast``, no import of the user's libraries): the model it loads (the id or
-folder given to a loader's ``from_pretrained``; its ``config.json`` from the folder or the Hugging Face cache, never the network), the dtype and 4/8-bit
-quantization, the LoRA rank and target modules, the per-device batch size, the sequence length and
-gradient checkpointing. ``estimate`` turns these into the bytes one rank needs under each strategy, and
+folder given to a loader's ``from_pretrained``; its ``config.json`` from the folder or the Hugging Face
+cache, never the network), the dtype and 4/8-bit quantization, the LoRA rank and target modules, the
+per-device batch size, the sequence length and gradient checkpointing. ``estimate`` turns these into the bytes one rank needs under each strategy, and
 ``choose`` picks for ``auto``: DDP where one GPU holds a whole replica, else FSDP (weights, gradients and
 optimizer states sharded over the ranks), else split (one process, the model's layers spread over every
 GPU). The ``Decision`` says what it picked and why (``summary()``).
