@@ -1,15 +1,15 @@
-"""How close ``nbddp.strategy``'s memory estimate comes to the peak a real GPU shows, per job shape.
+"""How close ``nbddp.choose_strategy``'s memory estimate comes to the peak a real GPU shows, per job shape.
 
     python benchmarks/memory_estimate.py measure --out DIR     # on a GPU machine: one process per shape
     python benchmarks/memory_estimate.py report DIR            # here: the estimates beside the peaks
 
-``auto`` picks DDP, FSDP or split from an estimate made before launch (``strategy.estimate``); a wrong
+``auto`` picks DDP, FSDP or split from an estimate made before launch (``choose_strategy.estimate``); a wrong
 estimate sends a job that fits to a slower strategy, or one that does not fit to an out-of-memory error.
 This measures, on one GPU, the peak of a Trainer + PEFT job (real architectures' shapes, random weights
 made on the GPU, fixed-length random tokens, 4 steps of AdamW) for each shape in ``SHAPES`` and compares it
 with the estimate for that shape. The peak counted is what a GPU must hold: the allocator's peak reservation
 plus the CUDA context (the device's used memory at the end less the reservation then), as
-``strategy.OVERHEAD_BYTES`` stands for.
+``choose_strategy.OVERHEAD_BYTES`` stands for.
 
 Each shape runs in a process of its own, so the peaks do not mix; ``measure`` writes ``peaks.jsonl``,
 ``report`` writes ``memory_estimate.md`` beside it (and ``--commit`` under ``benchmarks/results``).
@@ -174,7 +174,7 @@ def measure(out: Path, shapes: list[str]) -> None:
 
 
 def estimate_for(shape: str):
-    from nbddp.strategy import JobShape, estimate
+    from nbddp.choose_strategy import JobShape, estimate
 
     if shape in UNSLOTH_SHAPES:
         name, batch, seq = UNSLOTH_SHAPES[shape]

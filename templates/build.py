@@ -9,7 +9,7 @@ Every template has the same shape:
 2. the cell tagged ``parameters``: typed, commented values (``papermill --help-notebook`` lists them);
 3. the training cells, tagged ``skip-execution``: nbclient (so papermill) leaves them out of the kernel, and
    nbddp runs them in every rank instead;
-4. the launch cell, tagged ``nbddp-skip``: ``nbddp.job.run_template`` trains the cells above under torchrun
+4. the launch cell, tagged ``nbddp-skip``: ``nbddp.template.run_template`` trains the cells above under torchrun
    with the kernel's parameter values. ``nbddp run`` and ``nbddp export`` leave this cell out.
 
 So ``papermill`` → kernel (parameters, launch) → torchrun → one process per GPU (two gloo processes on CPU).
@@ -127,7 +127,7 @@ def launch(name: str) -> str:
 # Train the cells above on every GPU (two CPU processes without GPUs) through torchrun, with this kernel's
 # parameter values. Rank 0's output streams here; every rank's log is kept under nbddp_runs/.
 from nbddp.display import failure_report, summary
-from nbddp.job import run_template
+from nbddp.template import run_template
 
 script, result = run_template("{name}.ipynb", globals(), nproc=nproc or None, strategy=strategy)
 print(summary(result))

@@ -8,7 +8,7 @@ import re
 import nbformat
 import pytest
 
-from nbddp import cli, preflight, strategy
+from nbddp import choose_strategy as strategy, cli, preflight
 from nbddp.convert import convert_notebook
 from nbddp.errors import NbddpError
 

@@ -2,19 +2,8 @@
 
 import pytest
 
-from nbddp.cells import (
-    EDITED,
-    RAN,
-    SAVED,
-    THIS,
-    Registry,
-    cells_above,
-    cells_from_history,
-    find_notebook,
-    job_source,
-    select_cells,
-    split_cell_magic,
-)
+from nbddp.kernel_cells import cells_above, cells_from_history, select_cells
+from nbddp.selection import EDITED, RAN, SAVED, THIS, Registry, find_notebook, job_source, split_cell_magic
 from nbddp.convert import convert_cells
 from nbddp.errors import NbddpError
 from nbddp.executions import Execution, KernelRuns

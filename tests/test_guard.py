@@ -10,6 +10,7 @@ from IPython.core.interactiveshell import InteractiveShell
 import nbddp.convert
 import nbddp.job
 import nbddp.launch
+import nbddp.template
 from nbddp import cli, guard
 from nbddp.errors import JobFailed, NbddpError
 
@@ -78,9 +79,9 @@ def test_a_template_says_one_paragraph(tmp_path, monkeypatch):
     notebook = nbformat.v4.new_notebook(cells=[params, nbformat.v4.new_code_cell("x = steps")])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, str(template))
-    monkeypatch.setattr(nbddp.job, "convert_cells", boom)
+    monkeypatch.setattr(nbddp.template, "convert_cells", boom)
     with pytest.raises(guard.InternalError) as caught:
-        nbddp.job.run_template(template, {"steps": 1})
+        nbddp.template.run_template(template, {"steps": 1})
     assert_one_paragraph(str(caught.value), "training a template").unlink()
 
 

@@ -85,3 +85,14 @@ def test_the_launcher_needs_nothing_from_the_converter():
 
 def test_the_converter_has_no_import_circle():
     assert circles(graph("nbddp.convert")) == []
+
+
+def test_the_package_has_no_import_circle():
+    """Lazy imports and those for type checking count too: a circle is one to read, whenever it loads."""
+    assert circles(graph("nbddp")) == []
+
+
+def test_no_module_at_the_package_root_is_over_400_lines():
+    """A root module that grows past this holds more than one job: split it by job, not by line count."""
+    long = {p.name: n for p in (SRC / "nbddp").glob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from nbddp import strategy
+from nbddp import choose_strategy as strategy
 from nbddp.errors import NbddpError
 from nbddp.model_config import Dims, SizeUnknown
 

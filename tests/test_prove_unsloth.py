@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import prove_unsloth as proof  # noqa: E402
 
-from nbddp.cells import cells_above, split_cell_magic  # noqa: E402
+from nbddp.kernel_cells import cells_above  # noqa: E402
+from nbddp.selection import split_cell_magic  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import cli, job, magics
-from nbddp.cells import Selection, cells_from_sources
+from nbddp import cli, job, magics, template
+from nbddp.cells import cells_from_sources
 from nbddp.job import JobResult, prepare_job, run_job
+from nbddp.selection import Selection
 from shared_jobs import GREETING_CELLS
 
 CELLS = GREETING_CELLS
@@ -37,7 +38,7 @@ def test_a_prepared_job_keeps_its_script_and_folder(tmp_path, notebook):
 
 
 def test_every_front_end_goes_through_run_job():
-    for front_end in (cli._run, magics.NbddpMagics.ddp_train, job.run_template):
+    for front_end in (cli._run, magics.NbddpMagics.ddp_train, template.run_template):
         assert "run_job(" in inspect.getsource(front_end), front_end
-    sources = "".join(inspect.getsource(m) for m in (cli, magics, job))
+    sources = "".join(inspect.getsource(m) for m in (cli, magics, job, template))
     assert sources.count("JobResult.from_run(") == 1 and "run_notebook" not in sources

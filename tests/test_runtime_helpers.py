@@ -68,10 +68,10 @@ def test_only_the_converters_guard_gathers_sharded_models_under_fsdp(monkeypatch
     """Gathering a plain loop's sharded models is a collective: ``on_rank0`` (the guard the converter writes,
     which every rank reaches) does it, ``is_main_process`` (which code may ask on rank 0 alone) never does."""
     import nbddp.runtime as rt
-    from nbddp.runtime import strategy
+    from nbddp.runtime import apply_strategy
 
     gathered = []
-    monkeypatch.setattr(strategy, "gather_for_rank0_code", lambda: gathered.append(True))
+    monkeypatch.setattr(apply_strategy, "gather_for_rank0_code", lambda: gathered.append(True))
     monkeypatch.setenv("NBDDP_STRATEGY", "fsdp")
     assert rt.is_main_process() and gathered == []
     assert rt.on_rank0() and gathered == [True]

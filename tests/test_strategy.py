@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import strategy
+from nbddp import choose_strategy as strategy
 from nbddp.cells import cells_from_sources
 from nbddp.convert import convert_cells, convert_notebook
 from nbddp.errors import NbddpError
@@ -143,7 +143,7 @@ def test_deepspeed_is_refused_where_there_is_no_gpu(monkeypatch, llama_8b):
 
 
 def test_the_ranks_get_a_zero_config_the_trainer_fills_in():
-    from nbddp.runtime.strategy import deepspeed_config
+    from nbddp.runtime.apply_strategy import deepspeed_config
 
     three = deepspeed_config(3)
     assert three["zero_optimization"]["stage"] == 3 and three["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
@@ -335,7 +335,7 @@ def test_a_templates_strategy_parameter_reaches_the_job(name, monkeypatch):
     import nbformat
 
     import nbddp.display
-    import nbddp.job
+    import nbddp.template
 
     nb = nbformat.read(Path(__file__).resolve().parents[1] / "templates" / f"{name}.ipynb", as_version=4)
     (parameters,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
@@ -345,7 +345,7 @@ def test_a_templates_strategy_parameter_reaches_the_job(name, monkeypatch):
     class Done:
         ok = True
 
-    monkeypatch.setattr(nbddp.job, "run_template", lambda path, ns, **kwargs: (asked.update(kwargs), Done()))
+    monkeypatch.setattr(nbddp.template, "run_template", lambda path, ns, **kwargs: (asked.update(kwargs), Done()))
     monkeypatch.setattr(nbddp.display, "summary", lambda result: "")
     exec(nb.cells[-1].source, {"nproc": 0, "strategy": "split"})
     assert asked == {"nproc": None, "strategy": "split"}

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 from nbddp.convert import convert_notebook
 from nbddp.errors import NbddpError, NotebookError
-from nbddp.job import run_template
+from nbddp.template import run_template
 
 papermill = pytest.importorskip("papermill", reason="the templates are papermill notebooks")
 

@@ -1,6 +1,6 @@
 """nbddp — train a notebook's fine-tune on every GPU of the machine, from one cell, through torchrun."""
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 #: The magics ``%load_ext nbddp`` registered in this process, if any.
 _magics = None

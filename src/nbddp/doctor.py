@@ -182,13 +182,13 @@ def data_parallel_check(n_gpus: int) -> Check:
 
 
 def memory_check(script_text: str, cwd, devices: list[dict]) -> Check:
-    """What one rank of this notebook needs and the strategy ``--strategy auto`` picks (``strategy.decide``)."""
-    from . import strategy
+    """What one rank of this notebook needs and the strategy ``--strategy auto`` picks (``choose_strategy.decide``)."""
+    from . import choose_strategy
     from .errors import NbddpError
 
     free = tuple(int(d["free_bytes"]) for d in devices if d.get("name"))
     try:
-        decision = strategy.decide(script_text, cwd, "auto", gpu_free=free)
+        decision = choose_strategy.decide(script_text, cwd, "auto", gpu_free=free)
     except NbddpError as exc:
         return Check("memory", "warn", str(exc))
     detail = decision.summary().replace("nbddp: ", "").replace("\n", "; ")

@@ -4,7 +4,7 @@ IPython's history keeps.
 
 IPython announces each execution through its ``pre_run_cell`` and ``post_run_cell`` events (``ExecutionInfo``,
 ``ExecutionResult``); nothing in IPython keeps the cell ids or the outcomes of past executions, hence this record.
-``cells.select_cells`` reads a ``KernelRuns`` snapshot of it.
+``kernel_cells.select_cells`` reads a ``KernelRuns`` snapshot of it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One guard around nbddp's entry points: the CLI, the magics and the templates (``job.run_template``).
+"""One guard around nbddp's entry points: the CLI, the magics and the templates (``template.run_template``).
 
 An exception in nbddp's own code (not a refusal, not a rank's failure) becomes one paragraph, an
 ``InternalError``: what nbddp was doing, the exception in one line, where its full traceback was saved (the
@@ -88,7 +88,7 @@ def internal_error(doing: str, exc: BaseException) -> InternalError:
 
 def _save(doing: str, exc: BaseException) -> tuple[Path | None, str]:
     """Write the report: the run directory's ``ERROR_FILE`` where a job has one, else a temporary file."""
-    from . import __version__
+    from ._version import __version__
 
     text = "".join([
         f"nbddp {__version__} internal error while {doing}\n",

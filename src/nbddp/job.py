@@ -9,16 +9,16 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Callable, Iterable, Sequence, Union
 
 from . import launch as _launch
 from . import outputs, preflight
-from .cells import Cell, Selection, notebook_cells
+from .cells import Cell
 from .convert import Script, convert_cells, convert_notebook
-from .errors import NbddpError, NotebookError
-from .guard import guard
+from .errors import NbddpError
 from .launch import RankFailure, RunResult, Sink
 from .runtime.records import Event
+from .selection import Selection
 
 #: Where run directories go unless told otherwise (``NBDDP_RUNS``).
 DEFAULT_RUNS = "nbddp_runs"
@@ -166,52 +166,6 @@ def _run_script(
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 
 
-@guard("training a template")
-def run_template(
-    path: str | os.PathLike, namespace: Mapping[str, object], **kwargs
-) -> tuple[Script, "JobResult"]:
-    """Train a papermill template's cells under torchrun with the parameter values a kernel holds.
-
-    A template's kernel (papermill's, or Jupyter's) runs only the cell tagged ``parameters`` (and the one
-    papermill injects); its training cells are tagged ``skip-execution`` and its last cell, tagged
-    ``nbddp-skip``, calls this with ``globals()``. The parameter names papermill finds in the saved notebook
-    take their values from ``namespace`` and are injected after the ``parameters`` cell by papermill's own
-    ``parameterize_notebook``, as in papermill's output notebook; then the notebook is converted and run
-    by ``run_job``, its ranks starting in the notebook's folder. Returns the script and the
-    ``JobResult`` a kernel's next cell reads, as ``%%ddp_train`` leaves it.
-    """
-    try:
-        from papermill.inspection import inspect_notebook
-        from papermill.iorw import load_notebook_node
-        from papermill.parameterize import parameterize_notebook
-    except ImportError:
-        raise NbddpError("templates need papermill to read their parameters: pip install papermill") from None
-    path = Path(path)
-    if not path.exists():
-        raise NotebookError(
-            f"{path}: no such notebook in {Path.cwd()}; a template looks for its own saved file from the kernel's "
-            "working directory (papermill: --cwd FOLDER_OF_THE_TEMPLATE)"
-        )
-    names = inspect_notebook(path)
-    missing = [n for n in names if n not in namespace]
-    if missing:
-        raise NbddpError(f"{path.name}: parameters not set in this kernel: {', '.join(missing)}; run the parameters cell first")
-    nb = parameterize_notebook(load_notebook_node(str(path)), {n: namespace[n] for n in names})
-    script = convert_cells(notebook_cells(nb, origin=str(path)), origin=path.name)
-    _show_rich_output_in_kernel(kwargs)
-    job = run_job(Job(script, path.resolve().parent, path.stem), **kwargs)
-    return job.script, job
-
-
-def _show_rich_output_in_kernel(kwargs: dict) -> None:
-    """In a kernel (papermill's), rank 0's ``display()`` becomes rich output of the template's cell."""
-    from .display.panel import in_kernel, publish_display
-
-    if in_kernel() and kwargs.get("on_metrics") is None:
-        kwargs["on_metrics"] = publish_display
-        kwargs["env"] = {**(kwargs.get("env") or {}), "NBDDP_RICH_DISPLAY": "1"}
-
-
 def check_job_options(
     *,
     nproc: int | None = None,
@@ -278,12 +232,13 @@ def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env:
 
     Split mode is one process driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``.
     """
-    from . import strategy
+    from . import choose_strategy
 
-    decision = strategy.decide(script.text, cwd, requested)
-    if requested != "auto" or decision.gpu_free or decision.fallback:
-        (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
-    strategy.refuse_what_it_cannot_run(decision, script)  # after the choice is said: auto's too
+    def say(decision: choose_strategy.Decision) -> None:
+        if requested != "auto" or decision.gpu_free or decision.fallback:
+            (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
+
+    decision = choose_strategy.settle(script, cwd, requested, say=say)
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env
 

@@ -18,7 +18,8 @@ from IPython.core.magic_arguments import MagicHelpFormatter, argument, kwds, mag
 from IPython.utils.process import arg_split
 
 from . import doctor, executions
-from .cells import SOURCES, Registry, find_notebook, select_cells
+from .kernel_cells import select_cells
+from .selection import SOURCES, Registry, find_notebook
 from .display import LivePanel, cell_label, outcome_error
 from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS

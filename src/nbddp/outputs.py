@@ -10,7 +10,6 @@ before training, not a guarantee.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import hashlib
@@ -32,14 +31,6 @@ from .launch.postmortem import RankFailure
 from .runtime.io import atomic_write_text
 from .runtime.records import Event, append_notice
 
-#: Calls whose ``output_dir`` keyword names a folder the Trainer writes checkpoints into.
-_CONFIG_CALL = re.compile(r"^(?:\w*TrainingArguments|\w*Config)$")
-#: Methods whose first argument (or ``save_directory``/``output_dir``) is a folder written whole.
-_FOLDER_SAVES = {"save_pretrained": "save_directory", "save_model": "output_dir"}
-#: Functions whose second argument (or ``f``/``filename``) is a file: its folder is written.
-_FILE_SAVES = {"save": "f", "save_file": "filename"}
-
-
 @dataclass(frozen=True)
 class OutputFolder:
     """A folder the notebook's code writes into, where the code says so (cell and line)."""
@@ -51,102 +42,16 @@ class OutputFolder:
 
 
 def output_folders(script: Script, cwd: str | os.PathLike) -> list[OutputFolder]:
-    """Every output folder the script names with a value readable from the code, resolved against ``cwd``
-    (where the ranks start); one entry per folder, at its first mention in the notebook."""
-    try:
-        tree = ast.parse(script.text)
-    except SyntaxError:
-        return []
-    names = _constant_names(tree)
+    """Every output folder the script names with a value readable from the code (the converter's
+    ``Script.output_targets``), resolved against ``cwd`` (where the ranks start); one entry per folder, at its
+    first mention in the notebook."""
     found: dict[Path, OutputFolder] = {}
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        target = _target(node, names)
-        where = script.source_map.lookup(target[2].lineno) if target else None
-        if target is None or where is None:
-            continue
-        path = Path(os.path.normpath(Path(cwd) / target[0]))
-        folder = OutputFolder(path, where[0], where[1], target[1])
-        if path not in found or (where < (found[path].cell, found[path].line)):
+    for target in script.output_targets:
+        path = Path(os.path.normpath(Path(cwd) / target.folder))
+        folder = OutputFolder(path, target.cell, target.line, target.what)
+        if path not in found or ((target.cell, target.line) < (found[path].cell, found[path].line)):
             found[path] = folder
     return sorted(found.values(), key=lambda f: (f.cell, f.line))
-
-
-def _target(call: ast.Call, names: dict[str, str]) -> tuple[str, str, ast.expr] | None:
-    """``(folder, what, the expression naming it)`` for a call that writes into a folder the code names."""
-    func = call.func
-    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-    if _CONFIG_CALL.match(name):
-        node = _keyword(call, "output_dir")
-        what = f"{name}(output_dir=…)"
-    elif isinstance(func, ast.Attribute) and name in _FOLDER_SAVES:
-        node, what = _argument(call, 0, _FOLDER_SAVES[name]), f"{name}(…)"
-    elif isinstance(func, ast.Attribute) and name in _FILE_SAVES and _module_name(func.value) in ("torch", "safetensors.torch"):
-        node, what = _argument(call, 1, _FILE_SAVES[name]), f"{_module_name(func.value)}.{name}(…)"
-    else:
-        return None
-    value = _fold(node, names) if node is not None else None
-    if value is None:
-        return None
-    return (os.path.dirname(value) or "." if name in _FILE_SAVES else value), what, node
-
-
-def _module_name(node: ast.expr) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{_module_name(node.value)}.{node.attr}"
-    return ""
-
-
-def _keyword(call: ast.Call, name: str) -> ast.expr | None:
-    return next((k.value for k in call.keywords if k.arg == name), None)
-
-
-def _argument(call: ast.Call, position: int, keyword: str) -> ast.expr | None:
-    if len(call.args) > position and not any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
-        return call.args[position]
-    return _keyword(call, keyword)
-
-
-def _constant_names(tree: ast.Module) -> dict[str, str]:
-    """Top-level names bound exactly once in the whole script, to a value ``_fold`` reads."""
-    bound: dict[str, int] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bound[node.id] = bound.get(node.id, 0) + 1
-    names: dict[str, str] = {}
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-            name = stmt.targets[0].id
-            value = _fold(stmt.value, names)
-            if bound.get(name) == 1 and value is not None:
-                names[name] = value
-    return names
-
-
-def _fold(node: ast.expr, names: dict[str, str]) -> str | None:
-    """The path string ``node`` always evaluates to, when the code says it plainly; else None."""
-    if isinstance(node, ast.Constant):
-        return node.value if isinstance(node.value, str) and node.value else None
-    if isinstance(node, ast.Name):
-        return names.get(node.id)
-    if isinstance(node, ast.JoinedStr):
-        parts = [_fold(v.value if isinstance(v, ast.FormattedValue) and not v.format_spec else v, names)
-                 for v in node.values]
-        return "".join(parts) if all(p is not None for p in parts) else None
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Div)):
-        left, right = _fold(node.left, names), _fold(node.right, names)
-        if left is None or right is None:
-            return None
-        return left + right if isinstance(node.op, ast.Add) else os.path.join(left, right)
-    if isinstance(node, ast.Call) and not node.keywords:
-        func = _module_name(node.func)
-        parts = [_fold(a, names) for a in node.args]
-        if func in ("os.path.join", "Path", "pathlib.Path", "str") and parts and all(p is not None for p in parts):
-            return os.path.join(*parts)
-    return None
 
 
 def check_writable(folders: list[OutputFolder]) -> None:

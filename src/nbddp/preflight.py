@@ -91,14 +91,12 @@ def check_nodes(nnodes: str | int | None, node_rank: int | None, rdzv_endpoint: 
 def check_torchrun_args(torchrun_args: list[str]) -> None:
     """The same checks on what is passed to torchrun after ``--`` (``-- --nnodes=0``), and its
     ``--max-restarts``: torchrun would otherwise refuse them with its own traceback."""
-    from .launch.planning import _arg_value
-
-    node_rank = _arg_value(torchrun_args, "node-rank")
+    node_rank = torchrun_option(torchrun_args, "node-rank")
     if node_rank is not None and not node_rank.lstrip("-").isdigit():
         raise NbddpError(f"--node-rank takes this machine's rank among the nodes, not {node_rank!r}")
-    check_nodes(_arg_value(torchrun_args, "nnodes"), int(node_rank) if node_rank is not None else None,
-                _arg_value(torchrun_args, "rdzv-endpoint"))
-    restarts = _arg_value(torchrun_args, "max-restarts")
+    check_nodes(torchrun_option(torchrun_args, "nnodes"), int(node_rank) if node_rank is not None else None,
+                torchrun_option(torchrun_args, "rdzv-endpoint"))
+    restarts = torchrun_option(torchrun_args, "max-restarts")
     if restarts is not None and not restarts.isdigit():
         raise NbddpError(f"--max-restarts takes a number of restarts of 0 or more, not {restarts!r}")
 
@@ -169,3 +167,14 @@ def unwritable_folder(path: Path) -> str | None:
     os.close(fd)
     os.unlink(probe)
     return None
+
+
+def torchrun_option(args: list[str], name: str) -> str | None:
+    """The last value of a torchrun option, given as ``--name=v`` or ``--name v`` (``-`` or ``_`` inside)."""
+    pattern = re.compile("--" + re.escape(name).replace("\\-", "[-_]") + r"(?:=(.*))?")
+    value = None
+    for i, a in enumerate(args):
+        m = pattern.fullmatch(a)
+        if m:
+            value = m.group(1) if m.group(1) is not None else (args[i + 1] if i + 1 < len(args) else None)
+    return value

@@ -9,7 +9,7 @@ rt.setup()
 
 from tiny_lora import tokenizer_model_data  # noqa: E402
 
-from nbddp.runtime.strategy import local_numel  # noqa: E402
+from nbddp.runtime.apply_strategy import local_numel  # noqa: E402
 
 tokenizer, model, data = tokenizer_model_data()
 model = rt.ddp(model)

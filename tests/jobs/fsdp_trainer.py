@@ -14,7 +14,7 @@ import peft.peft_model  # noqa: E402
 from tiny_lora import tokenizer_model_data  # noqa: E402
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments  # noqa: E402
 
-from nbddp.runtime.strategy import local_numel  # noqa: E402
+from nbddp.runtime.apply_strategy import local_numel  # noqa: E402
 
 rank = rt.rank_info().rank
 save_file = peft.peft_model.safe_save_file

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import difflib
 import gc
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from .._version import __version__
 from ..cells import Cell, load_notebook
 from ..errors import CellError, NotebookError, printable
 from ..runtime.sourcemap import SourceMap, map_path
@@ -16,6 +17,8 @@ from .clean import CleanCell, Install, bound_names, clean_cell
 from .code import CellCode, CodeError
 from .engine.plan import plan_cell
 from .facts import JobFacts, gather_facts
+from .facts.output_targets import OutputTarget, output_targets
+from .facts.shape import JobShape, ShapeUnread, shape_of
 from .frameworks import check_frameworks
 from .launches import Launch, find_launches, seems_to_train
 from .lines import align
@@ -55,6 +58,10 @@ class Script:
     launches: tuple[Launch, ...] = ()
     #: where, with neither, the training seems to be ("cell 4, line 2: model.fit(x)"), or None
     seems: str | None = None
+    #: what the launcher reads before launch, read here once from the script's code: the model's shape (the
+    #: strategy's choice; ``ShapeUnread`` where reading it slipped) and the folders it writes into
+    shape: JobShape | ShapeUnread = JobShape()
+    output_targets: tuple[OutputTarget, ...] = ()
 
     def diff(self) -> str:
         """A unified diff from the notebook's code cells to the script."""
@@ -149,9 +156,11 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
     epilogue = ["# [nbddp] every rank ends here: wait for the others, then leave the process group", "_nbddp.cleanup()"]
     lines = prelude + [text for text, _ in body] + epilogue
     mapping = {n: src for n, (_, src) in enumerate(body, start=len(prelude) + 1) if src is not None}
+    text, source_map = "\n".join(lines) + "\n", SourceMap(origin, mapping)
+    shape, targets = _launcher_facts(text, source_map)
     return Script(
-        text="\n".join(lines) + "\n",
-        source_map=SourceMap(origin, mapping),
+        text=text,
+        source_map=source_map,
         cells=tuple(c.cell for c in cleaned),
         installs=installs,
         changes=tuple(changes),
@@ -161,7 +170,27 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
         trains=facts.last_training is not None,
         launches=launches,
         seems=seems_to_train(cells) if facts.last_training is None else None,
+        shape=shape,
+        output_targets=targets,
     )
+
+
+def _launcher_facts(text: str, source_map: SourceMap) -> tuple[JobShape | ShapeUnread, tuple[OutputTarget, ...]]:
+    """The model's shape and the output folders, from one parse of the script as it will run.
+
+    What they read is the user's code and the libraries' conventions, not nbddp's to vouch for: a slip reading
+    the shape is carried to the strategy's choice (which falls back, saying why) rather than stopping the
+    conversion, and a script Python cannot parse names no folder.
+    """
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
+        return ShapeUnread(printable(f"{type(exc).__name__}: {exc}")[:300]), ()
+    try:
+        shape: JobShape | ShapeUnread = shape_of(tree)
+    except Exception as exc:  # broad on purpose: see the docstring
+        shape = ShapeUnread(printable(f"{type(exc).__name__}: {exc}")[:300])
+    return shape, output_targets(tree, source_map)
 
 
 def _clean_cells(cells: list[Cell], skip_bad_cells: bool, warnings: list[str]) -> tuple[list[CleanCell], list[CellCode]]:

@@ -28,12 +28,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from .._version import __version__
 from ..cells import read_notebook
 from ..convert import convert_cells
 from ..errors import NbddpError
 from ..runtime.io import atomic_write_text
-from ..strategy import decide, refuse_what_it_cannot_run
+from ..choose_strategy import settle
 from .secrets import check_secrets, find_leftovers
 
 #: The file name ``kaggle kernels push`` looks for.
@@ -218,8 +218,7 @@ def export_kaggle(
     if not allow_secrets:
         check_secrets(cells)
     script = convert_cells(cells, origin=notebook.name, skip_bad_cells=skip_bad_cells)
-    decision = decide(script.text, notebook.resolve().parent, strategy, gpu_free=ACCELERATOR_GPUS.get(accelerator, ()))
-    refuse_what_it_cannot_run(decision, script)
+    decision = settle(script, notebook.resolve().parent, strategy, gpu_free=ACCELERATOR_GPUS.get(accelerator, ()))
     launcher = _LAUNCHER.format(
         strategy_lines=_strategy_lines(decision.strategy),
         version=__version__,

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 from .. import guard
 from ..errors import LaunchError
+from ..preflight import torchrun_option
 from ..runtime import records, selflaunch, shell_lines
 
 Sink = Callable[[str, str], None]  # (stream name "stdout"/"stderr", text)
@@ -155,27 +156,16 @@ def check_master_port(torchrun_args: list[str]) -> None:
     Busy is checked only for a single-node job: across nodes the port is on the master's host, not
     necessarily this one.
     """
-    port = _arg_value(torchrun_args, "master-port")
+    port = torchrun_option(torchrun_args, "master-port")
     if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise LaunchError(f"--master-port takes a port number from 1 to 65535, not {port!r}")
-    if _arg_value(torchrun_args, "nnodes") not in (None, "1", "1:1"):
+    if torchrun_option(torchrun_args, "nnodes") not in (None, "1", "1:1"):
         return
     if port and not port_is_free(int(port)):
         raise LaunchError(
             f"port {port} (--master-port) is already in use on this machine; "
             "leave --master-port out and torchrun picks a free port"
         )
-
-
-def _arg_value(args: list[str], name: str) -> str | None:
-    """The last value of a torchrun option, given as ``--name=v`` or ``--name v`` (``-`` or ``_`` inside)."""
-    pattern = re.compile("--" + re.escape(name).replace("\\-", "[-_]") + r"(?:=(.*))?")
-    value = None
-    for i, a in enumerate(args):
-        m = pattern.fullmatch(a)
-        if m:
-            value = m.group(1) if m.group(1) is not None else (args[i + 1] if i + 1 < len(args) else None)
-    return value
 
 
 def port_is_free(port: int) -> bool:

@@ -59,12 +59,12 @@ def is_main_process() -> bool:
 def on_rank0() -> bool:
     """The rank-0 guard the converter writes (``if _nbddp.on_rank0():``), which every rank reaches: True on global
     rank 0. Under FSDP every rank first gathers the plain loop's sharded models whose weights changed, so the
-    code rank 0 then runs alone saves whole weights (``strategy.gather_for_rank0_code``): a collective, so only
+    code rank 0 then runs alone saves whole weights (``apply_strategy.gather_for_rank0_code``): a collective, so only
     at a guard every rank reaches, never from ``is_main_process``, which any code may ask on rank 0 alone."""
-    from . import strategy
+    from . import apply_strategy
 
-    if strategy.current() == "fsdp":
-        strategy.gather_for_rank0_code()
+    if apply_strategy.current() == "fsdp":
+        apply_strategy.gather_for_rank0_code()
     return rank.is_main_process()
 
 
@@ -106,10 +106,10 @@ def device_map() -> dict | str | None:
     None under FSDP: a 16-bit model loads on the CPU and ``fully_shard`` moves each rank's shards to its GPU
     (a whole replica on the GPU first is what does not fit), a 4-bit one onto this rank's GPU, where
     bitsandbytes quantizes it."""
-    from . import strategy
+    from . import apply_strategy
 
-    if strategy.current() in ("split", "fsdp"):
-        return "balanced" if strategy.current() == "split" else None
+    if apply_strategy.current() in ("split", "fsdp"):
+        return "balanced" if apply_strategy.current() == "split" else None
     info = rank_info()
     return {"": info.local_rank} if info.device.startswith("cuda") else {"": "cpu"}
 
@@ -127,17 +127,17 @@ def ddp(model):
     The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
     working after the wrap (``model.head.parameters()``, ``model.config``, its own methods). DDP looks for
     parameters a step leaves out unless the model is a PEFT adapter (``looks_for_unused``). Under
-    ``NBDDP_STRATEGY=fsdp`` the model is sharded with FSDP2's ``fully_shard`` instead (``strategy.shard``).
+    ``NBDDP_STRATEGY=fsdp`` the model is sharded with FSDP2's ``fully_shard`` instead (``apply_strategy.shard``).
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from . import strategy
+    from . import apply_strategy
 
     if isinstance(model, DistributedDataParallel) or not (dist.is_available() and dist.is_initialized()):
         return model
-    if strategy.current() == "fsdp":
-        return strategy.shard(_without_inner_wrappers(model))
+    if apply_strategy.current() == "fsdp":
+        return apply_strategy.shard(_without_inner_wrappers(model))
     info = rank_info()
     ids = [info.local_rank] if info.device.startswith("cuda") else None
     inner = _without_inner_wrappers(model)

@@ -63,9 +63,9 @@ def setup() -> RankInfo:
     if info.is_main:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
     shims.apply_all(log=say)
-    from . import strategy
+    from . import apply_strategy
 
-    strategy.install(log=say)  # fsdp, split, deepspeed (NBDDP_STRATEGY)
+    apply_strategy.install(log=say)  # fsdp, split, deepspeed (NBDDP_STRATEGY)
     from . import divergence, launchers, unused_params
 
     divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)

@@ -59,6 +59,10 @@ class Chunk:
         self.helper_trainings: set[cst.CSTNode] = self._calls_at({
             (line, column) for position, line, column in facts.helper_trainings
             if position == cell.position and self.first <= line < self.end})
+        #: the ``torch.save`` calls pickling a model DDP wraps (``JobFacts.model_saves``), followed the same way
+        self.model_saves: set[cst.CSTNode] = self._calls_at({
+            (line, column) for position, line, column in facts.model_saves
+            if position == cell.position and self.first <= line < self.end})
 
     def _calls_at(self, places: set[tuple[int, int]]) -> set[cst.CSTNode]:
         """The parsed calls starting at ``places``, (line of the cell, column in characters)."""

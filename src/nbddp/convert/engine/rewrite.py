@@ -53,11 +53,12 @@ class _Walk(cst.CSTTransformer):
     """
 
     def __init__(self, rules: list[Rule], skip: set[cst.CSTNode] = frozenset(),
-                 only: dict[cst.CSTNode, list[Rule]] | None = None, followed: set[cst.CSTNode] | None = None):
+                 only: dict[cst.CSTNode, list[Rule]] | None = None, followed: tuple[set[cst.CSTNode], ...] = ()):
         super().__init__()
         self.rules, self.skip, self.only = rules, skip, only or {}
-        #: nodes the facts chose (``Chunk.helper_trainings``): what a node of them becomes joins them
-        self.followed = followed if followed is not None else set()
+        #: nodes the facts chose (``Chunk.helper_trainings``, ``Chunk.model_saves``): what a node of a set
+        #: becomes joins that set
+        self.followed = followed
         self._stack: list[list[Rule]] = []  # the rules that saw each node being walked
 
     def on_visit(self, node: cst.CSTNode) -> bool:
@@ -79,8 +80,9 @@ class _Walk(cst.CSTTransformer):
             if type(updated) is not type(original):
                 break
             updated = rule.on_leave(original, updated)
-        if original in self.followed:
-            self.followed.add(updated)
+        for chosen in self.followed:
+            if original in chosen:
+                chosen.add(updated)
         return updated
 
     # libcst offers each attribute of each node to ``visit_<Node>_<attribute>`` methods; rules have none
@@ -113,7 +115,7 @@ def rewrite(cell: CellCode, plan: Plan, facts: JobFacts) -> tuple[str, list[tupl
 def _run(step: tuple[type[Rule], ...], chunk: Chunk, plan: Plan, facts: JobFacts):
     """One step's rules over one chunk: the rules (with their notes) and the chunk as they leave it."""
     rules = [rule(facts, chunk) for rule in step]
-    followed = chunk.helper_trainings
+    followed = (chunk.helper_trainings, chunk.model_saves)
     if step[0].on_statements:
         walker = _Walk(rules, followed=followed)
     elif plan.touching is None:  # the chunk's statements none of the rules could change are not walked

@@ -85,7 +85,10 @@ class JobFacts:
     ddp_wraps_inside: set[Statement] = field(default_factory=set)
     #: plain PyTorch, a wrapped model: (cell position, line) of each ``torch.save(model, …)`` that pickles it
     #: whole, and of each call of it (``model(…)``, ``model.generate(…)``) in a statement that runs on rank 0
-    #: alone; both need a whole replica, which FSDP's shards are not (``strategy.refuse_what_it_cannot_run``)
+    #: alone; both need a whole replica, which FSDP's shards are not (``choose_strategy.refuse_what_it_cannot_run``)
+    #: every ``torch.save(model, …)`` (or ``obj=model``) of a model DDP wraps, by place (cell position, line,
+    #: column in characters): the unwrap rule saves the module inside there, and under FSDP it is refused
+    model_saves: set[tuple[int, int, int]] = field(default_factory=set)
     whole_model_saves: list[tuple[int, int]] = field(default_factory=list)
     rank0_forwards: list[tuple[int, int]] = field(default_factory=list)
 

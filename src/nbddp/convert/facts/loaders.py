@@ -103,10 +103,10 @@ def plan_helper_training_loaders(top: list, facts: JobFacts) -> None:
             if is_helper_training(call, facts):
                 facts.helper_training_loaders.update(n for n in helper_training_loaders(call) if n not in facts.sharded_loaders)
     if facts.helper_training_loaders:
-        facts.helper_trainings = {_place(stmt, call) for stmt in top for call in live_calls(stmt.nodes)
+        facts.helper_trainings = {call_place(stmt, call) for stmt in top for call in live_calls(stmt.nodes)
                                   if is_helper_training(call, facts)}
 
 
-def _place(stmt, call: ast.Call) -> tuple[int, int, int]:
+def call_place(stmt, call: ast.Call) -> tuple[int, int, int]:
     """(cell position, line, column in characters, as libcst counts them) of a call; ast counts UTF-8 bytes."""
     return stmt.cell.position, call.lineno, len(stmt.cell.line_bytes(call.lineno)[: call.col_offset].decode())

@@ -1,6 +1,6 @@
 """Facts about what a plain loop does with the models DDP wraps that only a whole replica allows: pickling one
 whole (``torch.save(model, …)``) and running one on rank 0 alone. Under FSDP the wrap shards the model, and
-``strategy.refuse_what_it_cannot_run`` refuses both before launch, at the places recorded here."""
+``choose_strategy.refuse_what_it_cannot_run`` refuses both before launch, at the places recorded here."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import ast
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import dotted_name, keyword, live_calls
+from .loaders import call_place
 from .rank0 import rank0_runs
 
 if TYPE_CHECKING:
@@ -16,13 +17,14 @@ if TYPE_CHECKING:
 
 
 def plan_model_uses(top: list[Statement], facts: JobFacts) -> None:
-    """``JobFacts.whole_model_saves`` and ``JobFacts.rank0_forwards``, once the wraps are planned."""
+    """``JobFacts.model_saves``, and ``JobFacts.whole_model_saves`` and ``JobFacts.rank0_forwards`` once the
+    wraps are planned."""
+    facts.model_saves = {call_place(stmt, call) for stmt in top for call in live_calls(stmt.nodes)
+                         if _saves_whole(call, facts.ddp_models)}
     wrapped = {name for names in [*facts.ddp_wrap_after.values(), *facts.ddp_wrap_inside.values()] for name in names}
     if not wrapped:
         return
-    for stmt in top:
-        facts.whole_model_saves += [(stmt.cell.position, call.lineno) for call in live_calls(stmt.nodes)
-                                    if _saves_whole(call, facts.ddp_models)]
+    facts.whole_model_saves += [(position, line) for position, line, _ in facts.model_saves]
     for run in rank0_runs(top, facts.rank0):
         facts.rank0_forwards += _forwards_in(run, set(wrapped))
 

@@ -17,11 +17,10 @@ from ..cst_helpers import (
     set_keyword,
 )
 from ..engine.rule import Rule
+from ..facts.shape import is_model_loader_owner
 
 #: The runtime call that gives each rank its own device as a ``device_map``.
 DEVICE_MAP_EXPR = "_nbddp.device_map()"
-#: Words in a ``from_pretrained`` owner that say it is not a model.
-_NOT_MODELS = ("Tokenizer", "Processor", "Config", "FeatureExtractor", "ImageProcessor", "Dataset")
 
 
 class DeviceMapRule(Rule):
@@ -67,14 +66,3 @@ class DeviceMapRule(Rule):
 def is_model_loader(call: cst.Call) -> bool:
     """``X.from_pretrained(...)`` where X names a model class (``is_model_loader_owner``)."""
     return is_attribute(call.func, "from_pretrained") and is_model_loader_owner(last_name(call.func.value))
-
-
-def is_model_loader_owner(owner: str | None) -> bool:
-    """Whether ``owner.from_pretrained(…)`` loads a model (not a tokenizer, processor or config).
-
-    Covers ``AutoModel*``, ``*For*`` (``LlamaForCausalLM``), ``AutoPeftModel*``, ``PeftModel`` and Unsloth's
-    ``FastLanguageModel``/``FastModel``/``FastVisionModel``.
-    """
-    if not owner or any(word in owner for word in _NOT_MODELS):
-        return False
-    return "Model" in owner or "For" in owner or owner.startswith(("Auto", "Fast", "Peft"))

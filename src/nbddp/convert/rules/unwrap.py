@@ -7,8 +7,9 @@ import ast
 import re
 
 from .. import ast_helpers
-from ..cst_helpers import cst, dotted_name, is_attribute, is_name
+from ..cst_helpers import cst, is_attribute, is_name
 from ..engine.rule import Rule
+from ..facts.loaders import call_place
 
 
 class UnwrapRule(Rule):
@@ -17,7 +18,8 @@ class UnwrapRule(Rule):
     ``DistributedDataParallel`` prefixes every state-dict key with ``module.``; a checkpoint saved from the
     wrapper would not load into the notebook's plain model (and ``torch.save(model)`` would pickle the
     wrapper). ``model.state_dict()``, ``model.load_state_dict(…)`` and ``torch.save(model, …)`` use the
-    module inside.
+    module inside. Which ``torch.save`` calls pickle such a model is the facts' answer, by place
+    (``JobFacts.model_saves``), which the FSDP refusal reads too.
     """
 
     # -- where it has work: Python's ast, before libcst reads anything
@@ -37,10 +39,8 @@ class UnwrapRule(Rule):
             if isinstance(func, ast.Attribute) and func.attr in ("state_dict", "load_state_dict"):
                 if isinstance(func.value, ast.Name) and func.value.id in models:
                     return True
-            elif ast_helpers.dotted_name(func) == "torch.save":
-                values = [a.value if isinstance(a, ast.Starred) else a for a in call.args] + [k.value for k in call.keywords]
-                if any(isinstance(v, ast.Name) and v.id in models for v in values):
-                    return True
+            elif call_place(stmt, call) in facts.model_saves:
+                return True
         return False
 
     # -- what it does: libcst
@@ -54,7 +54,7 @@ class UnwrapRule(Rule):
         if is_attribute(func, "state_dict", "load_state_dict") and is_name(func.value) and func.value.value in models:
             self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
             return updated.with_changes(func=func.with_changes(value=self._unwrapped(func.value)))
-        if dotted_name(func) == "torch.save" and (saved := self._saved_object(updated)) is not None:
+        if original in self.chunk.model_saves and (saved := self._saved_object(updated)) is not None:
             index, name = saved
             self.note(original, f"torch.save({name}): the module inside DDP")
             args = list(updated.args)

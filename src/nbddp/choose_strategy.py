@@ -1,10 +1,10 @@
 """Which way to spread a job over the GPUs, from what its script loads and how it trains.
 
-``decide(script_text, cwd, requested)`` reads the converted script (``ast``, no import of the user's
-libraries): the model it loads (the id or folder given to a loader's ``from_pretrained``; its
-``config.json`` from the folder or the Hugging Face cache, never the network), the dtype and 4/8-bit
-quantization, the LoRA rank and target modules, the per-device batch size, the sequence length and
-gradient checkpointing. ``estimate`` turns these into the bytes one rank needs under each strategy, and
+``decide(shape, cwd, requested)`` takes what the converter read from the script (``Script.shape``,
+``convert/facts/shape.py``; ``ast``, no import of the user's libraries): the model it loads (the id or
+folder given to a loader's ``from_pretrained``; its ``config.json`` from the folder or the Hugging Face
+cache, never the network), the dtype and 4/8-bit quantization, the LoRA rank and target modules, the
+per-device batch size, the sequence length and gradient checkpointing. ``estimate`` turns these into the bytes one rank needs under each strategy, and
 ``choose`` picks for ``auto``: DDP where one GPU holds a whole replica, else FSDP (weights, gradients and
 optimizer states sharded over the ranks), else split (one process, the model's layers spread over every
 GPU). The ``Decision`` says what it picked and why (``summary()``).
@@ -20,14 +20,15 @@ torch where it is installed, which initialises nothing).
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
+from .convert.facts.shape import JobShape, ShapeUnread, read_shape
 from .errors import NbddpError, printable
 from .model_config import Dims, SizeUnknown, read_json
 
@@ -38,29 +39,9 @@ OVERHEAD_BYTES = int(0.9 * GiB)
 #: The share of a GPU's free memory the estimate may fill: estimates are rough, out-of-memory is costly.
 HEADROOM = 0.9
 
-#: Unsloth's loader classes: FSDP cannot shard what they build.
-_UNSLOTH = ("FastLanguageModel", "FastModel", "FastVisionModel", "FastTextModel")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
 #: Optimizers whose two states take 2 bytes a parameter instead of 8.
 _EIGHT_BIT_OPTIM = ("8bit", "bnb")
-
-
-@dataclass(frozen=True)
-class JobShape:
-    """What the script says about its model and training; None where it does not say."""
-
-    model: str | None = None
-    unsloth: bool = False
-    dtype: str | None = None  # "float16", "bfloat16", "float32", "auto" or None (the checkpoint's)
-    bits: int = 16  # 4 or 8 with bitsandbytes
-    lora_r: int | None = None
-    lora_targets: tuple[str, ...] | str | None = None
-    batch: int = 8  # the Trainer's default per-device batch size
-    seq_len: int | None = None
-    checkpointing: bool = False
-    offloaded: bool = False  # Unsloth's "unsloth" checkpointing: each layer's saved input waits in host memory
-    optim: str = "adamw_torch"
-    upcast: bool = False  # prepare_model_for_kbit_training: what bitsandbytes left unquantized becomes fp32
 
 
 @dataclass(frozen=True)
@@ -105,123 +86,6 @@ class Decision:
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
-
-
-# ---- the script's facts ----------------------------------------------------------------------------------
-
-
-def read_shape(script_text: str) -> JobShape:
-    """The model and training facts of a converted script (or any Python source)."""
-    tree = ast.parse(script_text)
-    strings = _literal_names(tree)
-    found: dict = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            _read_call(node, strings, found)
-    return JobShape(**found)
-
-
-def _literal_names(tree: ast.Module) -> dict[str, object]:
-    """Top-level ``NAME = literal`` bindings (papermill's parameters, ``model_id = "…"``): the last wins."""
-    names: dict[str, object] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            try:
-                names[node.targets[0].id] = ast.literal_eval(node.value)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                names.pop(node.targets[0].id, None)
-    return names
-
-
-def _callee(node: ast.Call) -> tuple[str, str]:
-    """``(owner, attribute)`` of ``Owner.attr(…)``, ``("", name)`` of ``name(…)``."""
-    f = node.func
-    if isinstance(f, ast.Attribute):
-        owner = f.value.attr if isinstance(f.value, ast.Attribute) else getattr(f.value, "id", "")
-        return owner, f.attr
-    return "", getattr(f, "id", "")
-
-
-def _value(node: ast.AST | None, strings: dict) -> object:
-    """A literal, a name bound to one, ``torch.float16`` as ``"float16"``; None otherwise."""
-    if node is None:
-        return None
-    if isinstance(node, ast.Name) and node.id in strings:
-        return strings[node.id]
-    if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "torch":
-        return node.attr
-    try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return None
-
-
-def _keywords(node: ast.Call, strings: dict) -> dict[str, object]:
-    return {k.arg: _value(k.value, strings) for k in node.keywords if k.arg}
-
-
-def _read_call(node: ast.Call, strings: dict, found: dict) -> None:
-    owner, name = _callee(node)
-    kw = _keywords(node, strings)
-    if name == "from_pretrained" and _is_model_loader(owner):
-        first = node.args[0] if node.args else next(
-            (k.value for k in node.keywords if k.arg in ("pretrained_model_name_or_path", "model_name")), None)
-        source = _value(first, strings)
-        if isinstance(source, str) and "model" not in found:
-            found["model"] = source
-            found["unsloth"] = owner in _UNSLOTH
-            dtype = kw.get("dtype") or kw.get("torch_dtype")
-            found["dtype"] = dtype if isinstance(dtype, str) else None
-            if kw.get("load_in_4bit"):
-                found["bits"] = 4
-            elif kw.get("load_in_8bit"):
-                found["bits"] = 8
-            if isinstance(kw.get("max_seq_length"), int):  # Unsloth's loaders take it
-                found.setdefault("seq_len", kw["max_seq_length"])
-    elif name == "BitsAndBytesConfig":
-        if kw.get("load_in_4bit"):
-            found["bits"] = 4
-        elif kw.get("load_in_8bit"):
-            found["bits"] = 8
-    if name == "prepare_model_for_kbit_training":
-        found["upcast"] = True
-    if _turns_on_checkpointing(owner, name, kw):
-        found["checkpointing"] = True
-        # Unsloth's default, "unsloth", offloads to the CPU; True keeps the inputs on the GPU
-        found["offloaded"] = owner in _UNSLOTH and kw.get("use_gradient_checkpointing", "unsloth") == "unsloth"
-    if name in ("LoraConfig", "get_peft_model") and kw.get("r") is not None:
-        found["lora_r"] = int(kw["r"])
-        targets = kw.get("target_modules")
-        found["lora_targets"] = tuple(targets) if isinstance(targets, (list, tuple)) else targets
-    elif name in ("LoraConfig", "get_peft_model") and "lora_r" not in found:
-        found["lora_r"] = 8  # PEFT's default rank
-    elif name.endswith("Config") and "per_device_train_batch_size" in kw or name == "TrainingArguments":
-        _read_trainer_config(kw, found)
-
-
-def _turns_on_checkpointing(owner: str, name: str, kw: dict) -> bool:
-    if name == "gradient_checkpointing_enable":
-        return True
-    if "use_gradient_checkpointing" in kw:
-        return bool(kw["use_gradient_checkpointing"])
-    # PEFT's k-bit preparation and Unsloth's get_peft_model checkpoint unless told not to
-    return name == "prepare_model_for_kbit_training" or (name == "get_peft_model" and owner in _UNSLOTH)
-
-
-def _is_model_loader(owner: str) -> bool:
-    return owner in _UNSLOTH or owner.startswith("AutoModel") or "For" in owner
-
-
-def _read_trainer_config(kw: dict, found: dict) -> None:
-    if isinstance(kw.get("per_device_train_batch_size"), int):
-        found["batch"] = kw["per_device_train_batch_size"]
-    for key in ("max_seq_length", "max_length"):
-        if isinstance(kw.get(key), int):
-            found["seq_len"] = kw[key]
-    if kw.get("gradient_checkpointing"):
-        found["checkpointing"] = True
-    if isinstance(kw.get("optim"), str):
-        found["optim"] = kw["optim"]
 
 
 # ---- the model's size ------------------------------------------------------------------------------------
@@ -387,10 +251,11 @@ SPLIT_NOTE = ("split runs the layers one GPU after another in a single process: 
               "for a model that fits one, and no faster with more GPUs")
 
 
-def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: str = "auto",
+def decide(source: str | JobShape | ShapeUnread, cwd: str | os.PathLike | None = None, requested: str = "auto",
            gpu_free: tuple[int, ...] | None = None) -> Decision:
     """The strategy a job runs with: ``requested`` itself, checked, or ``auto``'s choice with its estimate.
 
+    ``source``: the model's shape the converter read (``Script.shape``), or a script's text to read it from.
     What nbddp reads on the way (the script's facts, a model's config, the GPUs' memory) is read from files a
     person gives it and libraries it does not control: a slip there is not the job's fault. So any exception
     but a refusal (``NbddpError``) falls back: ``auto`` and ``ddp`` to DDP, saying why (``Decision.fallback``);
@@ -399,20 +264,25 @@ def decide(script_text: str, cwd: str | os.PathLike | None = None, requested: st
     if requested not in STRATEGIES:
         raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {requested!r}")
     try:
-        return _decide(script_text, cwd, requested, gpu_free)
+        shape = read_shape(source) if isinstance(source, str) else source
+        if isinstance(shape, ShapeUnread):
+            return _fall_back(requested, shape.why)
+        return _decide(shape, cwd, requested, gpu_free)
     except NbddpError:
         raise
     except Exception as exc:  # broad on purpose: see the docstring
-        why = printable(f"{type(exc).__name__}: {exc}")[:300]
-        if requested in ("auto", "ddp"):
-            return Decision("ddp", f"nbddp could not decide the strategy ({why}); DDP assumed", requested,
-                            fallback=why)
-        raise NbddpError(f"--strategy {requested} could not be prepared: nbddp could not read what it needs ({why}); "
-                         "run with --strategy ddp, and please report this") from None
+        return _fall_back(requested, printable(f"{type(exc).__name__}: {exc}")[:300])
 
 
-def _decide(script_text: str, cwd, requested: str, gpu_free: tuple[int, ...] | None) -> Decision:
-    shape = read_shape(script_text)
+def _fall_back(requested: str, why: str) -> Decision:
+    """DDP for ``auto`` and ``ddp`` when nbddp could not read what it decides from; a refusal otherwise."""
+    if requested in ("auto", "ddp"):
+        return Decision("ddp", f"nbddp could not decide the strategy ({why}); DDP assumed", requested, fallback=why)
+    raise NbddpError(f"--strategy {requested} could not be prepared: nbddp could not read what it needs ({why}); "
+                     "run with --strategy ddp, and please report this") from None
+
+
+def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | None) -> Decision:
     if requested == "deepspeed" and not _installed("deepspeed"):
         raise NbddpError("--strategy deepspeed needs DeepSpeed, which is not installed here: pip install deepspeed "
                          "(or use --strategy fsdp, which shards the same way with PyTorch alone)")
@@ -457,6 +327,19 @@ RANK0_FORWARD = ("rank 0 alone runs the model here (after training), but under -
                  "in shards across the ranks and every rank must take part in its forward: the job would wait here "
                  "until the collective timeout. Run with --strategy ddp or split, or load the saved state dict "
                  "(torch.save(model.state_dict(), PATH)) into a plain model and run that one")
+
+
+def settle(script, cwd, requested: str, gpu_free: tuple[int, ...] | None = None,
+           say: Callable[[Decision], None] | None = None) -> Decision:
+    """The strategy a converted ``Script`` runs with, for every front end that launches or exports one:
+    ``decide`` on the converter's ``Script.shape``, the decision handed to ``say`` (the launcher shows it), then
+    refused where the notebook does what the strategy cannot run (``refuse_what_it_cannot_run``): after the
+    choice is said, so a refusal of ``auto``'s choice is read with it."""
+    decision = decide(script.shape, cwd, requested, gpu_free=gpu_free)
+    if say is not None:
+        say(decision)
+    refuse_what_it_cannot_run(decision, script)
+    return decision
 
 
 def refuse_what_it_cannot_run(decision: Decision, script) -> None:

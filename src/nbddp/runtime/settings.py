@@ -1,0 +1,88 @@
+"""The ``NBDDP_*`` environment settings, spelled once: what the launcher (or the Kaggle export, or a person with
+``--env``) tells a rank, and the few a launcher reads for itself that never reach a rank.
+
+Each is a ``Setting``: its name, the kind of value, its default, who writes it and who reads it. ``TO_RANK``
+are the ones a rank reads (through ``setup()`` and the modules it installs); ``LAUNCHER_SIDE`` are read by
+the launcher's side alone (``NBDDP_RUNS``, ``NBDDP_CACHE``, ``NBDDP_GPU_MEMORY_GIB`` …). ``tests/test_settings.py``
+holds every ``NBDDP_`` name in the package to this table, and ``docs/architecture.md`` shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``NBDDP_*`` environment setting."""
+
+    name: str
+    kind: str  # "int", "flag" (1/0), "path", "text", "choice"
+    default: str  # "" where unset means "not given"
+    writer: str  # who sets it
+    reader: str  # who reads it
+    doc: str
+
+
+TO_RANK: tuple[Setting, ...] = (
+    Setting("NBDDP_STRATEGY", "choice", "ddp", "job.py (the decision), export/kaggle.py", "runtime/apply_strategy.py",
+            "ddp, fsdp, split or deepspeed: how the rank applies the launcher's choice"),
+    Setting("NBDDP_DEEPSPEED_STAGE", "choice", "3", "a person (--env)", "runtime/apply_strategy.py",
+            "ZeRO stage under --strategy deepspeed: 2 or 3"),
+    Setting("NBDDP_RUN_DIR", "path", "", "launch/planning.py", "runtime/rundir.py, runtime/probe.py",
+            "the job's run directory, which the notebook may not delete"),
+    Setting("NBDDP_METRICS", "path", "", "launch/planning.py", "runtime/metrics.py, runtime/rich.py",
+            "rank 0's metrics.jsonl, streamed back by the launcher"),
+    Setting("NBDDP_FAILURES", "path", "", "launch/planning.py", "agent.py",
+            "where the agent writes which ranks exited how (failures.json)"),
+    Setting("NBDDP_LAUNCHER_PID", "int", "0", "launch/planning.py", "agent.py",
+            "the launcher's pid: the agent dies with it"),
+    Setting("NBDDP_TIMEOUT", "int", "", "launch/planning.py, doctor.py", "runtime/lifecycle.py, runtime/probe.py",
+            "seconds each collective may wait (the process group's timeout)"),
+    Setting("NBDDP_RESUME", "flag", "", "launch/planning.py (--resume)", "runtime/resume.py",
+            "resume the Trainer from the last complete checkpoint"),
+    Setting("NBDDP_RICH_DISPLAY", "flag", "", "display/panel.py, template.py", "runtime/rich.py",
+            "rank 0's display() sends MIME bundles to the metrics file for a kernel to show"),
+    Setting("NBDDP_NPROC", "int", "", "export/kaggle.py (split), a person", "runtime/selflaunch.py",
+            "processes a self-launching script starts"),
+    Setting("NBDDP_TORCHRUN_ARGS", "text", "", "a person", "runtime/selflaunch.py",
+            "extra torchrun arguments of a self-launching script"),
+    Setting("NBDDP_LOG_DIR", "path", "", "a person", "runtime/selflaunch.py",
+            "where a self-launching script's ranks write their logs"),
+    Setting("NBDDP_SEED", "text", "", "a person (--env)", "runtime/dist.py",
+            "the seed every rank starts from, or 'off'"),
+    Setting("NBDDP_BALANCE", "flag", "1", "a person (--env)", "runtime/balance.py",
+            "0: the Trainer's sampler is not token-balanced"),
+    Setting("NBDDP_FIND_UNUSED_PARAMETERS", "flag", "", "a person (--env)", "runtime/dist.py",
+            "0|1: whether nbddp's own DDP wrap looks for unused parameters"),
+    Setting("NBDDP_ALLOW_DIVERGENCE", "flag", "", "options.py (--allow-divergence)", "runtime/divergence.py",
+            "1: the safety net that stops diverging replicas is off"),
+    Setting("NBDDP_DISABLE_CHECKPOINTING", "flag", "", "options.py (--no-checkpointing)",
+            "runtime/shims/no_checkpointing.py", "1: gradient checkpointing off"),
+    Setting("NBDDP_DDP_STATIC_GRAPH", "choice", "auto", "a person (--env)", "runtime/shims/grad_ckpt.py",
+            "auto, 1 or 0: DDP's static_graph under gradient checkpointing"),
+    Setting("NBDDP_ASSUME_CC", "text", "", "a person, tests", "runtime/shims/precision.py",
+            "a GPU's compute capability to assume, like 7.5"),
+    Setting("NBDDP_REPLACE_TORCH", "flag", "", "a person (--env)", "runtime/shell_lines.py, launch/planning.py",
+            "1: install lines that would replace the running torch stack are run"),
+    Setting("NBDDP_SHIM_<NAME>", "flag", "", "options.py (--shim/--no-shim)", "runtime/shims/__init__.py",
+            "1 or 0: a shim on or off, whatever its detection says"),
+)
+
+LAUNCHER_SIDE: tuple[Setting, ...] = (
+    Setting("NBDDP_RUNS", "path", "", "a person", "job.py, launch/planning.py",
+            "where run directories are made"),
+    Setting("NBDDP_CACHE", "path", "", "a person", "demo.py", "where the demo keeps its tiny model"),
+    Setting("NBDDP_GPU_MEMORY_GIB", "text", "", "a person", "choose_strategy.py",
+            "each GPU's memory, capped, for the strategy's choice"),
+    Setting("NBDDP_GPU_COUNT", "int", "", "a person, tests", "preflight.py",
+            "the GPUs to count, instead of asking NVML"),
+)
+
+#: Every setting by name (``NBDDP_SHIM_<NAME>`` stands for the whole family).
+BY_NAME: dict[str, Setting] = {s.name: s for s in TO_RANK + LAUNCHER_SIDE}
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is one of the settings (``NBDDP_SHIM_X`` of the shim family)."""
+    return name in BY_NAME or name.startswith("NBDDP_SHIM_")
