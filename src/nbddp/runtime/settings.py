@@ -67,6 +67,22 @@ TO_RANK: tuple[Setting, ...] = (
             "1: install lines that would replace the running torch stack are run"),
     Setting("NBDDP_SHIM_<NAME>", "flag", "", "options.py (--shim/--no-shim)", "runtime/shims/__init__.py",
             "1 or 0: a shim on or off, whatever its detection says"),
+    Setting("NBDDP_KEEP_SOCKET", "path", "", "kept/channel.py (%%ddp_train --keep)", "runtime/serve.py",
+            "the kernel's Unix socket a kept job's ranks serve cells through"),
+    Setting("NBDDP_KEEP_KEY", "text", "", "kept/channel.py", "runtime/serve.py",
+            "the per-job key the socket's handshake proves"),
+    Setting("NBDDP_KEEP_IDLE", "int", "", "kept/channel.py (--idle-limit)", "runtime/serve.py",
+            "seconds a kept job waits for a message before its ranks end"),
+    Setting("NBDDP_LAUNCHED_NPROC", "int", "", "launched.py (launched mode)", "launched.py (the stand-ins)",
+            "processes the notebook's own launch command is fitted to"),
+    Setting("NBDDP_LAUNCHED_DIR", "path", "", "launched.py", "launched.py (the stand-ins)",
+            "where the launched command's ranks keep their logs (the run directory's launched/)"),
+    Setting("NBDDP_LAUNCHED_INNER", "flag", "", "launched.py", "launched.py (the stand-ins)",
+            "set inside a launched command, so its own shell lines are not launched again"),
+    Setting("NBDDP_PYTHON", "path", "", "launched.py", "the stand-in launchers on PATH",
+            "the Python the stand-ins run nbddp with"),
+    Setting("NBDDP_WRITTEN", "text", "", "launched.py", "launched.py (the stand-ins)",
+            "JSON: the scripts %%writefile cells wrote, by path, for mapping failures to cell and line"),
 )
 
 LAUNCHER_SIDE: tuple[Setting, ...] = (
