@@ -163,6 +163,28 @@ def test_a_failed_launched_rank_is_said_at_its_writefile_cell_and_line(tmp_path)
     line = TRAIN.splitlines().index('    raise RuntimeError("launched training failed on purpose")') + 1
     assert f"launched rank 1 failed in cell 2, line {line} (train.py, line {line - 1})" in out, out[-4000:]
     assert "launched training failed on purpose" in out
+    # the later cells still ran, as in the kernel, but the job's result says it failed
+    assert len((tmp_path / "post_runs.txt").read_text().splitlines()) == 1
+    assert proc.returncode == 1, out[-4000:]
+    report = proc.stderr[proc.stderr.rindex("nbddp: launched rank 1 failed"):]
+    assert report.startswith(f"nbddp: launched rank 1 failed in cell 2, line {line}: RuntimeError: launched "
+                             "training failed on purpose\n    raise RuntimeError"), report
+
+
+def test_a_launched_failure_is_the_cells_error_naming_its_rank_cell_and_line(tmp_path):
+    from nbddp.display.text import outcome_error
+    from nbddp.job import JobResult
+    from nbddp.launch.postmortem import RunResult
+    from nbddp.launched import failure_of, record_failure
+
+    (tmp_path / "launched").mkdir()
+    record_failure(tmp_path / "launched", rank=1, message="RuntimeError: boom", traceback="Traceback …\nRuntimeError: boom",
+                   cell=2, line=19, source='raise RuntimeError("boom")')
+    failure = failure_of(tmp_path / "launched")
+    run = RunResult(returncode=1, run_dir=tmp_path, script=tmp_path / "script.py", duration_s=1.0, failure=failure)
+    error = outcome_error(JobResult(run, tmp_path))
+    assert str(error).startswith("launched rank 1 failed in cell 2, line 19: RuntimeError: boom"), str(error)
+    assert failure_of(tmp_path / "nothing") is None
 
 
 PLAIN = """\
