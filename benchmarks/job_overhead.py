@@ -19,6 +19,7 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,10 @@ print('hello from rank', os.environ['RANK'], torch.__version__)
 dist.barrier()
 dist.destroy_process_group()
 """
+# torchrun beside this Python (a venv), else the one on PATH (a system Python, as on the GPU image)
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+if not Path(TORCHRUN).exists():
+    TORCHRUN = shutil.which("torchrun") or TORCHRUN
 
 
 def timed(argv: list[str], cwd: Path) -> float:
