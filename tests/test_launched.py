@@ -122,6 +122,46 @@ def test_the_launched_command_gets_none_of_the_jobs_variables():
     assert env == {"PATH": "/bin", "HF_HOME": "/h", "NBDDP_LAUNCHED_INNER": "1"}
 
 
+def test_export_refuses_a_launched_notebook_before_writing(tmp_path):
+    from nbddp.export import export_kaggle
+
+    nb = _notebook(tmp_path)
+    with pytest.raises(NbddpError) as err:
+        export_kaggle(nb, tmp_path / "out", kernel_id="me/launched")
+    message = str(err.value)
+    assert "cell 3, line 1" in message and "!torchrun --nproc_per_node=4 train.py" in message, message
+    assert "nbddp run" in message and not (tmp_path / "out").exists()
+
+
+def test_export_refuses_no_training_call_as_run_does_unless_every_rank(tmp_path):
+    import nbformat
+
+    from nbddp.export import export_kaggle
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in ("import keras_like as k", "model = k.Model()\nmodel.fit(x, y)")]
+    nbformat.write(nb, tmp_path / "fit.ipynb")
+    with pytest.raises(NbddpError) as err:
+        export_kaggle(tmp_path / "fit.ipynb", tmp_path / "out", kernel_id="me/fit-run")
+    assert "no training call found" in str(err.value) and "--every-rank" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    result = export_kaggle(tmp_path / "fit.ipynb", tmp_path / "out", kernel_id="me/fit-run", every_rank=True)
+    assert "model.fit(x, y)" in result.script.read_text()
+
+
+def test_export_takes_every_rank_from_its_command_line():
+    import argparse
+
+    from nbddp.export.options import OPTIONS, export_options
+
+    parser = argparse.ArgumentParser()
+    for flags, kwargs in OPTIONS:
+        parser.add_argument(*flags, **kwargs)
+    args = parser.parse_args(["--kaggle", "out", "--id", "me/x", "--every-rank"])
+    assert export_options(args)["every_rank"] is True
+    assert export_options(parser.parse_args(["--kaggle", "out", "--id", "me/x"]))["every_rank"] is False
+
+
 # ------------------------------------------------------------------------------------------- the runs
 
 
@@ -163,6 +203,28 @@ def test_a_failed_launched_rank_is_said_at_its_writefile_cell_and_line(tmp_path)
     line = TRAIN.splitlines().index('    raise RuntimeError("launched training failed on purpose")') + 1
     assert f"launched rank 1 failed in cell 2, line {line} (train.py, line {line - 1})" in out, out[-4000:]
     assert "launched training failed on purpose" in out
+    # the later cells still ran, as in the kernel, but the job's result says it failed
+    assert len((tmp_path / "post_runs.txt").read_text().splitlines()) == 1
+    assert proc.returncode == 1, out[-4000:]
+    report = proc.stderr[proc.stderr.rindex("nbddp: launched rank 1 failed"):]
+    assert report.startswith(f"nbddp: launched rank 1 failed in cell 2, line {line}: RuntimeError: launched "
+                             "training failed on purpose\n    raise RuntimeError"), report
+
+
+def test_a_launched_failure_is_the_cells_error_naming_its_rank_cell_and_line(tmp_path):
+    from nbddp.display.text import outcome_error
+    from nbddp.job import JobResult
+    from nbddp.launch.postmortem import RunResult
+    from nbddp.launched import failure_of, record_failure
+
+    (tmp_path / "launched").mkdir()
+    record_failure(tmp_path / "launched", rank=1, message="RuntimeError: boom", traceback="Traceback …\nRuntimeError: boom",
+                   cell=2, line=19, source='raise RuntimeError("boom")')
+    failure = failure_of(tmp_path / "launched")
+    run = RunResult(returncode=1, run_dir=tmp_path, script=tmp_path / "script.py", duration_s=1.0, failure=failure)
+    error = outcome_error(JobResult(run, tmp_path))
+    assert str(error).startswith("launched rank 1 failed in cell 2, line 19: RuntimeError: boom"), str(error)
+    assert failure_of(tmp_path / "nothing") is None
 
 
 PLAIN = """\

@@ -53,7 +53,8 @@ def test_pip_installs_use_this_interpreter():
 
 def run_exported(tmp_path, sources):
     nb = write_notebook(tmp_path / "nb.ipynb", sources)
-    script = export_kaggle(nb, tmp_path / "kernel", kernel_id="me/failing-run").script
+    script = export_kaggle(nb, tmp_path / "kernel", kernel_id="me/failing-run",
+                           every_rank=True).script  # no training call: every cell on every rank, as asked
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NBDDP_NPROC", "LOCAL_RANK")}
     return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)

@@ -162,6 +162,12 @@ def _run_script(
         for warning in shared:
             (sink or _launch.stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
         result = _launch.launch(plan, sink=sink, on_metrics=on_metrics, until=until)
+    if launched and result.ok:  # the notebook went on after its launched training failed, as in the kernel
+        from .launched import failure_of
+
+        launched_failure = failure_of(run_dir / "launched")
+        if launched_failure is not None:
+            result = dataclasses.replace(result, returncode=1, failure=launched_failure)
     failure = outputs.explain_no_space(result.failure, plan.cwd, list(result.log_history))
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 

@@ -14,7 +14,9 @@ launchers first on that process's PATH (``write_stand_ins``): ``torchrun``, ``ac
 - runs anything else (``python prepare.py``, a launcher inside the launched job) as the real tool.
 
 A failed launched rank is said at the ``%%writefile`` cell and line that wrote its script, where one did
-(``NBDDP_WRITTEN``), and the command's exit code is the notebook's ``_exit_code`` as in the kernel. The
+(``NBDDP_WRITTEN``), and the command's exit code is the notebook's ``_exit_code`` as in the kernel: the
+notebook's later cells still run, but the failure is recorded (``record_failure``) and the job's result says
+it failed (``failure_of``, read by ``job.py``: ``nbddp run`` exits 1, ``%%ddp_train`` ends with it). The
 inner processes are children of the job's rank, so the stop button and ``--timeout`` end them with it.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -137,8 +140,9 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run(argv: list[str], script: str | None = None) -> int:
-    """Run ``argv`` without the job's variables; a failure said at the cell that wrote ``script``."""
+def run(argv: list[str], training: bool = True) -> int:
+    """Run ``argv`` without the job's variables; a failed training launch said at the cell that wrote its
+    script and recorded for the job's result (``record_failure``)."""
     proc = subprocess.Popen(argv, env=clean_env())
     try:
         code = proc.wait()
@@ -149,9 +153,12 @@ def run(argv: list[str], script: str | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
-    if code:
+    if code and training:
         _say_failure(argv, code)
     return code
+
+
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]: ?")
 
 
 def _say_failure(argv: list[str], code: int) -> None:
@@ -159,23 +166,59 @@ def _say_failure(argv: list[str], code: int) -> None:
     read from the traceback in its ``stderr.log`` (a plain script writes no ``error.json``)."""
     log_dir = next((a.partition("=")[2] for a in argv if a.startswith("--log-dir=")), None)
     written = json.loads(os.environ.get("NBDDP_WRITTEN") or "{}")
+    folder = Path(os.environ.get("NBDDP_LAUNCHED_DIR", "nbddp_launched"))
     logs = sorted(Path(log_dir).glob("*/attempt_*/*/stderr.log"), key=lambda p: p.stat().st_mtime) if log_dir else []
     for log in logs:
         text = log.read_text(errors="replace")
         if "Traceback (most recent call last)" not in text:
             continue
         trace = text[text.rindex("Traceback (most recent call last)"):].strip().splitlines()
-        error, rank = trace[-1].strip(), log.parent.name
+        trace = [_RANK_PREFIX.sub("", ln) for ln in trace]  # torch's `[rank1]: ` before each logged line
+        error, rank = trace[-1].strip(), int(log.parent.name)
+        fields = dict(rank=rank, message=error, traceback="\n".join(trace), exitcode=code)
         for file, line in reversed(re.findall(r'File "([^"]+)", line (\d+)', "\n".join(trace))):
             name = Path(file).name
             if name in written:
                 cell, first = written[name]
                 _say(f"nbddp: launched rank {rank} failed in cell {cell}, line {first + int(line) - 1} "
                      f"({name}, line {line}): {error}")
+                record_failure(folder, **fields, cell=cell, line=first + int(line) - 1, source=_line_of(file, line))
                 return
         _say(f"nbddp: launched rank {rank} failed: {error} (its log: {log})")
+        record_failure(folder, **fields)
         return
     _say(f"nbddp: the launched command exited with code {code}")
+    record_failure(folder, rank=0, message=f"the launched command exited with code {code} ({shlex.join(argv)})",
+                   traceback="", exitcode=code)
+
+
+def _line_of(file: str, line: str) -> str:
+    try:
+        return Path(file).read_text(errors="replace").splitlines()[int(line) - 1]
+    except (OSError, IndexError):
+        return ""
+
+
+#: The failures of the notebook's training launches, one JSON line each, under ``NBDDP_LAUNCHED_DIR``.
+FAILURES = "failures.jsonl"
+
+
+def record_failure(folder: Path, **fields) -> None:
+    """Keep a failed launch for the job's result: the notebook goes on, as in the kernel, but the job failed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / FAILURES, "a") as fh:
+        fh.write(json.dumps(fields) + "\n")
+
+
+def failure_of(folder: Path):
+    """The first failed training launch recorded under ``folder``, as a ``RankFailure``; None when none failed."""
+    from .launch.postmortem import RankFailure
+
+    try:
+        first = (folder / FAILURES).read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return RankFailure(**json.loads(first), launched=True)
 
 
 def _python(args: list[str], nproc: int) -> int:
@@ -190,7 +233,7 @@ def _python(args: list[str], nproc: int) -> int:
     script = args[flags] if flags < len(args) and args[flags].endswith(".py") else None
     if script and Path(script).is_file() and _trains(Path(script)):
         return _converted(Path(script), args[flags + 1:], nproc)
-    return run([real, *args])
+    return run([real, *args], training=False)
 
 
 def _trains(path: Path) -> bool:
@@ -248,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             _say(note)
         return run([real or "deepspeed", *fitted, *rest])
-    return run([real or tool, *args])
+    return run([real or tool, *args], training=False)
 
 
 if __name__ == "__main__":

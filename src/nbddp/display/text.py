@@ -80,7 +80,7 @@ def failure_headline(failure: RankFailure, label: Callable[[int], str] | None = 
         return str(failure)
     src = f"\n    {failure.source.strip()}" if failure.source.strip() else ""
     what = f"was killed (signal {failure.signal})" if failure.signal else "failed"
-    return f"rank {failure.rank} {what} in {label(failure.cell)}, line {failure.line}: {failure.message}{src}"
+    return f"{failure.who} {what} in {label(failure.cell)}, line {failure.line}: {failure.message}{src}"
 
 
 def clean_traceback(traceback: str, label: Callable[[int], str] | None = None, hidden: Iterable[Path] = ()) -> str:

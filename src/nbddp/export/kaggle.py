@@ -191,6 +191,21 @@ def _strategy_lines(strategy: str) -> str:
     return "\n".join(lines)
 
 
+def _check_mode(script, every_rank: bool) -> None:
+    """Refuse what ``nbddp run`` would not run every cell of on every rank: no training call found
+    (``job.check_trains``, unless ``every_rank``), and a notebook whose training is a command it launches:
+    the exported script runs every cell on every rank, with no stand-in launchers (``nbddp.launched``)."""
+    from ..job import decide_mode
+
+    if decide_mode(script, every_rank) == "launched":
+        raise NbddpError(
+            f"{script.source_map.origin}: the notebook starts its training from a shell line ({script.launches[0]}); "
+            "an exported Kaggle script runs every cell on every GPU, so that command would start once per GPU. "
+            "Run it with `nbddp run` or `%%ddp_train` (its cells once, the command on every GPU), or put the "
+            "training in the notebook's cells to export it"
+        )
+
+
 def export_kaggle(
     notebook: str | os.PathLike,
     folder: str | os.PathLike,
@@ -203,12 +218,14 @@ def export_kaggle(
     allow_secrets: bool = False,
     skip_bad_cells: bool = False,
     strategy: str = "auto",
+    every_rank: bool = False,
 ) -> KaggleExport:
     """Write ``folder/<slug>.py`` (self-launching) and ``folder/kernel-metadata.json`` for a notebook.
 
     Raises ``SecretError`` (cell and line) for a credential written in a cell unless ``allow_secrets``,
     ``NbddpError`` for metadata Kaggle would refuse, and the conversion's own errors. ``strategy`` ``auto``
-    is decided here for the accelerator's GPUs (``ACCELERATOR_GPUS``) and written into the launcher.
+    is decided here for the accelerator's GPUs (``ACCELERATOR_GPUS``) and written into the launcher. The
+    job's mode is decided as ``nbddp run`` decides it (``_check_mode``), before anything is written.
     """
     notebook, folder = Path(notebook), Path(folder)
     slug = kernel_id.partition("/")[2]
@@ -218,6 +235,7 @@ def export_kaggle(
     if not allow_secrets:
         check_secrets(cells)
     script = convert_cells(cells, origin=notebook.name, skip_bad_cells=skip_bad_cells)
+    _check_mode(script, every_rank)
     decision = settle(script, notebook.resolve().parent, strategy, gpu_free=ACCELERATOR_GPUS.get(accelerator, ()))
     launcher = _LAUNCHER.format(
         strategy_lines=_strategy_lines(decision.strategy),

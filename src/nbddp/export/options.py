@@ -19,6 +19,8 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("--skip-bad-cells",), dict(action="store_true", help="leave out cells that do not parse, with a warning")),
     (("--strategy",), dict(default="auto", choices=("auto", "ddp", "fsdp", "split", "deepspeed"),
                            help="how the model is spread over the GPUs (auto: estimated for the accelerator's GPUs)")),
+    (("--every-rank",), dict(action="store_true", help="export even where nbddp finds no training call: every "
+                                                       "cell runs on every rank")),
 )
 
 
@@ -26,4 +28,4 @@ def export_options(args) -> dict:
     """``export_kaggle``'s keywords from arguments parsed with ``OPTIONS``."""
     return dict(kernel_id=args.kernel_id, title=args.title, accelerator=args.accelerator, datasets=args.dataset,
                 private=args.private, allow_secrets=args.allow_secrets, skip_bad_cells=args.skip_bad_cells,
-                strategy=args.strategy)
+                strategy=args.strategy, every_rank=args.every_rank)

@@ -33,12 +33,17 @@ class RankFailure:
     source: str = ""
     exitcode: int | None = None
     signal: int | None = None
+    launched: bool = False  # a rank of the command the notebook launched (``nbddp.launched``), not of the job
+
+    @property
+    def who(self) -> str:
+        return f"launched rank {self.rank}" if self.launched else f"rank {self.rank}"
 
     def __str__(self) -> str:
         where = f" in cell {self.cell}, line {self.line}" if self.cell else ""
         src = f"\n    {self.source.strip()}" if self.source.strip() else ""
         what = f"was killed (signal {self.signal})" if self.signal else "failed"
-        return f"rank {self.rank} {what}{where}: {self.message}{src}"
+        return f"{self.who} {what}{where}: {self.message}{src}"
 
 
 @dataclass(frozen=True)
