@@ -22,6 +22,7 @@ import os
 import weakref
 from typing import Callable
 
+from . import settings
 from .patching import wrap, when_imported
 
 STRATEGIES = ("ddp", "fsdp", "split", "deepspeed")
@@ -33,7 +34,7 @@ FSDP_CONFIG = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "stat
 
 
 def current() -> str:
-    value = os.environ.get("NBDDP_STRATEGY", "ddp").strip().lower() or "ddp"
+    value = settings.current().strategy  # NBDDP_STRATEGY
     if value not in STRATEGIES:
         raise ValueError(f"NBDDP_STRATEGY must be one of {', '.join(STRATEGIES)}, not {value!r}")
     return value
@@ -311,7 +312,7 @@ def local_numel(model) -> tuple[int, int]:
 
 
 def deepspeed_stage() -> int:
-    stage = os.environ.get("NBDDP_DEEPSPEED_STAGE", "3").strip()
+    stage = settings.current().deepspeed_stage  # NBDDP_DEEPSPEED_STAGE
     if stage not in ("2", "3"):
         raise ValueError(f"NBDDP_DEEPSPEED_STAGE must be 2 or 3, not {stage!r}")
     return int(stage)

@@ -47,9 +47,9 @@ LENGTH_COLUMNS = ("length", "lengths")
 
 def enabled() -> bool:
     """On unless ``NBDDP_BALANCE`` is 0/false/off/no."""
-    import os
+    from . import settings
 
-    return os.environ.get("NBDDP_BALANCE", "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.current().balance is not False
 
 
 # ---- lengths ---------------------------------------------------------------------------------------------

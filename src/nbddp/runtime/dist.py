@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
+from . import settings
 from . import rank
 from .rank import (  # noqa: F401 (the script's and the runtime's names for where the rank sits)
     RankInfo,
@@ -35,7 +35,9 @@ def seed_everything(seed: int | str | None = None) -> int | None:
 
     import torch
 
-    value = str(os.environ.get("NBDDP_SEED", DEFAULT_SEED) if seed is None else seed).strip().lower()
+    if seed is None:
+        seed = settings.current().seed  # NBDDP_SEED
+    value = str(DEFAULT_SEED if seed is None else seed).strip().lower()
     if value in ("off", "none", ""):
         return None
     try:
@@ -149,9 +151,9 @@ def looks_for_unused(model) -> bool:
     a PEFT adapter (every adapter weight takes part in each step: the search would only cost a walk of the
     graph per step), yes for any other model, which may leave a pooler, an unused head or a dropped layer
     out (without the search the second step stops). ``NBDDP_FIND_UNUSED_PARAMETERS=0|1`` decides instead."""
-    forced = os.environ.get("NBDDP_FIND_UNUSED_PARAMETERS", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = settings.current().find_unused_parameters  # NBDDP_FIND_UNUSED_PARAMETERS
+    if forced is not None:
+        return forced
     if hasattr(model, "peft_config") or getattr(model, "_hf_peft_config_loaded", False):
         return False
     rank.say("nbddp: DDP looks for parameters a training step leaves out (the model is not a PEFT adapter: it "

@@ -26,6 +26,8 @@ import sys
 import time
 import weakref
 
+from . import settings
+
 #: Environment variable that turns the checks off (intended per-rank work).
 ALLOW_ENV = "NBDDP_ALLOW_DIVERGENCE"
 #: The share of training time the checks may take.
@@ -64,7 +66,7 @@ _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def allowed() -> bool:
-    return os.environ.get(ALLOW_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return settings.current().allow_divergence is True  # ALLOW_ENV
 
 
 def install() -> bool:

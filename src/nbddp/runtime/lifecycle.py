@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 
-from . import records
+from . import records, settings
 from .dist import seed_everything
 from .rank import RankInfo, env_int, rank_info, remember, remembered, say
 
@@ -30,13 +31,10 @@ def setup() -> RankInfo:
     """
     if remembered() is not None:
         return remembered()
+    rank_settings = settings.load()  # every NBDDP_* setting, read once for the life of the rank
     _record_uncaught_errors()
     _record_stacks_on_termination()
-    from . import notices, rundir, saves
-
-    rundir.protect()  # the notebook's code may not delete the run directory it runs in (NBDDP_RUN_DIR)
-    notices.quiet()  # library log lines nobody can act on, before the notebook imports the library
-    saves.install()  # before anything imports transformers or peft, which bind safetensors' save_file
+    _install("before torch")
     import torch
     import torch.distributed as dist
 
@@ -48,30 +46,73 @@ def setup() -> RankInfo:
         # trains alone on the whole dataset; with it, the Trainer runs DDP over gloo (MULTI_CPU).
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     if info.world_size > 1 and not dist.is_initialized():
-        timeout = timedelta(seconds=env_int("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S))
+        seconds = rank_settings.timeout  # NBDDP_TIMEOUT
+        timeout = timedelta(seconds=DEFAULT_TIMEOUT_S if seconds is None else seconds)
         dist.init_process_group(backend=info.backend, timeout=timeout)
         _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
     remember(info)
-    from . import balance, metrics, resume, rich, shims
-    from .report import get_multi_gpu_config
-
     seed = seed_everything()
-    metrics.attach()
-    balance.attach()  # the Trainer's training sampler token-balanced (NBDDP_BALANCE=0: off)
-    rich.install()
-    resume.attach(log=say)
+    _install("after the group")
     if info.is_main:
+        from .report import get_multi_gpu_config
+
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
-    shims.apply_all(log=say)
-    from . import apply_strategy
-
-    apply_strategy.install(log=say)  # fsdp, split, deepspeed (NBDDP_STRATEGY)
-    from . import divergence, launchers, unused_params
-
-    divergence.install()  # replicas that drift apart stop the job (NBDDP_ALLOW_DIVERGENCE=1: off)
-    unused_params.install()  # DDP's "finished reduction" error names the parameters and the fix
-    launchers.install()  # notebook_launcher(fn, args) runs fn(*args) in every rank
+    _install("after the summary")
     return info
+
+
+@dataclass(frozen=True)
+class Install:
+    """One thing ``setup()`` installs in a rank: its module, the function called, when, and its one switch."""
+
+    module: str  # under nbddp.runtime
+    call: str  # the function setup() calls (given ``log=say`` where it takes one)
+    phase: str  # "before torch", "after the group" (seeded, rank remembered) or "after the summary"
+    switch: str  # the one NBDDP_* name that turns it off (or on); the module reads it
+    why: str
+
+
+#: Everything ``setup()`` installs in a rank, in order. The shims (``shims.SHIMS``, applied by
+#: ``shims.apply_all`` in their own order) each answer to ``NBDDP_SHIM_<NAME>``; the features that had no switch
+#: (``saves``, ``notices``, ``unused_params``, ``launchers``) answer to the same family, on unless it says 0.
+INSTALLS: tuple[Install, ...] = (
+    Install("rundir", "protect", "before torch", "NBDDP_RUN_DIR",
+            "the notebook's code may not delete the run directory it runs in (unset: nothing protected)"),
+    Install("notices", "quiet", "before torch", "NBDDP_SHIM_NOTICES",
+            "library log lines nobody can act on, quieted before the notebook imports the library"),
+    Install("saves", "install", "before torch", "NBDDP_SHIM_SAVES",
+            "weight files saved atomically; before anything imports transformers or peft, which bind save_file"),
+    Install("metrics", "attach", "after the group", "NBDDP_METRICS", "rank 0's Trainer logs streamed (unset: off)"),
+    Install("balance", "attach", "after the group", "NBDDP_BALANCE", "the Trainer's sampler token-balanced (0: off)"),
+    Install("rich", "install", "after the group", "NBDDP_RICH_DISPLAY", "display() sent to the kernel (1: on)"),
+    Install("resume", "attach", "after the group", "NBDDP_RESUME", "trainer.train() resumes (1: on)"),
+    Install("shims", "apply_all", "after the summary", "NBDDP_SHIM_<NAME>", "each shim of shims.SHIMS, in order"),
+    Install("apply_strategy", "install", "after the summary", "NBDDP_STRATEGY", "fsdp, split, deepspeed (ddp: nothing)"),
+    Install("divergence", "install", "after the summary", "NBDDP_ALLOW_DIVERGENCE",
+            "replicas that drift apart stop the job (1: off)"),
+    Install("unused_params", "install", "after the summary", "NBDDP_SHIM_UNUSED_PARAMS",
+            "DDP's 'finished reduction' error names the parameters and the fix"),
+    Install("launchers", "install", "after the summary", "NBDDP_SHIM_LAUNCHERS",
+            "notebook_launcher(fn, args) runs fn(*args) in every rank"),
+)
+
+#: Calls that take the rank-0 printer.
+_TAKES_LOG = {("resume", "attach"), ("shims", "apply_all"), ("apply_strategy", "install")}
+
+
+def _install(phase: str) -> None:
+    """Call, in order, what ``INSTALLS`` lists for ``phase``; those of the ``NBDDP_SHIM_`` family are skipped
+    when their switch says 0 (the others read their own setting inside)."""
+    import importlib
+
+    for item in INSTALLS:
+        if item.phase != phase:
+            continue
+        if item.switch.startswith("NBDDP_SHIM_") and "<" not in item.switch and \
+                settings.current().switch(item.switch.removeprefix("NBDDP_SHIM_")) is False:
+            continue
+        call = getattr(importlib.import_module(f"{__package__}.{item.module}"), item.call)
+        call(log=say) if (item.module, item.call) in _TAKES_LOG else call()
 
 
 def cleanup() -> None:

@@ -15,6 +15,7 @@ import json
 import os
 import time
 
+from . import settings
 from .records import Event, last_step_path, write_last_step
 
 #: Least seconds between two "step" lines; "log", "begin" and "end" lines are always written.
@@ -27,7 +28,7 @@ def attach() -> bool:
     Registered once the notebook imports ``transformers.trainer``, not by importing it here: Unsloth must be
     imported before transformers, and a notebook that uses it does so after ``setup()``.
     """
-    path = os.environ.get("NBDDP_METRICS")
+    path = settings.current().metrics  # NBDDP_METRICS
     if not path or importlib.util.find_spec("transformers") is None:
         return False
     from .patching import when_imported

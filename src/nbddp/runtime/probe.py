@@ -9,10 +9,11 @@ itself, so it takes no GPU memory there.
 from __future__ import annotations
 
 import json
-import os
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from . import settings
 
 #: Elements (float32) of the timed all-reduce: 64 MiB on GPUs, 4 MiB over gloo on CPU.
 GPU_ELEMENTS, CPU_ELEMENTS = 2**24, 2**20
@@ -42,13 +43,14 @@ def main() -> None:
     from .lifecycle import DEFAULT_TIMEOUT_S, cleanup
     from .io import atomic_write_text
 
-    out_dir = Path(os.environ.get("NBDDP_RUN_DIR", "."))
+    out_dir = Path(settings.current().run_dir or ".")  # NBDDP_RUN_DIR
     info = rank_info()
     if info.device.startswith("cuda"):
         torch.cuda.set_device(info.local_rank)
     atomic_write_text(out_dir / f"device-{info.rank}.json", json.dumps(device_info(info)))
 
-    timeout = timedelta(seconds=int(os.environ.get("NBDDP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    seconds = settings.current().timeout  # NBDDP_TIMEOUT
+    timeout = timedelta(seconds=DEFAULT_TIMEOUT_S if seconds is None else seconds)
     dist.init_process_group(backend=info.backend, timeout=timeout)
     world = dist.get_world_size()
     check = torch.full((4,), float(info.rank + 1), device=info.device)

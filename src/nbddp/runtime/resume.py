@@ -18,6 +18,8 @@ import importlib.util
 import os
 import re
 
+from . import settings
+
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 #: The file the Trainer writes last into a checkpoint folder.
 _LAST_WRITTEN = "trainer_state.json"
@@ -72,7 +74,7 @@ def cut_short(name: str) -> bool:
 
 def attach(log=print) -> bool:
     """Wrap ``Trainer.train`` when ``NBDDP_RESUME=1`` and transformers is installed."""
-    if os.environ.get("NBDDP_RESUME") != "1" or importlib.util.find_spec("transformers") is None:
+    if settings.current().resume is not True or importlib.util.find_spec("transformers") is None:
         return False
     import transformers
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
 import time
 
+from . import settings
 from . import records
 
 #: IPython's ``_repr_*_`` methods and the MIME type each gives, richest first as IPython orders them.
@@ -132,8 +132,8 @@ def _html_text(markup: str) -> str:
 
 def _send(data: dict, metadata: dict) -> bool:
     """Append the bundle to the metrics file when a kernel follows the job; False when none does."""
-    path = os.environ.get("NBDDP_METRICS")
-    if os.environ.get("NBDDP_RICH_DISPLAY") != "1" or not path:
+    path = settings.current().metrics  # NBDDP_METRICS
+    if settings.current().rich_display is not True or not path:  # NBDDP_RICH_DISPLAY
         return False
     record = {"event": records.Event.DISPLAY, "data": data, "metadata": metadata, "time": time.time()}
     with open(path, "a", encoding="utf-8") as fh:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import sys
 
+from . import settings
+
 #: The audit events that delete a path (``shutil.rmtree``, ``os.remove``/``unlink``, ``os.rmdir``), with the
 #: index of the path among their arguments.
 _DELETING = {"shutil.rmtree": 0, "os.remove": 0, "os.rmdir": 0}
@@ -30,7 +32,7 @@ def protect(run_dir: str | None = None) -> bool:
     it; the files inside are left to their writers (nbddp's own atomic saves remove their temporary files
     there). Once per process (an audit hook cannot be removed); False without a run directory."""
     global _protected
-    run_dir = run_dir or os.environ.get("NBDDP_RUN_DIR")
+    run_dir = run_dir or settings.current().run_dir  # NBDDP_RUN_DIR
     if not run_dir:
         return False
     first = _protected is None

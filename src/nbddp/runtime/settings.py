@@ -66,7 +66,7 @@ TO_RANK: tuple[Setting, ...] = (
     Setting("NBDDP_REPLACE_TORCH", "flag", "", "a person (--env)", "runtime/shell_lines.py, launch/planning.py",
             "1: install lines that would replace the running torch stack are run"),
     Setting("NBDDP_SHIM_<NAME>", "flag", "", "options.py (--shim/--no-shim)", "runtime/shims/__init__.py",
-            "1 or 0: a shim on or off, whatever its detection says"),
+            "1 or 0: a shim on or off, whatever its detection says; also saves, notices, unused_params, launchers (0: off)"),
     Setting("NBDDP_KEEP_SOCKET", "path", "", "kept/channel.py (%%ddp_train --keep)", "runtime/serve.py",
             "the kernel's Unix socket a kept job's ranks serve cells through"),
     Setting("NBDDP_KEEP_KEY", "text", "", "kept/channel.py", "runtime/serve.py",
@@ -102,3 +102,78 @@ BY_NAME: dict[str, Setting] = {s.name: s for s in TO_RANK + LAUNCHER_SIDE}
 def known(name: str) -> bool:
     """Whether ``name`` is one of the settings (``NBDDP_SHIM_X`` of the shim family)."""
     return name in BY_NAME or name.startswith("NBDDP_SHIM_")
+
+
+# ---- the rank's record: TO_RANK read once ----------------------------------------------------------------
+
+#: A flag's words: what reads as on, what reads as off; anything else (or unset) is the setting's default.
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+
+
+def field_name(setting: Setting) -> str:
+    """``NBDDP_DEEPSPEED_STAGE`` -> ``deepspeed_stage``: the record's attribute for a setting."""
+    return setting.name.removeprefix("NBDDP_").lower()
+
+
+def parse(setting: Setting, raw: str | None):
+    """One setting's value, typed by its kind: int -> int or None, flag -> True/False/None (not given),
+    choice -> lower-case word (the default when empty), path and text -> the string as given (None unset)."""
+    if setting.kind == "int":
+        try:
+            return int(raw) if raw not in (None, "") else (int(setting.default) if setting.default else None)
+        except ValueError:
+            return int(setting.default) if setting.default else None
+    if setting.kind == "flag":
+        word = (raw if raw is not None else setting.default).strip().lower()
+        return True if word in _ON else False if word in _OFF else None
+    if setting.kind == "choice":
+        return (raw or "").strip().lower() or setting.default
+    return raw if raw is not None else (setting.default or None)  # None: not given
+
+
+def _record_type():
+    from dataclasses import field, make_dataclass
+
+    kinds = {"int": "int | None", "flag": "bool | None", "choice": str, "path": "str | None", "text": "str | None"}
+    fields = [(field_name(s), kinds[s.kind]) for s in TO_RANK if "<" not in s.name]
+    fields.append(("shims", "tuple[tuple[str, bool | None], ...]", field(default=())))
+    return make_dataclass("RankSettings", fields, frozen=True, namespace={"switch": _switch,
+                          "__doc__": "Every TO_RANK setting of this rank, typed by its kind, read once by setup()."})
+
+
+def _switch(self, name: str) -> bool | None:
+    """``NBDDP_SHIM_<NAME>``: True (forced on), False (forced off), None (not given)."""
+    return dict(self.shims).get(name.upper())
+
+
+RankSettings = _record_type()
+
+
+def read(environ=None) -> RankSettings:
+    """The rank's settings as the environment holds them now."""
+    import os
+
+    env = os.environ if environ is None else environ
+    values = {field_name(s): parse(s, env.get(s.name)) for s in TO_RANK if "<" not in s.name}
+    family = BY_NAME["NBDDP_SHIM_<NAME>"]
+    shims = tuple(sorted((k.removeprefix("NBDDP_SHIM_"), parse(family, v)) for k, v in env.items()
+                         if k.startswith("NBDDP_SHIM_")))
+    return RankSettings(**values, shims=shims)
+
+
+#: The record ``setup()`` read; None before it (or outside a rank, where each reader reads afresh).
+_loaded: RankSettings | None = None
+
+
+def load() -> RankSettings:
+    """Read the rank's settings once, for the life of the rank (``lifecycle.setup()``)."""
+    global _loaded
+    _loaded = read()
+    return _loaded
+
+
+def current() -> RankSettings:
+    """The record ``setup()`` read, or, before ``setup()`` (tests, the probe, a launcher helper), the
+    environment read now."""
+    return _loaded if _loaded is not None else read()

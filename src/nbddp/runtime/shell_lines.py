@@ -16,6 +16,7 @@ import string
 import subprocess
 import sys
 
+from . import settings
 from .dist import is_local_main_process, main_process_first
 
 #: IPython's ``DollarFormatter``: ``$name`` or ``$name.attr`` outside single quotes; ``$$name`` is ``$name``.
@@ -134,7 +135,7 @@ def _run(args, **kwargs) -> int:
 
 def replace_stack_allowed() -> bool:
     """``NBDDP_REPLACE_TORCH=1``: installs may replace the running torch/CUDA stack."""
-    return os.environ.get("NBDDP_REPLACE_TORCH", "") not in ("", "0")
+    return settings.current().replace_torch is True  # NBDDP_REPLACE_TORCH
 
 
 def _split(command: str) -> list[str]:

@@ -14,7 +14,6 @@ Each shim module defines:
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 
 #: Shim modules in the order they are applied.
@@ -46,14 +45,20 @@ def say(line: str) -> None:
     rank.say(f"nbddp: {line}", once=f"shims: {line}")
 
 
+#: Older names that still switch a shim on, where its own ``NBDDP_SHIM_<NAME>`` is not given: the
+#: record's field for each (``NBDDP_DISABLE_CHECKPOINTING=1`` is ``NBDDP_SHIM_NO_CHECKPOINTING=1``).
+ALIASES = {"no_checkpointing": "disable_checkpointing"}
+
+
 def switch(name: str) -> bool | None:
     """The user's switch for a shim: True (forced on), False (forced off) or None (decide by detection)."""
-    value = os.environ.get(f"NBDDP_SHIM_{name.upper()}", "").strip().lower()
-    if value in ("1", "true", "on", "yes"):
+    from .. import settings
+
+    record = settings.current()
+    forced = record.switch(name)
+    if forced is None and name in ALIASES and getattr(record, ALIASES[name]) is True:
         return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    return None
+    return forced
 
 
 def load(module_name: str):

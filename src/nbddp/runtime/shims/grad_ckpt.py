@@ -24,11 +24,11 @@ auto|0|1`` overrides the latter.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import weakref
 from dataclasses import dataclass
 
+from .. import settings
 from .. import checkpointing, ddp_patch
 from . import say
 from ..checkpointing import CheckpointFacts
@@ -63,7 +63,7 @@ def apply() -> str | None:
 
 def static_graph_mode() -> str:
     """``NBDDP_DDP_STATIC_GRAPH``: "auto" (default), "0" or "1"."""
-    value = os.environ.get("NBDDP_DDP_STATIC_GRAPH", "auto").strip().lower()
+    value = settings.current().ddp_static_graph  # NBDDP_DDP_STATIC_GRAPH
     return {"1": "1", "true": "1", "on": "1", "0": "0", "false": "0", "off": "0"}.get(value, "auto")
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 from .. import checkpointing
 from ..patching import when_imported, wrap
@@ -36,12 +35,10 @@ MESSAGE = (
 )
 
 
-def requested() -> bool:
-    return os.environ.get("NBDDP_DISABLE_CHECKPOINTING", "").strip().lower() in ("1", "true", "on", "yes")
-
-
 def detect() -> bool:
-    return requested()
+    """Never needed by itself: only its switch turns it on (``NBDDP_SHIM_NO_CHECKPOINTING=1``, or the older
+    ``NBDDP_DISABLE_CHECKPOINTING=1`` that ``--no-checkpointing`` sets, an alias in ``shims.ALIASES``)."""
+    return False
 
 
 def apply() -> str:

@@ -11,10 +11,10 @@ on CPU, saying so once. ``decide()`` holds the rule as a pure function of the de
 
 from __future__ import annotations
 
-import os
 
 from dataclasses import dataclass
 
+from .. import settings
 from ..patching import installed, wrap, when_imported
 from . import say
 
@@ -74,7 +74,7 @@ def current_device(use_cpu: bool = False) -> Device:
 
 def assumed_capability() -> tuple[int, int] | None:
     """``NBDDP_ASSUME_CC=7.5``: decide precision as on a GPU of that compute capability (None when unset)."""
-    value = os.environ.get("NBDDP_ASSUME_CC", "").strip()
+    value = (settings.current().assume_cc or "").strip()  # NBDDP_ASSUME_CC
     if not value:
         return None
     major, _, minor = value.partition(".")
