@@ -284,6 +284,7 @@ def test_a_kept_job_trains_again_generates_pulls_and_stops(lab, browser):
     assert not any("Error" in o for o in out), out
     assert "stay up" in out[2] and "done · step 30/30" in out[2], out[2]
     assert "done · step 30/30" in out[4] and "nbddp: finished in" in out[4], out[4]  # the panel, on the kept job
+    assert "0/30 [00:00<?" not in out[4], out[4]  # no stale first frame of the bar above the panel
     first_loss, second_loss = map(float, re.search(r"losses (\S+) (\S+)", out[5]).groups())
     assert second_loss < first_loss  # trained on from the first training's weights
     assert out[6].count("generated: Q: 12+7=? A:") == 1, out[6]  # rank 0 alone prints it
