@@ -1,7 +1,8 @@
 """The cell a person watches, in a real JupyterLab driven by headless Chromium (the system's package, through
 Playwright; no browser is downloaded): a 2000-step %%ddp_train on the embedded model stays a few outputs with
 its summary in sight, a run failing at step 300 on rank 1 shows its one mapped traceback, the stop button
-ends every rank, and a cell edited and run without saving is trained as it ran. Screenshots are kept in
+ends every rank, a cell edited and run without saving is trained as it ran, and a kept job (``--keep``, ``%%ddp``
+training and generation, ``%ddp_pull``, ``%ddp_status``, ``%ddp_stop``) shows each cell's output. Screenshots are kept in
 build/browser-test/. Run with ``make test-browser``."""
 
 from __future__ import annotations
@@ -295,8 +296,8 @@ def test_a_kept_job_trains_again_generates_pulls_and_stops(lab, browser):
         assert page.locator(".jp-Notebook .jp-Cell").nth(i).locator(".jp-OutputArea-child").count() <= 10
     page.locator(".jp-Notebook .jp-Cell").nth(4).scroll_into_view_if_needed()
     assert shot(page, "kept-trained-again").stat().st_size > 10_000
-    page.locator(".jp-Notebook .jp-Cell").nth(6).scroll_into_view_if_needed()
-    assert shot(page, "kept-generated-pulled-stopped").stat().st_size > 10_000
+    last_cell(page).scroll_into_view_if_needed()
+    assert shot(page, "kept-pulled-status-stopped").stat().st_size > 10_000
     deadline = time.monotonic() + 10
     while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
         time.sleep(0.5)
