@@ -19,6 +19,7 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,10 @@ print('hello from rank', os.environ['RANK'], torch.__version__)
 dist.barrier()
 dist.destroy_process_group()
 """
+# torchrun beside this Python (a venv), else the one on PATH (a system Python, as on the GPU image)
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+if not Path(TORCHRUN).exists():
+    TORCHRUN = shutil.which("torchrun") or TORCHRUN
 
 
 def timed(argv: list[str], cwd: Path) -> float:
@@ -50,7 +54,7 @@ def timed(argv: list[str], cwd: Path) -> float:
 def compare(notebook: Path, plain: Path, repeat: int, cwd: Path) -> dict:
     nbddp, torchrun = [], []
     for _ in range(repeat):
-        nbddp.append(timed([sys.executable, "-m", "nbddp.cli", "run", "--nproc", "1", str(notebook)], cwd))
+        nbddp.append(timed([sys.executable, "-m", "nbddp.cli", "run", "--nproc", "1", "--every-rank", str(notebook)], cwd))
         torchrun.append(timed([TORCHRUN, "--standalone", "--nproc_per_node=1", str(plain)], cwd))
     n, t = statistics.median(nbddp), statistics.median(torchrun)
     return {"nbddp_s": nbddp, "torchrun_s": torchrun, "nbddp_median_s": n, "torchrun_median_s": t, "over_s": n - t}
@@ -65,7 +69,7 @@ def profile_launcher(notebook: Path, cwd: Path) -> dict:
     os.chdir(cwd)
     started = time.perf_counter()
     try:
-        profiler.runcall(cli.main, ["run", "--nproc", "1", str(notebook)])
+        profiler.runcall(cli.main, ["run", "--nproc", "1", "--every-rank", str(notebook)])
     except SystemExit:
         pass
     finally:
@@ -79,7 +83,14 @@ def profile_launcher(notebook: Path, cwd: Path) -> dict:
     waiting = cumulative("launch/supervise.py", "launch")
     converting = cumulative("convert/script.py", "convert_notebook")
     return {"wall_s": wall, "launch_s": waiting, "convert_s": converting, "before_launch_s": wall - waiting,
-            "torch_imported_by_launcher": "torch" in sys.modules}
+            "torch_imported_by_launcher": "torch" in sys.modules, "slowest_outside_launch": _slowest(stats)}
+
+
+def _slowest(stats: pstats.Stats, keep: int = 15) -> list[str]:
+    """nbddp's own functions with the most cumulative seconds, torchrun's wait left out: where a start goes."""
+    rows = [(v[3], f"{Path(k[0]).name}:{k[1]} {k[2]}") for k, v in stats.stats.items()
+            if "/nbddp/" in k[0] and "supervise.py" not in k[0] and v[3] >= 0.05]
+    return [f"{seconds:.2f} s {where}" for seconds, where in sorted(rows, reverse=True)[:keep]]
 
 
 def main() -> None:
@@ -115,7 +126,9 @@ def main() -> None:
         f"| nbddp over torchrun | {c['over_s']:.2f} | |", "",
         f"One `nbddp run` profiled in-process: {p['wall_s']:.2f} s, of which {p['before_launch_s']:.2f} s before and "
         f"after torchrun runs (conversion {p['convert_s']:.2f} s) and {p['launch_s']:.2f} s while it runs; torch "
-        f"imported by the launcher: {p['torch_imported_by_launcher']}.", ""]))
+        f"imported by the launcher: {p['torch_imported_by_launcher']}.", "",
+        "Its slowest functions outside torchrun's run (cumulative, nested ones counted in their callers too):", "",
+        *(f"- {row}" for row in p.get("slowest_outside_launch", [])), ""]))
     print(json.dumps(result, indent=2))
 
 

@@ -87,6 +87,14 @@ def test_no_training_and_no_launch_still_names_the_option():
     job.check_trains(script, every_rank=True)  # asked for: runs as before
 
 
+def test_a_kept_job_that_only_loads_its_model_is_not_refused():
+    # %%ddp_train --keep of cells that load a model and build a Trainer: later %%ddp cells train it
+    script = convert_cells(cells("from transformers import AutoModel\nmodel = AutoModel.from_pretrained('m')\n"))
+    with pytest.raises(NbddpError):
+        job.decide_mode(script)
+    assert job.decide_mode(script, keep=True) == "every-rank"
+
+
 def test_a_notebook_that_trains_is_not_refused():
     script = convert_cells(cells(
         "optimizer = torch.optim.AdamW(model.parameters())\nfor b in train_loader:\n    model(b).backward()\n"))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .convert.facts.shape import JobShape, ShapeUnread, read_shape
 from .errors import NbddpError, printable
+from .gpus import visible_gpus
 from .model_config import Dims, SizeUnknown, read_json
 
 STRATEGIES = ("auto", "ddp", "fsdp", "split", "deepspeed")
@@ -210,6 +211,9 @@ def _gpu_count() -> int:
 def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
     if not _gpu_count():
         return ()
+    visible = visible_gpus()  # NVIDIA's driver: a fraction of a second, where torch in a child takes seconds
+    if visible is not None:
+        return tuple(gpu.free_bytes for gpu in visible)
     try:
         out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
         return tuple(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -90,7 +90,7 @@ def run_job(
     check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
                       torchrun_args=torchrun_args)
     job = prepare_job(source, skip_bad_cells=skip_bad_cells)
-    mode = decide_mode(job.script, every_rank)
+    mode = decide_mode(job.script, every_rank, keep=keep is not None)
     cwd = Path(cwd) if cwd is not None else job.cwd
     launched = None
     if mode == "launched":  # the notebook once, in one process; the command it launches on every GPU
@@ -198,14 +198,17 @@ def _say(sink: Sink | None, text: str) -> None:
     (sink or _launch.stdout_sink)("stderr", text)
 
 
-def decide_mode(script: Script, every_rank: bool = False) -> str:
+def decide_mode(script: Script, every_rank: bool = False, keep: bool = False) -> str:
     """How the job runs: ``every-rank`` (the converted notebook on every rank: a training call was found, or
     ``--every-rank`` asks for it), ``launched`` (its training is a command a shell line launches: the
-    notebook once, that command on every GPU, ``nbddp.launched``); else refused before launch."""
+    notebook once, that command on every GPU, ``nbddp.launched``); else refused before launch. A kept job
+    (``keep``) needs no training call: its cells may only load the model, which later ``%%ddp`` cells train."""
     if script.trains or every_rank:
         return "every-rank"
     if script.launches:
         return "launched"
+    if keep:
+        return "every-rank"
     check_trains(script, every_rank)
     return "every-rank"
 

@@ -134,7 +134,8 @@ class NbddpMagics(Magics):
         self._show_script(prepared.script, args)
         if args.dry_run:
             return
-        check_trains(prepared.script, options["every_rank"])  # before the panel shows anything
+        # before the panel shows anything; a kept job may only load what later %%ddp cells train
+        check_trains(prepared.script, options["every_rank"] or args.keep)
         warning = doctor.kernel_memory_warning()
         if warning:
             print(f"nbddp: warning: {warning}", file=sys.stderr)

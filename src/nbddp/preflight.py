@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import NbddpError, printable
+from .gpus import visible_gpus
 
 #: Overrides the GPU count (tests of the GPU checks on a CPU machine; choosing as on another machine).
 GPU_COUNT_ENV = "NBDDP_GPU_COUNT"
@@ -31,6 +32,9 @@ def gpu_count() -> int:
         return int(forced)
     if not any(os.path.exists(dev) for dev in GPU_DEVICE_FILES):
         return 0  # no GPU driver here: importing torch (seconds, in every launcher) would only say 0
+    visible = visible_gpus()  # NVIDIA's driver, without importing torch
+    if visible is not None:
+        return len(visible)
     try:
         import torch
     except ImportError:
