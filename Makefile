@@ -30,7 +30,7 @@ test-e2e: $(STAMP)  ## the tests that start processes: torchrun on 2 gloo ranks,
 # Chromium comes from the system's packages (never a browser download): installed with apt where this can.
 CHROMIUM_HINT := no chromium: install your system's package (Debian/Ubuntu: apt-get install -y chromium) and run make test-browser again
 
-test-browser: $(STAMP)  ## JupyterLab in headless Chromium: a 2000-step %%ddp_train, a failure, the stop button
+test-browser: $(STAMP)  ## JupyterLab in headless Chromium: a 2000-step %%ddp_train, a failure, the stop button, a kept job
 	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 		{ apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } \
 		|| { echo "$(CHROMIUM_HINT)"; exit 1; }

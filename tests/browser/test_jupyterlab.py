@@ -1,7 +1,8 @@
 """The cell a person watches, in a real JupyterLab driven by headless Chromium (the system's package, through
 Playwright; no browser is downloaded): a 2000-step %%ddp_train on the embedded model stays a few outputs with
 its summary in sight, a run failing at step 300 on rank 1 shows its one mapped traceback, the stop button
-ends every rank, and a cell edited and run without saving is trained as it ran. Screenshots are kept in
+ends every rank, a cell edited and run without saving is trained as it ran, and a kept job (``--keep``, ``%%ddp``
+training and generation, ``%ddp_pull``, ``%ddp_status``, ``%ddp_stop``) shows each cell's output. Screenshots are kept in
 build/browser-test/. Run with ``make test-browser``."""
 
 from __future__ import annotations
@@ -253,4 +254,52 @@ def test_a_cell_edited_and_run_without_saving_is_trained_as_it_ran(lab, browser)
     assert "cell 3 differs from the saved edited.ipynb: the job takes it as run here" in text
     assert "max_steps = 30" in (root / "edited.ipynb").read_text()  # the saved file never held 60
     assert shot(page, "edited-trained").stat().st_size > 10_000
+    page.close()
+
+
+def cell_text(page, index: int, timeout_s: float = 30) -> str:
+    """Cell ``index``'s text as drawn, once drawn: scrolled into the window first (JupyterLab skips drawing
+    cells out of sight)."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cell.scroll_into_view_if_needed()
+        text = cell.locator(".jp-Cell-outputArea").inner_text()
+        if text.strip() or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
+
+
+def test_a_kept_job_trains_again_generates_pulls_and_stops(lab, browser):
+    """The kept workflow as a person runs it in JupyterLab: train with --keep, train again on the kept ranks,
+    generate, pull the loss history, look at the status, stop; every cell's output read from the page."""
+    from test_kept_kernel import AGAIN, FIRST, GENERATE, HISTORY, PULL, SECOND, SETUP, STATUS, STOP, TRAIN
+
+    root = lab[0]
+    cells = ["%load_ext nbddp", SETUP, TRAIN, FIRST, AGAIN, SECOND, GENERATE, HISTORY, PULL, STATUS, STOP]
+    page = open_notebook(browser, lab, "kept.ipynb", cells)
+    text = wait_for_text(page, r"the kept job has ended|Error", 420)
+    assert "every rank has exited" in text, text
+    kernel_idle(page)
+    out = [cell_text(page, i) for i in range(len(cells))]
+    assert not any("Error" in o for o in out), out
+    assert "stay up" in out[2] and "done · step 30/30" in out[2], out[2]
+    assert "done · step 30/30" in out[4] and "nbddp: finished in" in out[4], out[4]  # the panel, on the kept job
+    assert "0/30 [00:00<?" not in out[4], out[4]  # no stale first frame of the bar above the panel
+    first_loss, second_loss = map(float, re.search(r"losses (\S+) (\S+)", out[5]).groups())
+    assert second_loss < first_loss  # trained on from the first training's weights
+    assert out[6].count("generated: Q: 12+7=? A:") == 1, out[6]  # rank 0 alone prints it
+    assert "pulled 10 losses" in out[8], out[8]
+    assert re.search(r"nbddp: kept job, 2 rank\(s\), up \d+ s, idle \d+ s", out[9]), out[9]
+    assert re.search(r"rank 0: pid \d+, cpu", out[9]) and re.search(r"rank 1: pid \d+, cpu", out[9]), out[9]
+    for i in (2, 4):  # each training cell stays a few outputs, its summary in sight
+        assert page.locator(".jp-Notebook .jp-Cell").nth(i).locator(".jp-OutputArea-child").count() <= 10
+    page.locator(".jp-Notebook .jp-Cell").nth(4).scroll_into_view_if_needed()
+    assert shot(page, "kept-trained-again").stat().st_size > 10_000
+    last_cell(page).scroll_into_view_if_needed()
+    assert shot(page, "kept-pulled-status-stopped").stat().st_size > 10_000
+    deadline = time.monotonic() + 10
+    while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert no_rank_processes(str(root / "nbddp_runs"))
     page.close()

@@ -136,11 +136,13 @@ class CarriageReturns:
     Jupyter front ends draw text that follows ``\\r`` over the current line, so a bar redrawn in place shows
     as one line; but a client that saves outputs as they arrive (nbclient, papermill) keeps every redraw.
     Of the redraws of one line in a chunk only the last is passed on, and a line still being redrawn is
-    passed on at most every ``interval_s`` — ``flush()`` gives what is held back.
+    passed on at most every ``interval_s`` — ``flush()`` gives what is held back. With ``hold_first`` the
+    stream's first redraw waits ``interval_s`` too, so a caller can still send it elsewhere meanwhile.
     """
 
-    def __init__(self, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic):
-        self.interval_s, self.clock = interval_s, clock
+    def __init__(self, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 hold_first: bool = False):
+        self.interval_s, self.clock, self.hold_first = interval_s, clock, hold_first
         self.pending = ""
         self.last_redraw = -math.inf
 
@@ -154,6 +156,8 @@ class CarriageReturns:
         out = "".join(_last_redraw(line) + "\n" for line in complete)
         tail = _last_redraw(tail)
         now = self.clock()
+        if "\r" in tail and self.hold_first and self.last_redraw == -math.inf:
+            self.last_redraw = now
         if "\r" in tail and now - self.last_redraw < self.interval_s:
             self.pending = tail + held
             return out

@@ -73,6 +73,7 @@ class KeptMagics(Magics):
             for f in followers:
                 f.poll()
             metrics.poll()
+            view.poll()
 
         started = time.monotonic()
         answer = job.request(("run", str(kept.path), kept.first, kept.last), follow=follow)
