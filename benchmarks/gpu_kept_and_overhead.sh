@@ -6,7 +6,7 @@
 #   3. benchmarks/kept_cells.py --gpu: start, a %%ddp print cell, kept training cells and a fresh %%ddp_train.
 # On the device machine (carry .gpu, built by ../shared/tools/gpu-wheels --unsloth):
 #   tar -xJf .gpu/site.tar.xz -C /tmp && export PYTHONPATH=$PWD/src:/tmp/site312 HF_HUB_OFFLINE=1 &&
-#   bash benchmarks/gpu_kept_and_overhead.sh $OUT
+#   bash benchmarks/gpu_kept_and_overhead.sh $OUT      (ONLY_OVERHEAD=1: the fresh-job comparison alone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results}; mkdir -p "$out"
@@ -30,4 +30,4 @@ EOF
 python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 python3 benchmarks/job_overhead.py --gpu "$work/unsloth_30_steps.ipynb" --plain "$work/unsloth_30_steps.py" \
   --repeat "${REPEAT:-1}" --out "$out"
-python3 benchmarks/kept_cells.py --gpu "$model" --out "$out"
+[ -n "${ONLY_OVERHEAD:-}" ] || python3 benchmarks/kept_cells.py --gpu "$model" --out "$out"

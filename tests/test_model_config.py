@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from nbddp import choose_strategy as strategy
+from nbddp import model_config
 from nbddp.errors import NbddpError
 from nbddp.model_config import Dims, SizeUnknown
 
@@ -117,3 +118,19 @@ def test_any_failure_in_the_decision_falls_back_to_ddp_or_refuses_naming_it(tmp_
 def test_size_unknown_is_an_exception_of_its_own():
     with pytest.raises(SizeUnknown, match="gives no hidden size"):
         Dims.of({"model_type": "resnet"})
+
+
+@pytest.mark.parametrize("model_type", sorted(model_config.PLAIN_FAMILIES))
+def test_a_llama_like_config_is_read_from_its_json_with_the_sizes_its_class_gives(model_type, monkeypatch):
+    # no transformers (and so no torch) in the launcher for the common families, the same sizes as their class
+    config = transformers.CONFIG_MAPPING[model_type](hidden_size=512, intermediate_size=1376, num_hidden_layers=3,
+                                                     num_attention_heads=8, num_key_value_heads=2, vocab_size=999)
+    raw = json.loads(config.to_json_string(use_diff=False))
+    assert model_config.plain_config(raw) is not None
+    from_json = Dims.of(raw)
+    monkeypatch.setattr(model_config, "plain_config", lambda raw: None)
+    assert from_json == Dims.of(raw)  # through the config class
+    monkeypatch.undo()
+    for key in model_config.PLAIN_FAMILIES[model_type]:  # a key the JSON leaves out is the class's to fill in
+        assert model_config.plain_config({k: v for k, v in raw.items() if k != key}) is None
+

@@ -38,6 +38,42 @@ def read_json(path: Path) -> dict:
     return data
 
 
+_COMMON = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+           "vocab_size", "tie_word_embeddings")
+#: Llama-like families whose config.json, when it holds these keys, says every size the estimate reads by its
+#: own name (no ``attribute_map`` alias, no default of the class left to fill in): read from the JSON itself,
+#: because transformers' config classes import torch, which cost a launcher seconds before every job (about
+#: 10 s on an H100 machine, ``benchmarks/results/job_overhead_gpu.md``). ``tests/test_model_config.py`` holds
+#: each to the same sizes as its config class gives, and any key missing to transformers.
+PLAIN_FAMILIES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama", "mistral", "qwen3", "gemma"), _COMMON + ("head_dim", "hidden_act")),
+    "gemma2": _COMMON + ("head_dim", "hidden_activation"),
+    **dict.fromkeys(("qwen2", "phi3"), _COMMON + ("hidden_act",)),
+}
+
+
+class PlainConfig:
+    """A config.json of a ``PLAIN_FAMILIES`` model read as its config class would read it: attributes by name,
+    None for what it does not say."""
+
+    def __init__(self, raw: dict):
+        self.__dict__.update(raw)
+
+    def __getattr__(self, name: str):
+        return None
+
+    def get_text_config(self):
+        return self
+
+
+def plain_config(raw: dict) -> PlainConfig | None:
+    """``raw`` as a ``PlainConfig`` where its family and keys allow it, else None (transformers reads it)."""
+    needs = PLAIN_FAMILIES.get(raw.get("model_type"))  # type: ignore[arg-type]
+    if needs is None or any(key not in raw for key in needs) or "text_config" in raw:
+        return None
+    return PlainConfig(raw)
+
+
 def transformers_config(raw: dict):
     """The transformers config object for ``raw``: its ``model_type``'s class, or the base class (which reads
     the common names as they are) for a config that names no ``model_type``."""
@@ -81,7 +117,7 @@ class Dims:
     @classmethod
     def of(cls, raw: dict) -> "Dims":
         """The sizes of a ``config.json``'s model (its language model's, for a multimodal one)."""
-        config = transformers_config(raw)
+        config = plain_config(raw) or transformers_config(raw)
         try:
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
         except Exception:  # a composite config without a text part
