@@ -123,6 +123,7 @@ def test_export_stops_at_a_secret_and_shows_the_kaggle_way(tmp_path):
     assert 'UserSecretsClient().get_secret("HF_TOKEN")' in proc.stderr and "--allow-secrets" in proc.stderr
     assert "aB3dE5fG7hJ9" not in proc.stderr  # the message itself does not repeat the token
     proc = nbddp_cli("export", nb, "--kaggle", tmp_path / "out", "--id", "me/run-one", "--allow-secrets",
+                     "--every-rank",  # the notebook has no training call: it only holds a secret
                      "--public", "--accelerator", "NvidiaTeslaP100", "--dataset", "me/sums", "--dataset", "me/more")
     assert proc.returncode == 0, proc.stderr
     assert "kaggle kernels push -p" in proc.stderr and (tmp_path / "out" / "run-one.py").exists()
