@@ -17,6 +17,7 @@ both ranks: rank 0 ran the command while rank 1 waited in a barrier, torn down a
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from test_runnable_corpus import ATOMIC, PER_PROCESS, RECORDER, ROOT, RUNNABLE, STEP, environment, run  # noqa: F401
+from test_runnable_corpus import ATOMIC, PER_PROCESS, ROOT, RUNNABLE, STEP, environment, run
 
 sys.path.insert(0, str(RUNNABLE))
 import make_launched  # noqa: E402
@@ -36,6 +37,7 @@ import tiny  # noqa: E402
 import tiny_launched  # noqa: E402
 
 LAUNCHED = RUNNABLE / "launched"
+PUBLIC = ROOT / "tests" / "corpus" / "public"
 MANIFEST = {e["file"].removesuffix(".ipynb"): e for e in json.loads((LAUNCHED / "MANIFEST.json").read_text())}
 #: Seconds a collective may wait, in the two-rank runs: the launched command runs longer than that.
 TIMEOUT_S = 15
@@ -47,7 +49,7 @@ def test_the_copies_are_what_make_launched_writes_and_every_edit_is_marked(tmp_p
     assert (tmp_path / "MANIFEST.json").read_bytes() == (LAUNCHED / "MANIFEST.json").read_bytes()
     for path in written:
         assert path.read_bytes() == (LAUNCHED / path.name).read_bytes(), "run tests/corpus/runnable/make_launched.py"
-        original = nbformat.read(ROOT / "tests" / "corpus" / "public" / MANIFEST[path.stem]["original"], as_version=4)
+        original = nbformat.read(PUBLIC / MANIFEST[path.stem]["original"], as_version=4)
         copy = nbformat.read(path, as_version=4)
         assert len(copy.cells) == len(original.cells)
         for old, new in zip(original.cells, copy.cells):
@@ -55,20 +57,16 @@ def test_the_copies_are_what_make_launched_writes_and_every_edit_is_marked(tmp_p
 
 
 def test_the_scripts_and_recipes_the_shell_lines_run_are_the_published_ones_with_marked_edits(tmp_path):
-    names = sorted({n for e in MANIFEST.values() for n in e["tiny"]} - set(tiny.BUILDERS) | {"run_sft", "merge_adapter_weights"})
-    for name in names:
-        tiny.BUILDERS[name](tmp_path / "tiny" / name)
-    public = ROOT / "tests" / "corpus" / "public" / "philschmid"
-    for written in ("scripts/run_sft.py", "receipes/llama-3-1-8b-qlora.yaml", "scripts/merge_adapter_weights.py"):
-        new, old = (tmp_path / written).read_text(), (public / Path(written).name).read_text()
-        assert marked_only(old, new), written
-    assert (tmp_path / "scripts/merge_adapter_weights.py").read_text() == (public / "merge_adapter_weights.py").read_text()
+    for builder in ("run_sft", "merge_adapter_weights"):
+        tiny.BUILDERS[builder](tmp_path / "tiny" / builder)
+    for written, published in tiny_launched.PUBLISHED.items():
+        new, old = (tmp_path / written).read_text(), (PUBLIC / published).read_text()
+        assert marked_only(old, new) and len(new.splitlines()) == len(old.splitlines()), written
+    assert (tmp_path / "scripts/merge_adapter_weights.py").read_text() == (PUBLIC / "philschmid/merge_adapter_weights.py").read_text()
 
 
 def marked_only(old: str, new: str) -> bool:
-    """Every line ``new`` has that ``old`` lacks carries the mark, and as many lines as ``old``, less skips."""
-    import difflib
-
+    """Every line ``new`` has that ``old`` lacks carries the ``# nbddp-offline:`` mark."""
     added = [ln for ln in difflib.ndiff(old.splitlines(), new.splitlines()) if ln.startswith("+ ")]
     return all(make_runnable.MARK in ln for ln in added)
 
@@ -188,16 +186,21 @@ def test_launched_notebook_runs_once_and_its_command_on_every_rank(tmp_path, nam
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_every_cell_on_every_rank_is_what_launched_mode_replaced(tmp_path):
-    """``--every-rank`` runs the old way: the command once, on rank 0, while rank 1 waits in a barrier until
-    ``NBDDP_TIMEOUT`` tears the job down; the prep cell's file written from both ranks."""
-    name = sorted(MANIFEST)[0]
-    entry = MANIFEST[name]
+    """``--every-rank`` runs the old way: the prep cell on both ranks, the command once, on rank 0, while
+    rank 1 waits in a barrier until ``NBDDP_TIMEOUT`` tears the job down. One notebook shows it."""
+    from nbddp.cells import read_notebook
+    from nbddp.convert.launches import find_launches
+
+    entry = MANIFEST[sorted(MANIFEST)[0]]
     folders = prepared(tmp_path, entry, "every")
     code, out, took = nbddp_run(tmp_path, folders["every"], entry, "every", "--every-rank")
     two = processes(tmp_path / "rec-every")
+    (launch,) = [ln for ln in find_launches(read_notebook(LAUNCHED / entry["file"])) if entry["command"] in ln.text]
     assert code != 0, out[-4000:]
-    assert "rank 1 failed in cell 10, line 1" in out and "Timed out" in out, out[-4000:]
-    launched = [p for p in two if p["world"] == "2" and p["inner"]]
-    assert not launched and not trainers([p for p in two if p["label"] in ("0", "1") and p["world"] == "2"
-                                          and not p["inner"]]) or True
-    print(f"\n{name} --every-rank: failed after {took:.0f}s: {out.strip().splitlines()[-1][:200]}")
+    assert f"rank 1 failed in cell {launch.cell}, line {launch.line}" in out, out[-4000:]
+    assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in out, out[-4000:]
+    # rank 1 ran the prep cell too, writing the file rank 0 writes (rank 0, stopped, left no record)
+    assert "1" in [p["label"] for p in writers(two, entry["prep"][0])]
+    # and no launched rank ever started
+    assert not [p for p in two if p["inner"]] and not trainers(two)
+    print(f"\n{entry['file']} --every-rank: failed after {took:.0f}s, rank 1 in cell {launch.cell}'s barrier")

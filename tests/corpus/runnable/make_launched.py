@@ -42,7 +42,7 @@ NOTEBOOKS = {
              f"--push_to_hub False --repository_id llama-3-1-8b-math-orca-qlora-10k-ep1-merged  {MARK} no Hub "
              "offline: the merged model is saved to merged-weights/"),
         ],
-        "tiny": ["llama_chat", "orca_math", "run_sft", "merge_adapter_weights"],
+        "tiny": ["llama_bpe", "orca_math", "run_sft", "merge_adapter_weights"],
         "command": "scripts/run_sft.py",
         "prep": ["train_dataset.json"],
         "trained": "runs/llama-3-1-8b-math-orca-qlora-10k-ep1",
