@@ -151,10 +151,11 @@ def test_launched_notebook_runs_once_and_its_command_on_every_rank(tmp_path, nam
     ranks = trainers(two)
     assert sorted((p["label"], p["world"], p["inner"]) for p in ranks) == [("0", "2", True), ("1", "2", True)]
     assert not [p for p in two if p["world"] == "2" and p not in ranks]
-    # ... and shared the data the one process trained on, each sample read once, and end in sync
+    # ... and shared the data the one process trained on: each rank read a share of equal length, between them
+    # every sample (the Trainer's sharding tops the last batches up from the start, so a few may come twice)
     a, b = ([i for q in p["passes"] if q["steps"] and q["size"] == size for i in q["indices"]]
             for p in sorted(ranks, key=lambda p: p["label"]))
-    assert a and b and sorted(a + b) == list(range(size)), (sorted(a), sorted(b))
+    assert len(a) == len(b) < size and set(a + b) == set(range(size)), (sorted(a), sorted(b))
     hashes = [[(o["steps"], o["hash"]) for o in p["optimizers"] if o["steps"]] for p in ranks]
     assert hashes[0] and hashes[0] == hashes[1]
     # the command ran longer than NBDDP_TIMEOUT, from the notebook's one process, and no barrier tore it down
