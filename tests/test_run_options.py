@@ -63,5 +63,5 @@ def test_parsed_options_become_the_same_run_job_keywords(parse):
         torchrun_args=["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=host:29400", "--max-restarts=0"],
     )
     fields = {f.name for f in dataclasses.fields(RunOptions) if f.init}
-    assert {dest(o) for o in RUN_OPTIONS} | {"torchrun_args"} == fields  # every option reaches run_job by name
+    assert {dest(o) for o in RUN_OPTIONS} | {"torchrun_args"} == fields  # every option is a RunOptions field, by name
     assert RunOptions.parse(parse(["--nproc", "3"])).nproc == 3
