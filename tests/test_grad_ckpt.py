@@ -1,6 +1,9 @@
 """DDP × gradient checkpointing on two gloo ranks: each failure reproduced with the shim forced off, then
-fixed with it on. The jobs (tests/jobs/) train the tiny Llama with LoRA, a frozen base, for 3–4 steps."""
+fixed with it on. One launch per shim setting runs every case in turn (tests/jobs/ckpt_cases.py: the tiny Llama
+with LoRA, a frozen base, for 3–4 steps, in a hand-written loop or the HF Trainer); each case's lines are
+checked on their own, so any one case regressing fails the test and names the case."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,72 +32,80 @@ def run_job(tmp_path, job: str, shim: bool, **env):
     return result, "".join(chunks)
 
 
-def assert_fails_with(result, text):
+def run_cases(tmp_path, cases: list[str], shim: bool):
+    """Run the cases in one job (tests/jobs/ckpt_cases.py). Returns the result, rank 0's whole output and each
+    case's part of it (from its ``CASE <name>`` line to the next case's)."""
+    result, out = run_job(tmp_path, "ckpt_cases.py", shim, CASES=",".join(cases))
+    starts = [(m.group(1), m.start()) for m in re.finditer(r"^CASE (\w+)\n", out, re.M)]
+    assert [name for name, _ in starts] == cases, out[-3000:]
+    ends = [start for _, start in starts[1:]] + [len(out)]
+    return result, out, {name: out[start:end] for (name, start), end in zip(starts, ends)}
+
+
+def assert_case_fails_with(part, name, text):
+    assert f"CASE {name} ERROR:" in part, f"{name} did not fail:\n{part[-2000:]}"
+    assert text in part, f"{name}:\n{part[-2000:]}"
+
+
+def assert_case_trains(part, name):
+    assert f"CASE {name} OK" in part, f"{name} did not train:\n{part[-3000:]}"
+
+
+def assert_job_fails_with(result, text):
     assert not result.ok
     assert result.failure is not None, "no error record"
     assert text in result.failure.message, result.failure.message[:2000]
 
 
-def assert_trains(result, out):
-    assert result.ok, (result.failure and result.failure.message[:2000]) or out[-3000:]
-    assert "JOB OK" in out
+def test_without_the_shim_each_checkpointing_case_fails_as_torch_does(tmp_path):
+    cases = ["trainer_reentrant", "loop_empty", "loop_direct", "loop_vary_static", "trainer_static_accum"]
+    result, out, part = run_cases(tmp_path, cases, shim=False)
+    # the Trainer picks find_unused_parameters=True for a PeftModel, and reentrant checkpointing breaks it
+    assert_case_fails_with(part["trainer_reentrant"], "trainer_reentrant", READY_TWICE)
+    # checkpointing that does not say use_reentrant: torch's default is still reentrant
+    for name in ("loop_empty", "loop_direct"):
+        assert_case_fails_with(part[name], name, READY_TWICE)
+    # static_graph while the parameters used change between steps
+    assert_case_fails_with(part["loop_vary_static"], "loop_vary_static", GRAPH_CHANGED)
+    assert "static_graph" in part["loop_vary_static"].split("ERROR:", 1)[1]
+    # static_graph with gradient accumulation trips the reducer (the last case: the job's own error record)
+    assert_job_fails_with(result, ACCUMULATION_ASSERT)
+    assert "CASE trainer_static_accum OK" not in out and "JOB OK" not in out
 
 
-def test_trainer_picks_find_unused_for_a_peft_model_and_reentrant_checkpointing_breaks(tmp_path):
-    result, _ = run_job(tmp_path, "ckpt_trainer.py", shim=False, REENTRANT=1)
-    assert_fails_with(result, READY_TWICE)
-    result, out = run_job(tmp_path, "ckpt_trainer.py", shim=True, REENTRANT=1)
-    assert_trains(result, out)
-    assert "nbddp: Gradient checkpointing detected on" in out and "reentrant (use_reentrant=True)" in out
-    assert "ddp: find_unused_parameters=False static_graph=False" in out
+def test_with_the_shim_each_checkpointing_case_trains_or_is_named_before_ddp_fails(tmp_path):
+    cases = ["trainer_reentrant", "loop_empty", "loop_direct", "loop_vary_static", "trainer_static_accum",
+             "trainer_forced_static", "loop_direct_reentrant"]
+    result, out, part = run_cases(tmp_path, cases, shim=True)
+    # before any case (test_shims_compat.py's setup-imports check): a rank's setup imports none of the
+    # notebook's libraries, and importing the Trainer brings nbddp's metrics callback with it
+    head = out[:out.index("CASE ")]
+    assert "imported by setup: []" in head and "metrics callback: True" in head, head[-2000:]
+    for name in cases[:-1]:
+        assert_case_trains(part[name], name)
 
+    p = part["trainer_reentrant"]  # find_unused_parameters turned off for reentrant checkpointing
+    assert "nbddp: Gradient checkpointing detected on" in p and "reentrant (use_reentrant=True)" in p
+    assert "ddp: find_unused_parameters=False static_graph=False" in p
 
-@pytest.mark.parametrize(
-    "ckpt",
-    [
-        "empty",  # gradient_checkpointing_kwargs={}, as PEFT's prepare_model_for_kbit_training passes
-        "direct",  # torch.utils.checkpoint.checkpoint called by the script itself
-    ],
-)
-def test_checkpointing_that_does_not_say_use_reentrant_is_made_non_reentrant(tmp_path, ckpt):
-    result, _ = run_job(tmp_path, "ckpt_loop.py", shim=False, CKPT=ckpt, FIND_UNUSED=1)
-    assert_fails_with(result, READY_TWICE)  # torch's default is still reentrant
-    result, out = run_job(tmp_path, "ckpt_loop.py", shim=True, CKPT=ckpt, FIND_UNUSED=1)
-    assert_trains(result, out)
-    assert "ddp: find_unused_parameters=True" in out  # DDP as the script asked: non-reentrant needs no change
-    if ckpt == "empty":
-        assert "non-reentrant (use_reentrant not set; nbddp's default)" in out
+    for name in ("loop_empty", "loop_direct"):  # made non-reentrant: DDP as the script asked
+        assert "ddp: find_unused_parameters=True" in part[name], part[name][-2000:]
+    assert "non-reentrant (use_reentrant not set; nbddp's default)" in part["loop_empty"]
 
+    p = part["loop_vary_static"]
+    assert "nbddp: DDP static_graph turned off: non-reentrant checkpointing does not need it" in p
 
-def test_a_reentrant_checkpoint_in_the_scripts_own_forward_is_named_before_ddp_fails(tmp_path):
-    # invisible when DDP is built, and insisted on: nbddp cannot repair it, but says why in plain words
-    result, out = run_job(tmp_path, "ckpt_loop.py", shim=True, CKPT="direct", REENTRANT=1, FIND_UNUSED=1)
-    assert_fails_with(result, READY_TWICE)
-    assert "nbddp: torch.utils.checkpoint(..., use_reentrant=True) runs inside a DDP model built with" in out
+    p = part["trainer_static_accum"]
+    assert "nbddp: DDP static_graph turned off: gradient accumulation is 2 steps" in p
+    assert "ddp: find_unused_parameters=False static_graph=False" in p
 
+    p = part["trainer_forced_static"]  # reentrant checkpointing with a static graph at accumulation 1 is fine
+    assert "nbddp: DDP static_graph=True (NBDDP_DDP_STATIC_GRAPH=1)." in p
+    assert "ddp: find_unused_parameters=False static_graph=True" in p
 
-def test_static_graph_while_the_parameters_used_change_between_steps(tmp_path):
-    job = dict(CKPT="hf", FIND_UNUSED=1, STATIC=1, VARY=1)
-    result, _ = run_job(tmp_path, "ckpt_loop.py", shim=False, **job)
-    assert_fails_with(result, GRAPH_CHANGED)
-    assert "static_graph" in result.failure.message
-    result, out = run_job(tmp_path, "ckpt_loop.py", shim=True, **job)
-    assert_trains(result, out)
-    assert "nbddp: DDP static_graph turned off: non-reentrant checkpointing does not need it" in out
-
-
-def test_static_graph_with_gradient_accumulation_trips_the_reducer(tmp_path):
-    job = dict(REENTRANT=1, STATIC=1, ACCUM=2)
-    result, _ = run_job(tmp_path, "ckpt_trainer.py", shim=False, **job)
-    assert_fails_with(result, ACCUMULATION_ASSERT)
-    result, out = run_job(tmp_path, "ckpt_trainer.py", shim=True, **job)
-    assert_trains(result, out)
-    assert "nbddp: DDP static_graph turned off: gradient accumulation is 2 steps" in out
-    assert "ddp: find_unused_parameters=False static_graph=False" in out
-
-
-def test_static_graph_can_be_forced_on(tmp_path):
-    result, out = run_job(tmp_path, "ckpt_trainer.py", shim=True, REENTRANT=1, NBDDP_DDP_STATIC_GRAPH=1)
-    assert_trains(result, out)  # reentrant checkpointing with a static graph at accumulation 1 is fine
-    assert "nbddp: DDP static_graph=True (NBDDP_DDP_STATIC_GRAPH=1)." in out
-    assert "ddp: find_unused_parameters=False static_graph=True" in out
+    # a reentrant checkpoint in the script's own forward: invisible when DDP is built, and insisted on; nbddp
+    # cannot repair it, but says why in plain words (the last case: the job's own error record)
+    assert_job_fails_with(result, READY_TWICE)
+    p = part["loop_direct_reentrant"]
+    assert "nbddp: torch.utils.checkpoint(..., use_reentrant=True) runs inside a DDP model built with" in p
+    assert "JOB OK" not in out
