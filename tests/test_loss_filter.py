@@ -3,25 +3,40 @@ losses as the Trainer's own filter, without turning a tensor into a bool every s
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
+from nbddp.launch import launch, new_run_dir, plan
+from nbddp.options import RunOptions
 from nbddp.runtime.shims import loss_filter
-from test_grad_ckpt import run_job
+
+JOBS = Path(__file__).resolve().parent / "jobs"
 
 STEPS = 8
 
 
-def result(tmp_path, shim: bool, **env) -> dict:
-    res, out = run_job(tmp_path, "loss_filter.py", shim=True, NBDDP_SHIM_LOSS_FILTER="1" if shim else "0", **env)
+def results(tmp_path) -> dict:
+    """One launch, three trainings in turn (tests/jobs/loss_filter.py): each case's result and output."""
+    chunks = []
+    res = launch(plan(JOBS / "loss_filter.py", new_run_dir(tmp_path / "runs", "loss_filter"),
+                      RunOptions(timeout_s=500), nproc=2, cwd=tmp_path, env={"NBDDP_SHIM_LOSS_FILTER": "1"}),
+                 sink=lambda stream, text: chunks.append(text))
+    out = "".join(chunks)
     assert res.ok, out[-3000:]
-    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0]) | {"out": out}
+    found = {}
+    for part in out.split("CASE ")[1:]:
+        case = part.split("\n", 1)[0]
+        found[case] = json.loads(part.split(f"RESULT {case} ", 1)[1].splitlines()[0]) | {"out": part}
+    assert list(found) == ["unfiltered", "own", "on_device"], out[-3000:]
+    return found
 
 
 @pytest.mark.e2e
 def test_filter_on_the_device_logs_what_the_trainer_logs_without_a_host_wait_per_step(tmp_path):
-    own, on_device = result(tmp_path, shim=False), result(tmp_path, shim=True)
-    unfiltered = result(tmp_path, shim=True, FILTER="0")  # the user turned the filter off: left alone
+    found = results(tmp_path)
+    # the shim on, the user turned the filter off: left alone; the Trainer's own train(): its own filter
+    own, on_device, unfiltered = found["own"], found["on_device"], found["unfiltered"]
 
     assert any(math.isnan(v) for v in unfiltered["losses"])  # the injected NaNs reach the log unfiltered
     assert all(math.isfinite(v) for v in own["losses"])
