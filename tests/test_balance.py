@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import random
 import statistics
 
@@ -157,8 +158,7 @@ def test_distributed_sampler_helper_balances_unless_told_not_to(monkeypatch):
 
 
 def run_trainer_job(tmp_path, name: str, **env):
-    """tests/jobs/balance_trainer.py on 2 gloo ranks under torchrun; each rank's record and rank 0's output."""
-    import json
+    """tests/jobs/balance_trainer.py on 2 gloo ranks under torchrun (its records under tmp_path/name); rank 0's output."""
     from pathlib import Path
 
     from nbddp.launch import launch, new_run_dir, plan
@@ -174,7 +174,7 @@ def run_trainer_job(tmp_path, name: str, **env):
                     sink=lambda stream, text: chunks.append(text))
     text = "".join(chunks)
     assert result.ok, (result.failure and result.failure.message[:2000]) or text[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], text
+    return text
 
 
 def pair_imbalance(records) -> float:
@@ -185,10 +185,13 @@ def pair_imbalance(records) -> float:
 
 @pytest.mark.e2e
 def test_a_trainer_job_under_torchrun_trains_on_token_balanced_shards(tmp_path):
-    balanced, out = run_trainer_job(tmp_path, "balanced", N=96, BATCH=2, EPOCHS=2)
-    assert "nbddp: token-balanced shards: every rank gets micro-batches of nearly equal token count" in out
+    # one launch: the Trainer with NBDDP_BALANCE=0 first, then as launched (balancing on)
+    out = run_trainer_job(tmp_path, "cases", N=96, BATCH=2, EPOCHS=2, CASES="plain,balanced")
+    plain_out, balanced_out = out.split("CASE plain\n", 1)[1].split("CASE balanced\n", 1)
+    plain, balanced = ([json.loads((tmp_path / "cases" / case / f"rank{r}.json").read_text()) for r in (0, 1)]
+                       for case in ("plain", "balanced"))
+    assert "nbddp: token-balanced shards: every rank gets micro-batches of nearly equal token count" in balanced_out
     assert out.count("token-balanced shards") == 1
-    plain, plain_out = run_trainer_job(tmp_path, "plain", N=96, BATCH=2, EPOCHS=2, NBDDP_BALANCE=0)
     assert "token-balanced" not in plain_out
     assert balanced[0]["sampler"] == "BalancedGlobalSampler" and plain[0]["sampler"] == "RandomSampler"
     for records in (balanced, plain):
