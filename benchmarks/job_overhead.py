@@ -73,40 +73,66 @@ PHASES = (
 )
 
 
-def timed(argv: list[str], cwd: Path, label: str, work: Path) -> dict:
-    """Run one job with the timeline on; its wall seconds, marks and phases."""
+def timed(argv: list[str], cwd: Path, label: str, work: Path, src: Path | None = None) -> dict:
+    """Run one job with the timeline on (nbddp imported from ``src`` where given); its wall seconds, marks and
+    phases."""
     timeline = work / f"timeline-{label}.jsonl"
     timeline.unlink(missing_ok=True)
-    env = {**ENV, "NBDDP_BENCH_TIMELINE": str(timeline), "NBDDP_BENCH_PROFILE": str(work / f"profile-{label}"),
-           "NBDDP_RUNS": str(work / "runs")}
+    env = {**ENV, "NBDDP_BENCH_TIMELINE": str(timeline), "NBDDP_RUNS": str(work / "runs")}
+    if src:
+        env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(ROOT / "src"), str(src.resolve()), 1)
+    cpu_before = _children_cpu()
     started = time.time()
     subprocess.run(argv, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ended = time.time()
-    marks = {"t0": started, "end": ended}
+    marks, cpu = {"t0": started, "end": ended}, {"job (every process)": _children_cpu() - cpu_before}
     for line in timeline.read_text().splitlines():
         record = json.loads(line)
         marks.setdefault(f"{record['role']}:{record['what']}", record["t"])  # the first of each (rank 0's)
+        if record["what"] == "exit" and record["role"] in ("launcher", "agent", "rank0"):
+            cpu[record["role"]] = record["cpu"]
     if "launcher:launch start" not in marks:  # plain torchrun: nothing around it, torchrun is launched at once
         marks["launcher:launch start"], marks["launcher:launch end"] = started, ended
     phases = {name: (marks[b] - marks[a] if a in marks and b in marks else None) for name, a, b in PHASES}
-    return {"wall_s": ended - started, "phases": phases}
+    return {"wall_s": ended - started, "phases": phases, "cpu": cpu}
 
 
-def compare(notebook: Path, plain: Path, repeat: int, nproc: int, cwd: Path, work: Path) -> dict:
-    runs: dict[str, list[dict]] = {"nbddp": [], "torchrun": []}
-    for _ in range(repeat):  # alternate, so a change of load falls on both
-        runs["nbddp"].append(timed([sys.executable, "-m", "nbddp.cli", "run", "--nproc", str(nproc), "--every-rank",
-                                    str(notebook)], cwd, "nbddp", work))
+#: The processes whose CPU seconds are compared (each up to its exit handler), and the whole job's.
+CPU_ROWS = ("launcher", "agent", "rank0", "job (every process)")
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of every finished process this one waited for, their own children
+    included: a job's CPU, steady where its wall seconds move with the machine's load."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def compare(notebook: Path, plain: Path, repeat: int, nproc: int, cwd: Path, work: Path,
+            before: Path | None = None) -> dict:
+    """Each run of ``nbddp run``, plain torchrun (and nbddp from the ``before`` source tree) in turn."""
+    nbddp = [sys.executable, "-m", "nbddp.cli", "run", "--nproc", str(nproc), "--every-rank", str(notebook)]
+    runs: dict[str, list[dict]] = {"nbddp": [], "torchrun": [], **({"before": []} if before else {})}
+    for _ in range(repeat):  # alternate, so a change of load falls on each
+        runs["nbddp"].append(timed(nbddp, cwd, "nbddp", work))
         runs["torchrun"].append(timed([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(plain)], cwd,
                                       "torchrun", work))
+        if before:
+            runs["before"].append(timed(nbddp, cwd, "before", work, src=before))
     result = {}
     for who, done in runs.items():
         result[f"{who}_s"] = [r["wall_s"] for r in done]
         result[f"{who}_median_s"] = statistics.median(result[f"{who}_s"])
         result[f"{who}_phases"] = {name: _median([r["phases"][name] for r in done]) for name, _, _ in PHASES}
+        result[f"{who}_cpu"] = {name: _median([r["cpu"].get(name) for r in done]) for name in CPU_ROWS}
     result["over_s"] = result["nbddp_median_s"] - result["torchrun_median_s"]
     result["ratio"] = result["nbddp_median_s"] / result["torchrun_median_s"]
-    result["setup_profile"] = _top(work / "profile-nbddp" / "rank0-setup.prof", "/nbddp/")
+    if before:
+        result["before_src"] = str(before)
+        result["before_over_s"] = result["before_median_s"] - result["torchrun_median_s"]
+        result["before_ratio"] = result["before_median_s"] / result["torchrun_median_s"]
     return result
 
 
@@ -125,8 +151,8 @@ def profile_launcher(notebook: Path, nproc: int, cwd: Path, work: Path) -> dict:
               "print(sorted(m for m in ('torch', 'transformers', 'peft', 'IPython', 'libcst', 'rfc3987_syntax') "
               "if m in sys.modules))\n")
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env={**ENV, "NBDDP_RUNS": str(work / "runs")},
-                          capture_output=True, text=True, check=True)
+    env = {**ENV, "NBDDP_RUNS": str(work / "runs"), "NBDDP_BENCH_PROFILE": str(work / "profile")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - started
     stats = pstats.Stats(str(out))
 
@@ -137,7 +163,9 @@ def profile_launcher(notebook: Path, nproc: int, cwd: Path, work: Path) -> dict:
     return {"wall_s": wall, "launch_s": waiting, "outside_launch_s": stats.total_tt - waiting,
             "convert_s": cumulative("convert/script.py", "convert_notebook"),
             "imported": ast.literal_eval(proc.stdout.strip().splitlines()[-1]),
-            "slowest_outside_launch": _top(out, "", skip="supervise.py")}
+            "slowest_outside_launch": _top(out, "", skip="supervise.py"),
+            "setup_profile": _top(work / "profile" / "rank0-setup.prof", "/nbddp/"),
+            "cleanup_profile": _top(work / "profile" / "rank0-cleanup.prof", "/nbddp/")}
 
 
 def _top(path: Path, where: str, skip: str = "\0", keep: int = 12) -> list[str]:
@@ -157,10 +185,26 @@ def _s(x: float | None) -> str:
 
 def report(result: dict) -> str:
     c, p = result["compare"], result["profile"]
-    table = ["| where the seconds go (medians) | nbddp | plain torchrun | nbddp − plain |", "|---|---|---|---|"]
+    has_before = "before_s" in c
+    table = ["| where the seconds go (medians) | nbddp | plain torchrun | nbddp − plain |"
+             + (" nbddp before | before − plain |" if has_before else ""),
+             "|---|---|---|---|" + ("---|---|" if has_before else "")]
     for name, _, _ in PHASES:
         n, t = c["nbddp_phases"][name], c["torchrun_phases"][name]
-        table.append(f"| {name} | {_s(n)} | {_s(t)} | {_s(n - t) if None not in (n, t) else ''} |")
+        row = f"| {name} | {_s(n)} | {_s(t)} | {_s(n - t) if None not in (n, t) else ''} |"
+        if has_before:
+            b = c["before_phases"][name]
+            row += f" {_s(b)} | {_s(b - t) if None not in (b, t) else ''} |"
+        table.append(row)
+    cpu = ["| CPU seconds (medians) | nbddp | plain torchrun | nbddp − plain |" + (" nbddp before |" if has_before else ""),
+           "|---|---|---|---|" + ("---|" if has_before else "")]
+    for name in CPU_ROWS:
+        n, t = c["nbddp_cpu"][name], c["torchrun_cpu"][name]
+        cpu.append(f"| {name} | {_s(n)} | {_s(t)} | {_s(n - t) if None not in (n, t) else ''} |"
+                   + (f" {_s(c['before_cpu'][name])} |" if has_before else ""))
+    before = [f"| `nbddp run` before ({c['before_src']}) | {c['before_median_s']:.2f} | "
+              f"{', '.join(f'{x:.2f}' for x in c['before_s'])} |",
+              f"| before over torchrun | {c['before_over_s']:.2f} (× {c['before_ratio']:.2f}) | |"] if has_before else []
     return "\n".join([
         "# A fresh job's own cost (benchmarks/job_overhead.py)", "",
         f"{result['what']}. {result['cpus']} CPUs shared with other jobs (load average {result['load_before']} "
@@ -169,10 +213,13 @@ def report(result: dict) -> str:
         f"| `nbddp run --nproc {result['nproc']}` | {c['nbddp_median_s']:.2f} | {', '.join(f'{x:.2f}' for x in c['nbddp_s'])} |",
         f"| `torchrun --standalone --nproc_per_node={result['nproc']}` (plain script) | {c['torchrun_median_s']:.2f} | "
         f"{', '.join(f'{x:.2f}' for x in c['torchrun_s'])} |",
-        f"| nbddp over torchrun | {c['over_s']:.2f} (× {c['ratio']:.2f}) | |", "",
+        f"| nbddp over torchrun | {c['over_s']:.2f} (× {c['ratio']:.2f}) | |", *before, "",
         *table, "",
-        "nbddp's `setup()` in rank 0, profiled (cumulative; torch's import is the bulk of it):", "",
-        *(f"- {row}" for row in c.get("setup_profile", [])), "",
+        "The same jobs in CPU seconds, which the load moves less (a process's up to its exit handler; the job's "
+        "from the operating system, every process of it):", "", *cpu, "",
+        "nbddp's `setup()` in rank 0, profiled in the run below (cumulative; torch's import is the bulk of it):", "",
+        *(f"- {row}" for row in p.get("setup_profile", [])), "",
+        "and its `cleanup()`:", "", *(f"- {row}" for row in p.get("cleanup_profile", [])), "",
         f"One `nbddp run` under cProfile in a fresh process: {p['wall_s']:.2f} s, of which {p['outside_launch_s']:.2f} s "
         f"outside torchrun's run (conversion {p['convert_s']:.2f} s) and {p['launch_s']:.2f} s while it runs; heavy "
         f"modules the launcher imported: {', '.join(p['imported']) or 'none'}.", "",
@@ -186,6 +233,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--gpu", metavar="NOTEBOOK", help="a GPU notebook to time (with --plain)")
     parser.add_argument("--plain", metavar="SCRIPT", help="the same code as a plain script, for --gpu")
+    parser.add_argument("--before", type=Path, metavar="SRC", help="also time nbddp imported from this src folder "
+                        "(an older checkout's), in the same alternation")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nbddp-overhead-"))
@@ -198,7 +247,7 @@ def main() -> None:
         plain.write_text(PLAIN)
     result = {"what": what, "cpus": os.cpu_count(), "nproc": args.nproc,
               "load_before": [round(x, 2) for x in os.getloadavg()],
-              "compare": compare(notebook, plain, args.repeat, args.nproc, work, work),
+              "compare": compare(notebook, plain, args.repeat, args.nproc, work, work, args.before),
               "profile": profile_launcher(notebook, args.nproc, work, work),
               "load_after": [round(x, 2) for x in os.getloadavg()]}
     name = "job_overhead_gpu" if args.gpu else "job_overhead"

@@ -2,7 +2,7 @@
 
 ``benchmarks/job_overhead.py`` puts this folder first on ``PYTHONPATH`` with ``NBDDP_BENCH_TIMELINE`` naming a
 JSON-lines file. Each process appends when it was created (from ``/proc``), when Python reached this module
-and when it exits (this ``atexit`` handler runs last); the user code appends its own marks (``mark``). In a
+and when it exits (with its CPU seconds so far) (this ``atexit`` handler runs last); the user code appends its own marks (``mark``). In a
 rank, with ``NBDDP_BENCH_PROFILE`` naming a folder, nbddp's ``setup()`` and ``cleanup()`` run under
 cProfile and their seconds are marked; in the launcher, ``launch`` is marked. Nothing of nbddp's product code knows about it.
 """
@@ -43,7 +43,8 @@ def mark(what: str, **extra) -> None:
     """Append one timestamped mark of this process to the timeline."""
     if _PATH:
         with open(_PATH, "a") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), "role": ROLE, "what": what, "t": time.time(), **extra}) + "\n")
+            fh.write(json.dumps({"pid": os.getpid(), "role": ROLE, "what": what, "t": time.time(),
+                                 "cpu": time.process_time(), **extra}) + "\n")
 
 
 def _profiled(fn, name: str):
@@ -88,6 +89,7 @@ if _PATH:
     mark("created", t_created=_created())
     mark("site")
     atexit.register(mark, "exit")
+if _PATH or os.environ.get("NBDDP_BENCH_PROFILE"):
     if ROLE.startswith("rank") or ROLE == "launcher":
         try:
             import wrapt
