@@ -14,7 +14,7 @@ breakdown. Then one ``nbddp run`` under cProfile in a fresh process (imports cou
 slowest functions and whether it imported torch. ``--gpu`` times the given notebook against the given
 plain script the same way (a real Unsloth job: give the local 4-bit model's folder in both; its code
 makes no marks, so the phases that need them are left empty). Writes ``job_overhead.json`` and
-``job_overhead.md``.
+``job_overhead.md`` (``job_overhead_nprocN.*`` for ``--nproc N``).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def main() -> None:
               "compare": compare(notebook, plain, args.repeat, args.nproc, work, work, args.before),
               "profile": profile_launcher(notebook, args.nproc, work, work),
               "load_after": [round(x, 2) for x in os.getloadavg()]}
-    name = "job_overhead_gpu" if args.gpu else "job_overhead"
+    name = "job_overhead_gpu" if args.gpu else "job_overhead" if args.nproc == 1 else f"job_overhead_nproc{args.nproc}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{name}.md").write_text(report(result))
