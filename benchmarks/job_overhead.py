@@ -179,6 +179,10 @@ def _top(path: Path, where: str, skip: str = "\0", keep: int = 12) -> list[str]:
     return [f"{seconds:.2f} s {name}" for seconds, name in sorted(rows, reverse=True)[:keep]]
 
 
+#: The heading of the hand-written part of the results, which a new run keeps.
+FINDINGS = "## Findings"
+
+
 def _s(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
@@ -253,7 +257,9 @@ def main() -> None:
     name = "job_overhead_gpu" if args.gpu else "job_overhead" if args.nproc == 1 else f"job_overhead_nproc{args.nproc}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(report(result))
+    md = args.out / f"{name}.md"
+    kept = md.read_text().partition(FINDINGS)[2] if md.exists() else ""  # written by hand: kept across runs
+    md.write_text(report(result) + (f"\n{FINDINGS}{kept}" if kept else ""))
     print(report(result))
     shutil.rmtree(work, ignore_errors=True)
 
