@@ -163,19 +163,20 @@ def profile_launcher(notebook: Path, nproc: int, cwd: Path, work: Path) -> dict:
     return {"wall_s": wall, "launch_s": waiting, "outside_launch_s": stats.total_tt - waiting,
             "convert_s": cumulative("convert/script.py", "convert_notebook"),
             "imported": ast.literal_eval(proc.stdout.strip().splitlines()[-1]),
-            "slowest_outside_launch": _top(out, "", skip="supervise.py"),
+            "slowest_outside_launch": _top(out, "", skip="supervise.py", below=waiting),
             "setup_profile": _top(work / "profile" / "rank0-setup.prof", "/nbddp/"),
             "cleanup_profile": _top(work / "profile" / "rank0-cleanup.prof", "/nbddp/")}
 
 
-def _top(path: Path, where: str, skip: str = "\0", keep: int = 12) -> list[str]:
-    """The functions with the most cumulative seconds in a profile (those whose file names ``where``):
-    where a start goes. Nested ones count in their callers too."""
+def _top(path: Path, where: str, skip: str = "\0", keep: int = 12, below: float = float("inf")) -> list[str]:
+    """The functions with the most cumulative seconds in a profile (those whose file names ``where``, less
+    those over ``below``: the callers of torchrun's wait): where a start goes. Nested ones count in their
+    callers too."""
     if not path.exists():
         return []
     stats = pstats.Stats(str(path))
     rows = [(v[3], f"{'/'.join(Path(k[0]).parts[-2:])}:{k[1]} {k[2]}") for k, v in stats.stats.items()
-            if where in k[0] and skip not in k[0] and v[3] >= 0.02 and not k[0].startswith(("<", "~"))]
+            if where in k[0] and skip not in k[0] and 0.02 <= v[3] < below and not k[0].startswith(("<", "~"))]
     return [f"{seconds:.2f} s {name}" for seconds, name in sorted(rows, reverse=True)[:keep]]
 
 
@@ -223,7 +224,7 @@ def report(result: dict) -> str:
         "from the operating system, every process of it):", "", *cpu, "",
         "nbddp's `setup()` in rank 0, profiled in the run below (cumulative; torch's import is the bulk of it):", "",
         *(f"- {row}" for row in p.get("setup_profile", [])), "",
-        "and its `cleanup()`:", "", *(f"- {row}" for row in p.get("cleanup_profile", [])), "",
+        "and its `cleanup()`:", "", *(f"- {row}" for row in p.get("cleanup_profile", []) or ["nothing over 0.02 s"]), "",
         f"One `nbddp run` under cProfile in a fresh process: {p['wall_s']:.2f} s, of which {p['outside_launch_s']:.2f} s "
         f"outside torchrun's run (conversion {p['convert_s']:.2f} s) and {p['launch_s']:.2f} s while it runs; heavy "
         f"modules the launcher imported: {', '.join(p['imported']) or 'none'}.", "",
