@@ -30,7 +30,7 @@ from .kept.channel import Channel
 from .kept.controller import KeptJob
 from .kept.magics import DEFAULT_IDLE_MIN, KeptMagics
 from .launch import default_nproc
-from .options import RUN_OPTIONS, run_options, split_torchrun_args
+from .options import RUN_OPTIONS, RunOptions, split_torchrun_args
 from .preflight import check_output_file
 
 
@@ -119,7 +119,7 @@ class NbddpMagics(Magics):
             raise UsageError("%ddp_train NOTEBOOK.ipynb trains a notebook file; %%ddp_train (a cell) trains the cells above it")
         if not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
-        options = run_options(args, torchrun_args)
+        options = RunOptions.parse(args, torchrun_args)
         check_output_file(args.save, "--save")
         if cell is None:
             prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
@@ -135,16 +135,15 @@ class NbddpMagics(Magics):
         if args.dry_run:
             return
         # before the panel shows anything; a kept job may only load what later %%ddp cells train
-        check_trains(prepared.script, options["every_rank"] or args.keep)
+        check_trains(prepared.script, options.every_rank or args.keep)
         warning = doctor.kernel_memory_warning()
         if warning:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
-        nproc = options["nproc"] or default_nproc()
+        nproc = options.nproc or default_nproc()
         panel = LivePanel(nproc)
         channel = self._channel(args, nproc)
         try:
-            job = run_job(prepared, **{**options, "env": {**options["env"], **panel.rich_env()}}, keep=channel,
-                          sink=panel.sink, on_metrics=panel.on_metrics, on_run_dir=panel.on_run_dir)
+            job = run_job(prepared, options, panel, keep=channel)
         finally:
             if channel is not None and not channel.ready():
                 channel.close()
