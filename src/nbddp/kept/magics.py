@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 
 from IPython.core.error import UsageError
@@ -13,6 +14,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..display import outcome_error
+from ..display.progress import warm as warm_plot
 from ..display.text import cell_label
 from ..errors import JobFailed, NbddpError
 from ..guard import guard
@@ -38,13 +40,18 @@ class KeptMagics(Magics):
         super().__init__(shell)
         self.job: KeptJob | None = None
         self.count = 0
+        self._warming = False
         self.setup_cells = setup_cells  # the %%ddp_setup cells registered now
 
     def start(self, job: KeptJob | None) -> None:
-        """A new kept job (or none) replaces the previous one, which is stopped first."""
+        """A new kept job (or none) replaces the previous one, which is stopped first. Called as every
+        ``%%ddp_train`` begins: matplotlib is made ready meanwhile, in a thread, while the ranks start."""
         if self.job is not None:
             self.job.stop()
         self.job = job
+        if not self._warming:
+            self._warming = True
+            threading.Thread(target=warm_plot, daemon=True, name="nbddp-warm-plot").start()
 
     def _job(self) -> KeptJob:
         if self.job is None:
