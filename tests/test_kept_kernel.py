@@ -189,3 +189,26 @@ def test_kept_job_ends_with_its_kernel(tmp_path, how):
                 os.kill(family[0].pid, signal.SIGKILL)
             alive = _gone(family, within_s=30)
         assert not alive, [(p.pid, _cmdline(p)) for p in alive]
+
+
+def test_a_cell_the_kept_job_ran_changed_and_run_again_is_refused(tmp_path):
+    """The person edits the loading cell and runs it again in the kernel: the ranks still hold what its old
+    code made, so a %%ddp cell is refused naming the cell and the fix; %ddp_stop still ends the ranks."""
+    nb, client = _client(tmp_path)
+    with client.setup_kernel(env=kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))):
+        _, loader, keep, same = _run(client, nb, [
+            "%load_ext nbddp", "import torch\nweights = torch.ones(2)", "%%ddp_train --keep --nproc 2\nprint('ready')",
+            "%%ddp\nprint('holding', weights.sum().item())"])
+        assert "stay up" in stream(keep, "stdout") and "holding 2.0" in stream(same, "stdout")
+        client.execute_cell(loader, 1)  # run again as it is: the ranks hold what it makes
+        (still,) = _run(client, nb, ["%%ddp\nprint('holding', weights.sum().item())"])
+        assert not errors(still) and "holding 2.0" in stream(still, "stdout")
+
+        loader.source = "import torch\nweights = torch.zeros(2)"  # edited, same cell (same id), run again
+        client.execute_cell(loader, 1)
+        refused, stop = _run(client, nb, ["%%ddp\nprint('holding', weights.sum().item())", STOP])
+        (error,) = errors(refused)
+        message = "\n".join(error.traceback)
+        assert "ran as In [2] was changed and run again here" in message, message
+        assert "%ddp_stop, then %%ddp_train --keep" in message and "holding" not in stream(refused, "stdout")
+        assert "every rank has exited" in stream(stop, "stdout")

@@ -22,6 +22,7 @@ from ..job import JobResult
 from ..launch import RankFailure, RunResult, map_traceback
 from ..runtime.sourcemap import read_source_map
 from .cell import convert_kept_cell
+from .changed import refuse_changed
 from .controller import KeptJob
 from .view import CellView
 
@@ -36,8 +37,9 @@ def _no_job() -> NbddpError:
 
 @magics_class
 class KeptMagics(Magics):
-    def __init__(self, shell, setup_cells=lambda: ()):
+    def __init__(self, shell, setup_cells=lambda: (), record=None):
         super().__init__(shell)
+        self.record = record  # the kernel's executions (``executions.ExecutionRecord``), for cells run again
         self.job: KeptJob | None = None
         self.count = 0
         self._warming = False
@@ -68,6 +70,9 @@ class KeptMagics(Magics):
         rank's traceback at this cell's line. Interrupting stops the ranks together at the next step."""
         job = self._job()
         self._refuse_changed_setup(job)
+        if self.record is not None and job.ran_here:
+            count = len(self.shell.history_manager.input_hist_raw) - 1
+            refuse_changed(job.ran_here, self.record.snapshot(count, cell), job.started_at)
         self.count += 1
         kept = convert_kept_cell(cell, job.cells, job.run_dir, self.count)
         for warning in kept.script.warnings:
