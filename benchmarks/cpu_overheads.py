@@ -85,7 +85,9 @@ def interrupt(work: Path, repeat: int) -> dict:
 
 
 def line_latency(work: Path) -> dict:
+    from nbddp.display.view import QuietView
     from nbddp.job import run_job
+    from nbddp.options import RunOptions
 
     nb = write_notebook(work / "stamps.ipynb", [
         "import time",
@@ -93,13 +95,14 @@ def line_latency(work: Path) -> dict:
     ])
     delays = []
 
-    def sink(stream, text):
-        now = time.time()
-        for line in text.splitlines():
-            if line.startswith("STAMP "):
-                delays.append(now - float(line.split()[1]))
+    class Stamps(QuietView):  # how long each line took from the rank's print to the view
+        def sink(self, stream, text):
+            now = time.time()
+            for line in text.splitlines():
+                if line.startswith("STAMP "):
+                    delays.append(now - float(line.split()[1]))
 
-    run_job(nb, every_rank=True, nproc=2, runs_dir=work / "runs-lat", sink=sink)
+    run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=work / "runs-lat"), Stamps())
     return {"lines": len(delays), "median_ms": 1000 * statistics.median(delays), "p95_ms":
             1000 * sorted(delays)[int(0.95 * (len(delays) - 1))]}
 

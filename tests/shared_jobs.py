@@ -37,10 +37,12 @@ class Launched:
 def greeting_job(tmp_path_factory) -> Launched:
     """``greet.ipynb`` (``GREETING_CELLS``) through ``run_job`` on 2 ranks, seeded with ``GREETING_SEED``."""
     from nbddp.job import run_job
+    from nbddp.options import RunOptions
+    from views import Said
 
     folder = tmp_path_factory.mktemp("greeting")
     said: list = []
-    job = run_job(write_notebook(folder / "greet.ipynb", GREETING_CELLS), every_rank=True, nproc=2,
-                  runs_dir=folder / "runs", env={"NBDDP_SEED": str(GREETING_SEED)},
-                  sink=lambda stream, text: said.append(text), on_run_dir=said.append)
+    job = run_job(write_notebook(folder / "greet.ipynb", GREETING_CELLS),
+                  RunOptions(every_rank=True, nproc=2, runs_dir=folder / "runs", env={"NBDDP_SEED": str(GREETING_SEED)}),
+                  Said(said, run_dir=True))
     return Launched(folder, job, said)

@@ -11,6 +11,7 @@ import pytest
 from nbddp import choose_strategy as strategy, cli, preflight
 from nbddp.convert import convert_notebook
 from nbddp.errors import NbddpError
+from nbddp.options import RunOptions
 
 NUL_CELL = "x = 1\x00\nprint(x)"
 
@@ -79,20 +80,18 @@ def test_more_processes_than_gpus_is_refused_naming_both_numbers(tiny_notebook, 
     from nbddp.job import run_job
 
     with pytest.raises(NbddpError, match="torch sees 1 GPU"):  # the API (templates, other front ends) too
-        run_job(tiny_notebook, nproc=4, runs_dir=tmp_path / "runs")
+        run_job(tiny_notebook, RunOptions(nproc=4, runs_dir=tmp_path / "runs"))
     monkeypatch.setenv(preflight.GPU_COUNT_ENV, "2")
     assert preflight.check_processes(2) == [] and preflight.check_processes(None) == []
 
 
 def test_more_cpu_processes_than_cores_is_a_warning(tiny_notebook, capsys):
-    from nbddp.options import run_options
-
     warning = preflight.check_processes(64, gpus=0, cores=2)
     assert warning == ["--nproc 64 starts 64 CPU processes (no GPU here) on 2 CPU core(s): they share the cores "
                        "and each step slows down; --nproc 2 or fewer runs faster"]
     assert preflight.check_processes(2, gpus=0, cores=2) == []
     args = cli._parser().parse_args(["run", str(tiny_notebook), "--nproc", str(preflight.cpu_cores() + 1)])
-    assert run_options(args)["nproc"] == preflight.cpu_cores() + 1
+    assert RunOptions.parse(args).nproc == preflight.cpu_cores() + 1
     assert "CPU processes (no GPU here)" in capsys.readouterr().err
 
 
@@ -127,7 +126,7 @@ def test_a_runs_folder_that_cannot_be_made_is_said_by_the_api_too(tiny_notebook)
     from nbddp.job import run_job
 
     with pytest.raises(NbddpError, match="cannot make a run directory under /proc/nope .*--runs-dir or NBDDP_RUNS"):
-        run_job(tiny_notebook, every_rank=True, nproc=1, runs_dir="/proc/nope", strategy="ddp")
+        run_job(tiny_notebook, RunOptions(every_rank=True, nproc=1, runs_dir="/proc/nope", strategy="ddp"))
 
 
 # ------------------------------------------------------------------ a notebook deleting its own run directory

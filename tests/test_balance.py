@@ -162,13 +162,15 @@ def run_trainer_job(tmp_path, name: str, **env):
     from pathlib import Path
 
     from nbddp.launch import launch, new_run_dir, plan
+    from nbddp.options import RunOptions
 
     out = tmp_path / name
     out.mkdir()
     env = {"OUT": str(out), **{k: str(v) for k, v in env.items()}}
     chunks = []
     job = Path(__file__).resolve().parent / "jobs" / "balance_trainer.py"
-    result = launch(plan(job, new_run_dir(tmp_path / "runs", name), nproc=2, cwd=tmp_path, env=env, timeout_s=500),
+    result = launch(plan(job, new_run_dir(tmp_path / "runs", name), RunOptions(timeout_s=500), nproc=2, cwd=tmp_path,
+                         env=env),
                     sink=lambda stream, text: chunks.append(text))
     text = "".join(chunks)
     assert result.ok, (result.failure and result.failure.message[:2000]) or text[-3000:]

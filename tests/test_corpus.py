@@ -16,7 +16,10 @@ import nbformat
 import pytest
 
 from nbddp.convert import convert_notebook
+from nbddp.display.view import QuietView
 from nbddp.job import run_job
+from nbddp.options import RunOptions
+from views import Said
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 sys.path.insert(0, str(CORPUS))
@@ -212,7 +215,7 @@ def test_plain_pytorch_notebooks_are_distributed(converted, name):
 def test_plain_pytorch_notebook_trains_on_two_ranks(tmp_path, name):
     nb = shutil.copy(CORPUS / f"{name}.ipynb", tmp_path / f"{name}.ipynb")
     chunks = []
-    job = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t), timeout_s=500)
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=500), Said(chunks))
     script, result = job.script, job.run
     out = "".join(chunks)
     assert result.ok, (out[-3000:], result.failure)
@@ -255,7 +258,7 @@ DATA_PER_RANK = [
 def test_converted_loop_gives_each_rank_its_own_data_and_maps_errors(tmp_path, notebook):
     """Both ranks train on disjoint shares that change each epoch; an error in the rank-0 tail maps to its cell."""
     nb = notebook(DATA_PER_RANK, markdown_first=True)
-    job = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None, timeout_s=500)
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=500), QuietView())
     script, result = job.script, job.run
     seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
     for epoch in ("0", "1"):
@@ -293,7 +296,7 @@ TWO_TRAININGS = [
 def test_two_trainings_and_an_evaluation_on_two_ranks(tmp_path, notebook):
     """Saving between two trainings and after them happens once; evaluate() runs on both ranks (no hang)."""
     nb = notebook(TWO_TRAININGS)
-    job = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None, timeout_s=550)
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=550), QuietView())
     script, result = job.script, job.run
     rank0, rank1 = result.rank_log(0).read_text(), result.rank_log(1).read_text()
     assert result.ok, (rank0[-2000:], result.failure)

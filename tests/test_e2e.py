@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import QUICKSTART, ROOT, no_rank_processes
+from nbddp.display.view import QuietView
 from nbddp.job import run_job
+from nbddp.options import RunOptions
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +55,7 @@ def test_a_failing_rank_is_reported_at_its_cell_and_line(tmp_path, notebook):
         ],
         markdown_first=True,
     )
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: None).run
+    result = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     assert not result.ok
     f = result.failure
     assert (f.rank, f.cell, f.line) == (1, 3, 3)

@@ -10,8 +10,11 @@ import time
 import pytest
 
 from conftest import no_rank_processes
+from nbddp.display.view import QuietView
 from nbddp.job import run_job
-from test_faults import IMPORTS, nbddp_cli, processes_with, quiet, rank_log_says, reaper, wait_for  # noqa: F401
+from nbddp.options import RunOptions
+from test_faults import IMPORTS, nbddp_cli, processes_with, rank_log_says, reaper, wait_for  # noqa: F401
+from views import Said
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +33,7 @@ def test_a_save_that_fills_the_disk_is_named_with_its_folder_and_free_space(tmp_
         f"if dist.get_rank() == 0:\n    torch.save(weights, {str(out / 'model.pt')!r})\n"
         f"else:\n    time.sleep(600)",
     ])
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     f = result.failure
     assert (f.rank, f.cell) == (0, 3)
     assert f.message.startswith(f"No space left on device: writing to {out} (")
@@ -67,7 +70,7 @@ def test_a_second_job_writing_the_same_output_folder_is_warned_and_so_is_the_fir
         wait_for(lambda: rank_log_says(runs, 1, "step 3"), 300, "the first job stepping")
         (first_run,) = runs.iterdir()
         said = []
-        result = run_job(second, every_rank=True, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
+        result = run_job(second, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs2"), Said(said)).run
         assert result.ok
         warning = f"nbddp: warning: another job (pid {proc.pid}, run directory {first_run}) is writing to {tmp_path / 'out'} too"
         assert warning in "".join(said)
@@ -79,7 +82,7 @@ def test_a_second_job_writing_the_same_output_folder_is_warned_and_so_is_the_fir
     assert (f"nbddp: warning: another job (pid {os.getpid()}, run directory {second_run}) started writing to "
             f"{tmp_path / 'out'} too: their checkpoints and saves will overwrite each other") in first_said
     said.clear()
-    result = run_job(second, every_rank=True, nproc=2, runs_dir=tmp_path / "runs2", sink=lambda s, t: said.append(t)).run
+    result = run_job(second, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs2"), Said(said)).run
     assert result.ok and "another job" not in "".join(said)  # the first job's claim ended with it
     assert no_rank_processes(str(tmp_path))
 
@@ -109,7 +112,8 @@ def test_a_stop_signal_to_the_cli_stops_every_rank_and_says_where_they_were(tmp_
 API_JOB = """
 import sys
 from nbddp.job import run_job
-run_job(sys.argv[1], every_rank=True, nproc=2, runs_dir=sys.argv[2])
+from nbddp.options import RunOptions
+run_job(sys.argv[1], RunOptions(every_rank=True, nproc=2, runs_dir=sys.argv[2]))
 print("launch returned", flush=True)
 """
 
@@ -163,7 +167,7 @@ def test_the_last_trainer_step_said_is_the_last_completed_one(tmp_path, notebook
     from nbddp.launch import where_ranks_were
 
     nb = notebook([TRAINER, STOP_AT_37])
-    result = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     assert result.failure and "stopped at step 37" in result.failure.message
     assert result.last_step == (37, 200)
     assert "last Trainer step: 37 of 200" in where_ranks_were(result)

@@ -15,7 +15,9 @@ import pytest
 from nbddp.agent import failure_record
 from nbddp.convert.script import SourceMap, map_path
 from nbddp.errors import LaunchError
-from nbddp.launch import new_run_dir, node_args, plan, port_is_free, read_failure, read_stacks
+from nbddp.launch import new_run_dir, plan, read_failure, read_stacks
+from nbddp.options import RunOptions, node_args
+from nbddp.preflight import port_is_free
 from nbddp.runtime.lifecycle import write_error_file
 from nbddp.runtime.resume import last_complete_checkpoint
 from nbddp.runtime.saves import atomic_writer
@@ -139,20 +141,21 @@ def test_a_busy_master_port_is_refused_before_launch(tmp_path):
         port = held.getsockname()[1]
         assert not port_is_free(port)
         with pytest.raises(LaunchError, match=f"port {port} .* already in use"):
-            plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=[f"--master-port={port}"])
+            plan(tmp_path / "s.py", tmp_path, RunOptions(torchrun_args=[f"--master-port={port}"]), nproc=1)
         with pytest.raises(LaunchError):
-            plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=["--master_port", str(port)])
+            plan(tmp_path / "s.py", tmp_path, RunOptions(torchrun_args=["--master_port", str(port)]), nproc=1)
         # across nodes the port lives on the master's host: not this machine's to judge
-        plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=["--nnodes=2", f"--master-port={port}"])
+        plan(tmp_path / "s.py", tmp_path, RunOptions(torchrun_args=["--nnodes=2", f"--master-port={port}"]), nproc=1)
     assert port_is_free(port)
-    plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=[f"--master-port={port}"])
+    plan(tmp_path / "s.py", tmp_path, RunOptions(torchrun_args=[f"--master-port={port}"]), nproc=1)
 
 
 def test_plan_passes_node_options_timeouts_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
     args = node_args(2, 1, "127.0.0.1:29400")
     assert args == ["--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400"]
-    p = plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=args, collective_timeout_s=5.4, resume=True)
+    p = plan(tmp_path / "s.py", tmp_path, RunOptions(torchrun_args=args, collective_timeout_s=5.4, resume=True),
+             nproc=1)
     assert "--standalone" not in p.argv and "--rdzv-endpoint=127.0.0.1:29400" in p.argv
     assert p.env["NBDDP_TIMEOUT"] == "5" and p.env["NBDDP_RESUME"] == "1"
     assert p.env["NBDDP_FAILURES"] == str(tmp_path.resolve() / "failures.json")

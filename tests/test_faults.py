@@ -15,15 +15,14 @@ import psutil
 import pytest
 
 from conftest import ROOT, no_rank_processes
+from nbddp.display.view import QuietView
 from nbddp.job import run_job
+from nbddp.options import RunOptions
+from views import Said
 
 pytestmark = pytest.mark.e2e
 
 IMPORTS = "import os, signal, sys, time\nimport torch\nimport torch.distributed as dist"
-
-
-def quiet(stream, text):
-    pass
 
 
 def processes_with(marker: str) -> list[psutil.Process]:
@@ -78,7 +77,7 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path, notebook, r
         "t = torch.ones(1)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
         "for _ in range(600):\n    dist.all_reduce(t)\n    time.sleep(0.1)",
     ])
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     assert not result.ok
     f = result.failure
     assert str(f).startswith("rank 1 was killed (signal 9): SIGKILL")
@@ -96,7 +95,7 @@ def test_a_rank_that_segfaults_is_named_with_its_signal_cell_and_line(tmp_path, 
         "t = torch.ones(1)\ndist.all_reduce(t)\nif dist.get_rank() == 1:\n    ctypes.string_at(0)  # native crash\n"
         "time.sleep(600)",
     ])
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     f = result.failure
     assert (f.rank, f.signal, f.cell, f.line) == (1, 11, 2, 4)
     assert str(f).startswith("rank 1 was killed (signal 11) in cell 2, line 4: SIGSEGV: crashed (segmentation fault)")
@@ -111,7 +110,8 @@ def test_a_rank_stuck_in_a_collective_fails_after_the_collective_timeout(tmp_pat
         "t = torch.ones(1)\ndist.all_reduce(t)\nprint('synced', flush=True)",
         "if dist.get_rank() == 1:\n    time.sleep(600)\ndist.all_reduce(t)",
     ])
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet, collective_timeout_s=5).run
+    result = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs", collective_timeout_s=5),
+                     QuietView()).run
     assert not result.ok
     f = result.failure
     # the rank that waited names the collective it waited in …
@@ -137,8 +137,8 @@ def test_the_job_timeout_stops_every_rank_and_says_where_each_was(tmp_path, note
     chunks = []
     started = time.monotonic()
     # the job's own timeout, under a collective timeout far longer
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
-                     timeout_s=120, collective_timeout_s=3600).run
+    result = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs", timeout_s=120,
+                                    collective_timeout_s=3600), Said(chunks)).run
     assert result.timed_out and not result.ok
     assert time.monotonic() - started < 120 + 30
     said = "".join(chunks)
@@ -202,7 +202,7 @@ def test_two_jobs_at_once_with_the_default_port_taken(tmp_path, notebook, reaper
     results, outputs = [None, None], [[], []]
 
     def job(k):
-        results[k] = run_job(nb, every_rank=True, nproc=2, runs_dir=runs, sink=lambda s, t: outputs[k].append(t)).run
+        results[k] = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=runs), Said(outputs[k])).run
 
     try:
         threads = [threading.Thread(target=job, args=(k,)) for k in (0, 1)]
@@ -235,7 +235,7 @@ def test_a_weights_file_being_saved_when_a_rank_dies_is_never_truncated(tmp_path
         f"        torch.save(weights, {str(out / 'weights.pt')!r})\n"
         f"        print('saved', i, flush=True)",
     ])
-    result = run_job(nb, every_rank=True, nproc=2, runs_dir=tmp_path / "runs", sink=quiet).run
+    result = run_job(nb, RunOptions(every_rank=True, nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     assert result.failure and result.failure.rank == 1 and result.failure.signal == 9
     assert rank_log_says(tmp_path / "runs", 0, "saved 1")  # rank 0 was saving over and over when stopped
     import torch

@@ -15,6 +15,7 @@ from nbddp.cells import Cell
 from nbddp.convert import convert_notebook
 from nbddp.convert.script import convert_cells
 from nbddp.errors import CellError
+from nbddp.options import RunOptions
 
 PUBLIC = Path(__file__).resolve().parent / "corpus" / "public"
 
@@ -130,7 +131,7 @@ def test_a_pytorch_notebook_naming_the_frameworks_elsewhere_is_not_refused():
 def test_a_refusal_comes_before_any_run_directory_or_process(tmp_path, notebook):
     path = notebook([textwrap.dedent(c) for c in KERAS])
     with pytest.raises(CellError, match="cell 2, line 1"):
-        job.run_job(path, runs_dir=tmp_path / "runs", nproc=1)
+        job.run_job(path, RunOptions(runs_dir=tmp_path / "runs", nproc=1))
     assert not (tmp_path / "runs").exists()
 
 

@@ -13,6 +13,8 @@ import nbformat
 import pytest
 
 from nbddp.job import run_job
+from nbddp.options import RunOptions
+from views import Said
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -79,8 +81,8 @@ def train(folder: Path, cells: list[str], again: bool = False, **options) -> str
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nbformat.write(nb, folder / "nb.ipynb")
     chunks = []
-    job = run_job(folder / "nb.ipynb", nproc=2, runs_dir=folder / "runs", timeout_s=600,
-                  sink=lambda stream, text: chunks.append(text), **options)
+    job = run_job(folder / "nb.ipynb", RunOptions(nproc=2, runs_dir=folder / "runs", timeout_s=600, **options),
+                  Said(chunks))
     out = "".join(chunks)
     assert job.ok, (job.failure and job.failure.message[-3000:]) or out[-3000:]
     return out

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from nbddp.launch import launch, new_run_dir, plan
+from nbddp.options import RunOptions
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +23,7 @@ def run_job(tmp_path, job: str, shim: bool, **env):
     run_dir = new_run_dir(tmp_path / "runs", job)
     chunks = []
     result = launch(
-        plan(JOBS / job, run_dir, nproc=2, cwd=tmp_path, env=env, timeout_s=500),
+        plan(JOBS / job, run_dir, RunOptions(timeout_s=500), nproc=2, cwd=tmp_path, env=env),
         sink=lambda stream, text: chunks.append(text),
     )
     return result, "".join(chunks)

@@ -9,6 +9,7 @@ import pytest
 
 from nbddp.convert.script import SourceMap
 from nbddp.launch import map_traceback, plan, terminate_tree
+from nbddp.options import RunOptions
 
 
 def test_traceback_frames_in_the_script_point_at_cells(tmp_path):
@@ -31,11 +32,11 @@ def test_traceback_frames_in_the_script_point_at_cells(tmp_path):
 
 
 def test_plan_passes_arguments_as_argv_and_finds_its_runtime(tmp_path):
-    p = plan(tmp_path / "s.py", tmp_path, nproc=2, torchrun_args=["--max-restarts=0", "a b;c"])
+    p = plan(tmp_path / "s.py", tmp_path, RunOptions(torchrun_args=["--max-restarts=0", "a b;c"]), nproc=2)
     assert p.argv[:3] == (sys.executable, "-m", "nbddp.agent")  # torchrun's main plus a failure record
     assert "--standalone" in p.argv and "--nproc_per_node=2" in p.argv and "a b;c" in p.argv
     assert str(Path(__file__).resolve().parent.parent / "src") in p.env["PYTHONPATH"]
-    multi = plan(tmp_path / "s.py", tmp_path, nproc=1, torchrun_args=["--nnodes=2", "--rdzv-endpoint=h:1"])
+    multi = plan(tmp_path / "s.py", tmp_path, RunOptions(torchrun_args=["--nnodes=2", "--rdzv-endpoint=h:1"]), nproc=1)
     assert "--standalone" not in multi.argv
 
 

@@ -18,7 +18,7 @@ from nbddp.convert import convert_notebook
 from nbddp.convert.launches import find_launches
 from nbddp.convert.script import convert_cells
 from nbddp.errors import NbddpError
-from nbddp.options import RUN_OPTIONS, dest, run_options
+from nbddp.options import RUN_OPTIONS, RunOptions, dest
 
 PUBLIC = Path(__file__).resolve().parent / "corpus" / "public"
 
@@ -66,7 +66,7 @@ def test_no_training_call_and_no_launch_is_refused_naming_what_was_looked_for(tm
                            origin="fit.ipynb")
     assert not script.trains and script.launches == ()
     with pytest.raises(NbddpError) as info:
-        job.run_job(job.Job(script, tmp_path, "fit"), runs_dir=tmp_path / "runs", nproc=1)
+        job.run_job(job.Job(script, tmp_path, "fit"), RunOptions(runs_dir=tmp_path / "runs", nproc=1))
     message = str(info.value)
     assert "no training call found" in message and "loss.backward()" in message and ".train()" in message
     assert "cell 2, line 2: model.fit(df)" in message and "--every-rank" in message
@@ -108,8 +108,8 @@ def test_every_rank_is_one_run_option_of_the_cli_and_the_magic():
     parser = argparse.ArgumentParser()
     for flags, keywords in RUN_OPTIONS:
         parser.add_argument(*flags, **keywords)
-    assert run_options(parser.parse_args(["--every-rank", "--nproc", "1"]))["every_rank"] is True
-    assert run_options(parser.parse_args(["--nproc", "1"]))["every_rank"] is False
+    assert RunOptions.parse(parser.parse_args(["--every-rank", "--nproc", "1"])).every_rank is True
+    assert RunOptions.parse(parser.parse_args(["--nproc", "1"])).every_rank is False
 
 
 def test_the_cli_refuses_with_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

@@ -9,7 +9,8 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from conftest import ROOT
 from nbddp.errors import NbddpError
-from nbddp.job import check_job_options, run_job
+from nbddp.job import run_job
+from nbddp.options import RunOptions
 
 BAD = [
     (["--nproc", "0"], "--nproc takes a whole number of processes of at least 1, not 0"),
@@ -46,19 +47,20 @@ def test_a_busy_master_port_leaves_no_run_directory(tmp_path, notebook):
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(NbddpError, match=f"port {port} .* already in use"):
-            run_job(notebook(["x = 1"]), nproc=2, runs_dir=tmp_path / "runs", torchrun_args=[f"--master-port={port}"])
+            run_job(notebook(["x = 1"]),
+                    RunOptions(nproc=2, runs_dir=tmp_path / "runs", torchrun_args=[f"--master-port={port}"]))
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
 @pytest.mark.parametrize("kwargs", [dict(nproc=0), dict(timeout_s=float("nan")), dict(collective_timeout_s=-1.0)])
 def test_the_api_refuses_them_too(kwargs):
     with pytest.raises(NbddpError):
-        check_job_options(**kwargs)
+        RunOptions(**kwargs)
 
 
 def test_good_values_pass():
-    check_job_options(nproc=None, timeout_s=None, collective_timeout_s=None)
-    check_job_options(nproc=8, timeout_s=0.5, collective_timeout_s=1800, torchrun_args=["--master-port=29511"])
+    RunOptions(nproc=None, timeout_s=None, collective_timeout_s=None)
+    RunOptions(nproc=8, timeout_s=0.5, collective_timeout_s=1800, torchrun_args=["--master-port=29511"])
 
 
 @pytest.fixture

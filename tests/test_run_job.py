@@ -8,7 +8,9 @@ import pytest
 
 from nbddp import cli, job, magics, template
 from nbddp.cells import cells_from_sources
+from nbddp.display.view import QuietView
 from nbddp.job import JobResult, prepare_job, run_job
+from nbddp.options import RunOptions
 from nbddp.selection import Selection
 from shared_jobs import GREETING_CELLS
 
@@ -25,7 +27,7 @@ def test_a_notebook_file_and_a_selection_of_cells_run_the_same_way(greeting_job,
     assert from_file.script.text == from_file.script_path.read_text()
 
     selection = Selection(tuple(cells_from_sources(CELLS, origin="greet.ipynb")), "notebook", "greet.ipynb")
-    from_cells = run_job(selection, every_rank=True, nproc=2, runs_dir=folder / "runs", sink=lambda stream, text: None)
+    from_cells = run_job(selection, RunOptions(every_rank=True, nproc=2, runs_dir=folder / "runs"), QuietView())
     assert from_cells.ok and from_cells.cwd == folder.resolve() and from_cells.run_dir.name.endswith("-greet")
     assert from_cells.script.text == from_file.script.text
 

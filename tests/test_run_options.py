@@ -1,8 +1,8 @@
 """``nbddp run`` and ``%%ddp_train`` take the same run options, built from one table, and they reach
-``run_job`` as the same keywords."""
+``run_job`` as the same ``RunOptions``."""
 
 import argparse
-import inspect
+import dataclasses
 
 import pytest
 
@@ -48,16 +48,20 @@ def test_both_are_built_from_the_table():
     lambda argv: NbddpMagics.ddp_train.parser.parse_args(argv),
 ], ids=["cli", "magic"])
 def test_parsed_options_become_the_same_run_job_keywords(parse):
-    from nbddp.job import run_job
-    from nbddp.options import run_options
+    from nbddp.options import RUN_OPTIONS, RunOptions, dest
 
     args = parse(["--nproc", "auto", "--timeout", "30", "--collective-timeout", "60", "--resume", "--shim", "unsloth",
                   "--no-checkpointing", "--env", "A=1", "--nnodes", "2", "--rdzv-endpoint", "host:29400"])
-    keywords = run_options(args, ["--max-restarts=0"])
+    options = RunOptions.parse(args, ["--max-restarts=0"])
+    keywords = {name: getattr(options, name) for name in ("nproc", "timeout_s", "collective_timeout_s", "resume",
+                                                          "skip_installs", "skip_bad_cells", "runs_dir", "strategy",
+                                                          "every_rank")}
+    keywords.update(env=options.rank_env, torchrun_args=list(options.torchrun_argv))
     assert keywords == dict(
         nproc=None, timeout_s=30.0, collective_timeout_s=60.0, resume=True, skip_installs=False, skip_bad_cells=False,
         runs_dir=None, strategy="auto", every_rank=False, env={"A": "1", "NBDDP_SHIM_UNSLOTH": "1", "NBDDP_DISABLE_CHECKPOINTING": "1"},
         torchrun_args=["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=host:29400", "--max-restarts=0"],
     )
-    assert set(keywords) <= set(inspect.signature(run_job).parameters)  # every option reaches run_job by name
-    assert run_options(parse(["--nproc", "3"]))["nproc"] == 3
+    fields = {f.name for f in dataclasses.fields(RunOptions) if f.init}
+    assert {dest(o) for o in RUN_OPTIONS} | {"torchrun_args"} == fields  # every option is a RunOptions field, by name
+    assert RunOptions.parse(parse(["--nproc", "3"])).nproc == 3

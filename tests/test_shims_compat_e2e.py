@@ -3,6 +3,8 @@
 import pytest
 
 from nbddp.job import run_job
+from nbddp.options import RunOptions
+from views import Said
 
 pytestmark = pytest.mark.e2e
 
@@ -36,10 +38,8 @@ CELLS = [
 
 def run(notebook, tmp_path, env=None):
     chunks = []
-    result = run_job(
-        notebook(CELLS), nproc=2, runs_dir=tmp_path / "runs", env=env, timeout_s=500,
-        sink=lambda stream, text: chunks.append(text),
-    ).run
+    result = run_job(notebook(CELLS), RunOptions(nproc=2, runs_dir=tmp_path / "runs", env=env, timeout_s=500),
+                     Said(chunks)).run
     return result, "".join(chunks)
 
 

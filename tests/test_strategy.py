@@ -13,6 +13,8 @@ from nbddp.cells import cells_from_sources
 from nbddp.convert import convert_cells, convert_notebook
 from nbddp.errors import NbddpError
 from nbddp.launch import launch, new_run_dir, plan
+from nbddp.options import RunOptions
+from views import Said
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 GiB = 2**30
@@ -232,7 +234,7 @@ def test_a_kaggle_export_under_fsdp_refuses_a_whole_model_save_too(llama_8b):
 def run_job(tmp_path, job: str, nproc: int, **env):
     run_dir = new_run_dir(tmp_path / "runs", job)
     chunks = []
-    result = launch(plan(JOBS / job, run_dir, nproc=nproc, cwd=tmp_path, env=env, timeout_s=600),
+    result = launch(plan(JOBS / job, run_dir, RunOptions(timeout_s=600), nproc=nproc, cwd=tmp_path, env=env),
                     sink=lambda stream, text: chunks.append(text))
     out = "".join(chunks)
     assert result.ok, (result.failure and result.failure.message[-3000:]) or out[-3000:]
@@ -377,12 +379,10 @@ def test_strategy_reaches_the_job_from_the_cli_and_the_magic(monkeypatch, tmp_pa
     import nbddp.job
     from nbddp import cli
     from nbddp.magics import NbddpMagics
-    from nbddp.options import run_options
-
     asked = {}
 
-    def run_job(source, **kwargs):
-        asked.update(kwargs)
+    def run_job(source, options, *views, **kwargs):
+        asked.update(vars(options))
         raise NbddpError("stop here")
 
     monkeypatch.setattr(nbddp.job, "run_job", run_job)
@@ -390,7 +390,7 @@ def test_strategy_reaches_the_job_from_the_cli_and_the_magic(monkeypatch, tmp_pa
     assert asked["strategy"] == "fsdp"
     assert cli._parser().parse_args(["run", "nb.ipynb"]).strategy == "auto"
     magic = NbddpMagics.ddp_train.parser.parse_args(["--strategy", "split"])
-    assert run_options(magic)["strategy"] == "split"
+    assert RunOptions.parse(magic).strategy == "split"
     assert "--strategy" in NbddpMagics.ddp_train.__doc__
 
 
@@ -424,8 +424,8 @@ def test_a_notebook_trains_under_fsdp_through_run_job(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in TINY_NOTEBOOK])
     nbformat.write(nb, tmp_path / "tiny.ipynb")
     chunks = []
-    job = run_job(tmp_path / "tiny.ipynb", strategy="fsdp", runs_dir=tmp_path / "runs", timeout_s=600,
-                  sink=lambda stream, text: chunks.append(text))
+    job = run_job(tmp_path / "tiny.ipynb", RunOptions(strategy="fsdp", runs_dir=tmp_path / "runs", timeout_s=600),
+                  Said(chunks))
     out = "".join(chunks)
     assert job.ok, (job.failure and job.failure.message[-3000:]) or out[-3000:]
     assert "nbddp: strategy fsdp: asked for with --strategy" in out

@@ -11,6 +11,8 @@ import pytest
 
 from nbddp.convert import convert_notebook
 from nbddp.job import run_job
+from nbddp.options import RunOptions
+from views import Said
 
 pytestmark = pytest.mark.e2e
 
@@ -55,8 +57,7 @@ def dump(model: str, name: str) -> str:
 
 def run(tmp_path, nb, **env):
     chunks = []
-    job = run_job(nb, nproc=2, runs_dir=tmp_path / "runs", sink=lambda s, t: chunks.append(t),
-                  timeout_s=500, env=env or None)
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=500, env=env or None), Said(chunks))
     script, result = job.script, job.run
     return script, result, "".join(chunks)
 

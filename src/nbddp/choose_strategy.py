@@ -32,8 +32,8 @@ from .convert.facts.shape import JobShape, ShapeUnread, read_shape
 from .errors import NbddpError, printable
 from .gpus import visible_gpus
 from .model_config import Dims, SizeUnknown, read_json
+from .options import STRATEGIES
 
-STRATEGIES = ("auto", "ddp", "fsdp", "split", "deepspeed")
 GiB = 2**30
 #: What a GPU keeps for itself beyond the tensors: the CUDA context, the allocator's slack, NCCL's buffers.
 OVERHEAD_BYTES = int(0.9 * GiB)

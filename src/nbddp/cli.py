@@ -97,11 +97,11 @@ def _run(args) -> int:
     from .display import TerminalView, failure_report, summary
     from .job import run_job
     from .launch import where_ranks_were
-    from .options import run_options
+    from .options import RunOptions
 
-    options = run_options(args, args.torchrun_args)
+    options = RunOptions.parse(args, args.torchrun_args)
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
-    job = run_job(args.notebook, **options, sink=view.sink, on_metrics=view.on_metrics)
+    job = run_job(args.notebook, options, view)
     result = job.run
     view.finish(result)  # rank 0's consequent traceback folded to one line
     for w in job.script.warnings:

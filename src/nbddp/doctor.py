@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import launch
+from .options import RunOptions
 
 GiB = 2**30
 #: Below this, NCCL's shared-memory transport between GPUs of one machine can fail to allocate.
@@ -212,8 +213,8 @@ def all_reduce_probe(nproc: int | None = None, timeout_s: float = DEFAULT_TIMEOU
     run_dir = Path(tempfile.mkdtemp(prefix="nbddp-doctor-"))
     script = run_dir / "probe.py"
     script.write_text("from nbddp.runtime.probe import main\n\nmain()\n")
-    plan = launch.plan(script, run_dir, nproc=nproc, env={"NBDDP_TIMEOUT": str(int(timeout_s))},
-                       timeout_s=timeout_s, cwd=run_dir)
+    plan = launch.plan(script, run_dir, RunOptions(timeout_s=timeout_s), nproc=nproc, cwd=run_dir,
+                       env={"NBDDP_TIMEOUT": str(int(timeout_s))})
     output: list[str] = []
     result = launch.launch(plan, sink=lambda stream, text: output.append(text))
     devices = [json.loads(p.read_text()) for p in sorted(run_dir.glob("device-*.json"))]

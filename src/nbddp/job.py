@@ -4,19 +4,20 @@ templates (and any other front end) all call ``run_job``, so they behave the sam
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, Sequence, Union
 
 from . import launch as _launch
-from . import outputs, preflight
+from . import outputs
 from .cells import Cell
 from .convert import Script, convert_cells, convert_notebook
+from .display.view import JobView, PrintView
 from .errors import NbddpError
 from .launch import RankFailure, RunResult, Sink
+from .options import RunOptions
 from .runtime.records import Event
 from .selection import Selection
 
@@ -53,55 +54,35 @@ def prepare_job(source: JobSource, *, skip_bad_cells: bool = False) -> Job:
     return Job(convert_cells(list(source), skip_bad_cells=skip_bad_cells), Path.cwd(), "job")
 
 
-def run_job(
-    source: JobSource,
-    *,
-    skip_bad_cells: bool = False,
-    cwd: str | os.PathLike | None = None,
-    nproc: int | None = None,
-    runs_dir: str | os.PathLike | None = None,
-    torchrun_args: Iterable[str] = (),
-    env: dict[str, str] | None = None,
-    skip_installs: bool = False,
-    timeout_s: float | None = None,
-    collective_timeout_s: float | None = None,
-    resume: bool = False,
-    strategy: str = "auto",
-    every_rank: bool = False,
-    sink: Sink | None = None,
-    on_metrics: Callable[[dict], None] | None = None,
-    on_run_dir: Callable[[Path], None] | None = None,
-    keep=None,
-) -> JobResult:
+def run_job(source: JobSource, options: RunOptions | None = None, view: JobView | None = None, *,
+            keep=None) -> JobResult:
     """Train ``source`` (see ``prepare_job``) under torchrun and say what it left: the one call every front
-    end makes, with the keywords ``options.run_options`` makes of the run options.
+    end makes.
 
-    The options are checked before anything converts or starts; ``cwd`` overrides where the ranks start.
-    The views are passed in: ``sink(stream, text)`` gets rank 0's output, ``on_metrics`` each Trainer
-    event, ``on_run_dir`` the run directory once it is made (a notebook's log view names it while the job
-    runs). Run directories go under ``runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``; ``timeout_s`` bounds
-    the job, ``collective_timeout_s`` each collective; ``resume`` continues ``trainer.train()`` from the
-    last checkpoint (see ``launch.plan``). ``strategy`` (``auto``, ``ddp``, ``fsdp``, ``split``,
-    ``deepspeed``) is decided before launch (``strategy_launch``). A notebook with no training call nbddp
-    recognises is refused before launch (``check_trains``) unless ``every_rank`` (``--every-rank``).
+    ``options`` (``RunOptions``, default: none given) were checked when made, before anything converts or
+    starts. The ranks start where ``source`` says (``prepare_job``). ``view`` (a ``JobView``, default
+    ``PrintView``: rank 0's text on stdout) is told the run directory once it is made, rank 0's output and
+    each Trainer event. Run directories go under ``options.runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``.
+    The strategy is decided before launch (``strategy_launch``). A notebook with no training call nbddp
+    recognises is refused before launch (``check_trains``) unless ``options.every_rank`` (``--every-rank``).
     ``keep`` (a ``kept.Channel``) keeps the ranks up after the notebook's cells: the result's ``run.process``
     is torchrun, left running.
     """
-    check_job_options(nproc=nproc, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
-                      torchrun_args=torchrun_args)
-    job = prepare_job(source, skip_bad_cells=skip_bad_cells)
-    mode = decide_mode(job.script, every_rank, keep=keep is not None)
-    cwd = Path(cwd) if cwd is not None else job.cwd
+    options = options or RunOptions()
+    view = view or PrintView()
+    job = prepare_job(source, skip_bad_cells=options.skip_bad_cells)
+    mode = decide_mode(job.script, options.every_rank, keep=keep is not None)
+    nproc, env = options.nproc, {**options.rank_env, **view.rank_env()}
     launched = None
     if mode == "launched":  # the notebook once, in one process; the command it launches on every GPU
         if keep is not None:
             raise NbddpError("--keep keeps a job whose cells train on every rank; this notebook starts its training "
                              f"from a shell line ({job.script.launches[0]}): run it without --keep")
         launched, nproc = nproc or _launch.default_nproc(), 1
-        _say(sink, f"nbddp: the notebook starts its training from a shell line ({job.script.launches[0]}): its "
-                   f"cells run once, in one process, and the command it launches on {launched} processes\n")
+        view.sink("stderr", f"nbddp: the notebook starts its training from a shell line ({job.script.launches[0]}): "
+                            f"its cells run once, in one process, and the command it launches on {launched} processes\n")
     else:
-        nproc, env = strategy_launch(job.script, cwd, strategy, nproc, env, sink)
+        nproc, env = strategy_launch(job.script, job.cwd, options.strategy, nproc, env, view.sink)
     until = None
     if keep is not None:
         if env.get("NBDDP_STRATEGY") not in ("ddp", None):
@@ -109,59 +90,36 @@ def run_job(
                              "split state a later cell could break; train it without --keep")
         env = {**env, **keep.env()}
         until = keep.ready
-    run = _run_script(
-        job.script, name=job.name, nproc=nproc, cwd=cwd, runs_dir=runs_dir, torchrun_args=torchrun_args, env=env,
-        skip_installs=skip_installs, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s, resume=resume,
-        sink=sink, on_metrics=on_metrics, on_run_dir=on_run_dir, until=until, launched=launched,
-    )
-    return JobResult.from_run(run, cwd, job.script)
+    run = _run_script(job, options, view, nproc=nproc, env=env, until=until, launched=launched)
+    return JobResult.from_run(run, job.cwd, job.script)
 
 
-def _run_script(
-    script: Script,
-    *,
-    name: str,
-    nproc: int | None,
-    cwd: Path,
-    runs_dir: str | os.PathLike | None,
-    torchrun_args: Iterable[str],
-    env: dict[str, str] | None,
-    skip_installs: bool,
-    timeout_s: float | None,
-    collective_timeout_s: float | None,
-    resume: bool,
-    sink: Sink | None,
-    on_metrics: Callable[[dict], None] | None,
-    on_run_dir: Callable[[Path], None] | None,
-    until: Callable[[], bool] | None = None,
-    launched: int | None = None,
-) -> RunResult:
-    """Write the script into a new run directory, run its installs once, then launch it under torchrun; the
-    output folders the script names are checked and claimed for the launch (``outputs.py``). ``launched``:
-    the processes the notebook's own launch command runs with, through the stand-ins (``nbddp.launched``)."""
-    folders = outputs.output_folders(script, cwd)
+def _run_script(job: Job, options: RunOptions, view: JobView, *, nproc: int | None, env: dict[str, str],
+                until: Callable[[], bool] | None = None, launched: int | None = None) -> RunResult:
+    """Write the job's script into a new run directory, run its installs once, then launch it under torchrun
+    with ``nproc`` processes and the ranks' ``env``, as the job decided; the output folders the script names
+    are checked and claimed for the launch (``outputs.py``). ``launched``: the processes the notebook's own
+    launch command runs with, through the stand-ins (``nbddp.launched``)."""
+    script = job.script
+    folders = outputs.output_folders(script, job.cwd)
     outputs.check_writable(folders)
-    runs = Path(runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
-    run_dir = _launch.new_run_dir(runs, name)
-    if on_run_dir:
-        on_run_dir(run_dir)
+    runs = Path(options.runs_dir or os.environ.get("NBDDP_RUNS") or DEFAULT_RUNS).resolve()
+    run_dir = _launch.new_run_dir(runs, job.name)
+    view.on_run_dir(run_dir)
     path = script.write(run_dir / "script.py")
     if launched:
         from .launched import launched_env
 
         written = {launch.script: (launch.written_by, launch.first_line) for launch in script.launches
                    if launch.written_by}
-        env = launched_env(dict(env or {}), run_dir, launched, written)
-    if script.installs and not skip_installs:
-        _launch.run_installs((i.argv() for i in script.installs), sink)
-    plan = _launch.plan(
-        path, run_dir, nproc=nproc, torchrun_args=torchrun_args, cwd=cwd, env=env, timeout_s=timeout_s,
-        collective_timeout_s=collective_timeout_s, resume=resume,
-    )
+        env = launched_env(dict(env), run_dir, launched, written)
+    if script.installs and not options.skip_installs:
+        _launch.run_installs((i.argv() for i in script.installs), view.sink)
+    plan = _launch.plan(path, run_dir, options, nproc=nproc, cwd=job.cwd, env=env)
     with outputs.claimed(folders, run_dir) as shared:
         for warning in shared:
-            (sink or _launch.stdout_sink)("stderr", f"nbddp: warning: {warning}\n")
-        result = _launch.launch(plan, sink=sink, on_metrics=on_metrics, until=until)
+            view.sink("stderr", f"nbddp: warning: {warning}\n")
+        result = _launch.launch(plan, sink=view.sink, on_metrics=view.on_metrics, until=until)
     if launched and result.ok:  # the notebook went on after its launched training failed, as in the kernel
         from .launched import failure_of
 
@@ -172,36 +130,9 @@ def _run_script(
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 
 
-def check_job_options(
-    *,
-    nproc: int | None = None,
-    timeout_s: float | None = None,
-    collective_timeout_s: float | None = None,
-    torchrun_args: Iterable[str] = (),
-) -> None:
-    """Refuse numbers no job can run with, before a run directory or a process exists (``NbddpError``).
-
-    ``options.run_options`` calls this as soon as a front end has parsed its options; ``run_job`` calls it too.
-    A ``--master-port`` given to torchrun must be a port number, and free on this machine; on a machine with
-    GPUs, ``--nproc`` at most the GPUs torch sees (``preflight.check_processes``).
-    """
-    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
-        raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
-    preflight.check_processes(nproc)  # no more than the GPUs torch sees
-    for flag, seconds in (("--timeout", timeout_s), ("--collective-timeout", collective_timeout_s)):
-        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-            raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
-    _launch.check_master_port(list(torchrun_args))
-    preflight.check_torchrun_args(list(torchrun_args))  # -- --nnodes=0 and the like
-
-
 #: What the converter recognises as training, as the refusal words it.
 LOOKED_FOR = ("a Trainer's or TRL trainer's .train(), unsloth_train(…), a loop calling loss.backward(), "
               "notebook_launcher(…), an imported training helper given a model and its optimizer")
-
-
-def _say(sink: Sink | None, text: str) -> None:
-    (sink or _launch.stdout_sink)("stderr", text)
 
 
 def decide_mode(script: Script, every_rank: bool = False, keep: bool = False) -> str:
@@ -235,7 +166,7 @@ def check_trains(script: Script, every_rank: bool = False) -> None:
 
 
 def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,
-                    sink: Sink | None) -> tuple[int | None, dict[str, str]]:
+                    sink: Sink) -> tuple[int | None, dict[str, str]]:
     """The processes and environment of the strategy the job runs with; its decision said on the sink
     (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed; a fallback is always said).
 
@@ -245,7 +176,7 @@ def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env:
 
     def say(decision: choose_strategy.Decision) -> None:
         if requested != "auto" or decision.gpu_free or decision.fallback:
-            (sink or _launch.stdout_sink)("stdout", decision.summary() + "\n")
+            sink("stdout", decision.summary() + "\n")
 
     decision = choose_strategy.settle(script, cwd, requested, say=say)
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}

@@ -26,12 +26,12 @@ from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
 from .guard import guard
 from .job import check_trains, prepare_job, run_job
+from .kept.changed import cells_ran_here
 from .kept.channel import Channel
 from .kept.controller import KeptJob
-from .kept.changed import cells_ran_here
 from .kept.magics import DEFAULT_IDLE_MIN, KeptMagics
 from .launch import default_nproc
-from .options import RUN_OPTIONS, run_options, split_torchrun_args
+from .options import RUN_OPTIONS, RunOptions, split_torchrun_args
 from .preflight import check_output_file
 
 
@@ -120,7 +120,7 @@ class NbddpMagics(Magics):
             raise UsageError("%ddp_train NOTEBOOK.ipynb trains a notebook file; %%ddp_train (a cell) trains the cells above it")
         if not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
-        options = run_options(args, torchrun_args)
+        options = RunOptions.parse(args, torchrun_args)
         check_output_file(args.save, "--save")
         selection = kernel = None
         if cell is None:
@@ -137,16 +137,15 @@ class NbddpMagics(Magics):
         if args.dry_run:
             return
         # before the panel shows anything; a kept job may only load what later %%ddp cells train
-        check_trains(prepared.script, options["every_rank"] or args.keep)
+        check_trains(prepared.script, options.every_rank or args.keep)
         warning = doctor.kernel_memory_warning()
         if warning:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
-        nproc = options["nproc"] or default_nproc()
+        nproc = options.nproc or default_nproc()
         panel = LivePanel(nproc)
         channel = self._channel(args, nproc)
         try:
-            job = run_job(prepared, **{**options, "env": {**options["env"], **panel.rich_env()}}, keep=channel,
-                          sink=panel.sink, on_metrics=panel.on_metrics, on_run_dir=panel.on_run_dir)
+            job = run_job(prepared, options, panel, keep=channel)
         finally:
             if channel is not None and not channel.ready():
                 channel.close()

@@ -1,16 +1,22 @@
-"""A job's run options, in one table for ``nbddp run`` and ``%%ddp_train``, and what they become for ``run_job``.
+"""A job's run options, in one table for ``nbddp run`` and ``%%ddp_train``, and the one checked record of them,
+``RunOptions``, that ``run_job`` and ``launch.plan`` take.
 
 Kept light (no converter, no launcher, no IPython), like ``export/options.py``, so building either parser
 costs nothing. Each front end adds only its own options (the magic's ``--dry-run``/``--out``/``--source``, the
-notebook argument) to ``RUN_OPTIONS``. An option whose ``dest`` is a ``run_job`` keyword reaches it as it
-is, so a new one is one line of the table; the rest are translated in ``run_options``.
+notebook argument) to ``RUN_OPTIONS``. Each option's ``dest`` is a field of ``RunOptions``, so a new option
+is its row in the table and its field (a test holds the two to each other); what a field becomes for the
+ranks or torchrun is said once, in ``RunOptions.rank_env`` and ``RunOptions.torchrun_argv``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import pkgutil
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -31,7 +37,7 @@ SHIM_NAMES = shim_names()
 
 def processes(text: str) -> int | None:
     """``--nproc``: ``auto`` (None: one per GPU, 2 without GPUs) or a whole number, which
-    ``check_job_options`` then checks (so a 0 gets the same message everywhere)."""
+    ``RunOptions`` then checks (so a 0 gets the same message everywhere)."""
     if text == "auto":
         return None
     try:
@@ -48,6 +54,9 @@ def folder(text: str) -> Path:
 
 
 Option = tuple[tuple[str, ...], dict]
+
+#: What ``--strategy`` takes (``choose_strategy.decide`` reads the same).
+STRATEGIES = ("auto", "ddp", "fsdp", "split", "deepspeed")
 
 #: The run options of ``nbddp run`` and ``%%ddp_train`` as (flags, argparse keywords), in their order in the
 #: help; both parsers are built from this.
@@ -66,7 +75,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
                                    "(more memory; NBDDP_DISABLE_CHECKPOINTING=1)")),
     (("--allow-divergence",), dict(action="store_true", help="let ranks train apart on purpose: no check that "
                                    "replicas stay in sync (NBDDP_ALLOW_DIVERGENCE=1)")),
-    (("--strategy",), dict(default="auto", choices=("auto", "ddp", "fsdp", "split", "deepspeed"),
+    (("--strategy",), dict(default="auto", choices=STRATEGIES,
                            help="how the model is spread over the GPUs: auto (ddp where a replica fits the smallest "
                                 "GPU, else fsdp, else split; the estimate is printed), ddp, fsdp, split or deepspeed")),
     (("--every-rank",), dict(action="store_true", help="run every cell on every rank even where nbddp finds no "
@@ -83,34 +92,108 @@ RUN_OPTIONS: tuple[Option, ...] = (
 #: What a front end says about arguments after ``--``.
 TORCHRUN_EPILOG = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
 
-#: Dests ``run_options`` turns into ``env`` or torchrun's arguments; every other dest is a ``run_job`` keyword.
-_TRANSLATED = ("shim", "no_shim", "no_checkpointing", "allow_divergence", "env", "nnodes", "node_rank", "rdzv_endpoint")
-
-
 def dest(option: Option) -> str:
-    """The attribute argparse stores an option under."""
+    """The attribute argparse stores an option under, and the ``RunOptions`` field it fills."""
     flags, keywords = option
     return keywords.get("dest") or flags[0].lstrip("-").replace("-", "_")
 
 
-def run_options(args: argparse.Namespace, torchrun_args: Iterable[str] = ()) -> dict:
-    """``run_job``'s keywords from arguments parsed with ``RUN_OPTIONS`` (and torchrun's, after ``--``),
-    checked before anything starts: the nodes and the runs folder (``preflight``), the numbers
-    (``check_job_options``); more CPU processes than cores is said as a warning."""
-    from .job import check_job_options
-    from .launch import node_args
+@dataclass(frozen=True)
+class RunOptions:
+    """A job's run options, checked once, when made: a field per row of ``RUN_OPTIONS`` (its ``dest``), as a
+    person gave it, and ``torchrun_args``, what followed ``--``. ``run_job`` and ``launch.plan`` take it.
 
-    keywords = {dest(o): getattr(args, dest(o)) for o in RUN_OPTIONS if dest(o) not in _TRANSLATED}
-    keywords["env"] = {**parse_env(args.env), **shim_env(on=args.shim, off=args.no_shim, no_checkpointing=args.no_checkpointing,
-                                                        allow_divergence=args.allow_divergence)}
-    keywords["torchrun_args"] = node_args(args.nnodes, args.node_rank, args.rdzv_endpoint) + list(torchrun_args)
-    preflight.check_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
-    preflight.check_folder(args.runs_dir, "--runs-dir")
-    check_job_options(nproc=keywords["nproc"], timeout_s=keywords["timeout_s"],
-                      collective_timeout_s=keywords["collective_timeout_s"], torchrun_args=keywords["torchrun_args"])
-    for warning in preflight.check_processes(keywords["nproc"]):  # refused above where it cannot run
-        print(f"nbddp: warning: {warning}", file=sys.stderr)
-    return keywords
+    Making one refuses, before anything converts or a run directory exists (``NbddpError``, the words
+    naming the option): ``--nproc`` below 1 or above the GPUs torch sees (``preflight.check_processes``), a
+    timeout that is not a finite number above 0, a strategy not in ``STRATEGIES``, an ``--env`` item that is
+    not NAME=VALUE, nodes torchrun would refuse (``preflight.check_nodes``, ``check_torchrun_args``) and a
+    ``--master-port`` that is no port or is busy here. ``warnings`` keeps what is only slow (more CPU processes
+    than cores). A front end makes it with ``parse``; the API with keywords (``env`` may be a mapping too).
+    """
+
+    nproc: int | None = None
+    timeout_s: float | None = None
+    collective_timeout_s: float | None = None
+    resume: bool = False
+    shim: tuple[str, ...] = ()
+    no_shim: tuple[str, ...] = ()
+    no_checkpointing: bool = False
+    allow_divergence: bool = False
+    strategy: str = "auto"
+    every_rank: bool = False
+    env: tuple[str, ...] = ()
+    skip_installs: bool = False
+    skip_bad_cells: bool = False
+    runs_dir: str | os.PathLike | None = None
+    nnodes: str | int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    torchrun_args: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        env = [f"{k}={v}" for k, v in self.env.items()] if isinstance(self.env, Mapping) else self.env or ()
+        for name, items in (("shim", self.shim), ("no_shim", self.no_shim), ("env", env),
+                            ("torchrun_args", self.torchrun_args)):
+            object.__setattr__(self, name, tuple(items))  # frozen all through: lists from argparse become tuples
+        object.__setattr__(self, "warnings", tuple(self._check()))
+
+    @classmethod
+    def parse(cls, args: argparse.Namespace, torchrun_args: Iterable[str] = ()) -> "RunOptions":
+        """The run options of arguments parsed with ``RUN_OPTIONS`` (and torchrun's, after ``--``), checked;
+        the ``--runs-dir`` a person typed is tried too (``preflight.check_folder``), and the warnings said
+        on stderr."""
+        options = cls(**{dest(o): getattr(args, dest(o)) for o in RUN_OPTIONS}, torchrun_args=tuple(torchrun_args))
+        preflight.check_folder(options.runs_dir, "--runs-dir")
+        for warning in options.warnings:
+            print(f"nbddp: warning: {warning}", file=sys.stderr)
+        return options
+
+    def _check(self) -> list[str]:
+        """Refuse what no job can run with (``NbddpError``); return what is only slow."""
+        nproc = self.nproc
+        if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+            raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
+        warnings = preflight.check_processes(nproc)  # no more than the GPUs torch sees
+        for flag, seconds in (("--timeout", self.timeout_s), ("--collective-timeout", self.collective_timeout_s)):
+            if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+                raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
+        if self.strategy not in STRATEGIES:
+            raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        parse_env(self.env)
+        preflight.check_nodes(self.nnodes, self.node_rank, self.rdzv_endpoint)
+        preflight.check_master_port(list(self.torchrun_argv))
+        preflight.check_torchrun_args(list(self.torchrun_argv))  # -- --nnodes=0 and the like
+        return warnings
+
+    @property
+    def rank_env(self) -> dict[str, str]:
+        """The ranks' variables these options set: ``--env``'s, then the switches (``shim_env``)."""
+        switches = shim_env(on=self.shim, off=self.no_shim, no_checkpointing=self.no_checkpointing,
+                            allow_divergence=self.allow_divergence)
+        return {**parse_env(self.env), **switches}
+
+    @property
+    def torchrun_argv(self) -> tuple[str, ...]:
+        """torchrun's arguments: the nodes' (``node_args``), then those after ``--``."""
+        return (*node_args(self.nnodes, self.node_rank, self.rdzv_endpoint), *self.torchrun_args)
+
+
+def node_args(nnodes: int | str | None = None, node_rank: int | None = None,
+              rdzv_endpoint: str | None = None) -> list[str]:
+    """torchrun's multi-node arguments: ``--nnodes``, ``--node-rank``, and a c10d rendezvous at an endpoint.
+
+    Every node runs the same job with the same ``nnodes`` and ``rdzv_endpoint`` (``host:port`` of one of
+    them); the c10d rendezvous assigns ranks, ``node_rank`` only orders nodes under the static backend.
+    """
+    args = []
+    if nnodes is not None:
+        args.append(f"--nnodes={nnodes}")
+    if node_rank is not None:
+        args.append(f"--node-rank={node_rank}")
+    if rdzv_endpoint:
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    return args
 
 
 def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -1,5 +1,6 @@
 """What a job's options ask of this machine, checked before anything converts or starts: the processes against
-the GPUs torch sees (or the CPU cores), the nodes of a multi-node job, and the paths the options name.
+the GPUs torch sees (or the CPU cores), the nodes of a multi-node job, a ``--master-port`` given to torchrun, and
+the paths the options name.
 
 Each refusal is one ``NbddpError`` line naming the option, the value and what to do; the front ends call these
 as soon as their options are parsed. Light on purpose: no converter, no launcher; torch only to count GPUs,
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import tempfile
 from pathlib import Path
 
-from .errors import NbddpError, printable
+from .errors import LaunchError, NbddpError, printable
 from .gpus import visible_gpus
 
 #: Overrides the GPU count (tests of the GPU checks on a CPU machine; choosing as on another machine).
@@ -103,6 +105,36 @@ def check_torchrun_args(torchrun_args: list[str]) -> None:
     restarts = torchrun_option(torchrun_args, "max-restarts")
     if restarts is not None and not restarts.isdigit():
         raise NbddpError(f"--max-restarts takes a number of restarts of 0 or more, not {restarts!r}")
+
+
+def check_master_port(torchrun_args: list[str]) -> None:
+    """Refuse a user-chosen ``--master-port`` that is no port number, or that something on this machine
+    already listens on (a ``LaunchError`` rather than a rendezvous that fails or hangs later).
+
+    Busy is checked only for a single-node job: across nodes the port is on the master's host, not
+    necessarily this one.
+    """
+    port = torchrun_option(torchrun_args, "master-port")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise LaunchError(f"--master-port takes a port number from 1 to 65535, not {port!r}")
+    if torchrun_option(torchrun_args, "nnodes") not in (None, "1", "1:1"):
+        return
+    if port and not port_is_free(int(port)):
+        raise LaunchError(
+            f"port {port} (--master-port) is already in use on this machine; "
+            "leave --master-port out and torchrun picks a free port"
+        )
+
+
+def port_is_free(port: int) -> bool:
+    """True when a server could listen on ``port`` on every interface, as torchrun's TCPStore does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def check_output_file(path: str | os.PathLike | None, flag: str) -> None:

@@ -55,7 +55,7 @@ def _ipython_show(bundle: dict):
 class LivePanel:
     """A job's view in a notebook cell: the panel and the log view, updated in place, then the summary.
 
-    ``sink``, ``on_metrics`` and ``on_run_dir`` are handed to the job; ``close`` shows the final state and
+    A ``JobView`` (``display/view.py``), handed to ``run_job``; ``close`` shows the final state and
     summary. ``show`` makes a display (IPython's in a kernel). Outside a kernel (a terminal IPython) rank 0's
     output is passed on as text, its redraws collapsed, and the summary printed.
     """
@@ -86,7 +86,7 @@ class LivePanel:
         self._log_changed = True
         self._show_log()
 
-    def rich_env(self) -> dict[str, str]:
+    def rank_env(self) -> dict[str, str]:
         """What the ranks need to send rank 0's ``display()`` here as rich output (``runtime/rich.py``)."""
         return {"NBDDP_RICH_DISPLAY": "1"} if self.show else {}
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from .progress import MetricsTable
 from .stream import HeldTraceback, fold_traceback, trained_after
+from .view import QuietView
 
 if TYPE_CHECKING:
     from ..launch import RunResult
@@ -22,9 +23,9 @@ _TRAINER_LOG = re.compile(r"^\{'\w+': .*\}$")
 _CLEAR_LINE = "\r\x1b[K"
 
 
-class TerminalView:
-    """The launcher's ``sink`` and ``on_metrics`` for a terminal (or a file: then a bar's line is ended with
-    a newline rather than cleared)."""
+class TerminalView(QuietView):
+    """A job's view (``JobView``) in a terminal (or a file: then a bar's line is ended with a newline rather
+    than cleared): ``sink`` and ``on_metrics``; ``finish`` when the job ended."""
 
     def __init__(self, out: TextIO | None = None, err: TextIO | None = None):
         self.files = {"stdout": out or sys.stdout, "stderr": err or sys.stderr}

@@ -13,10 +13,13 @@ import time
 
 from ..display import LivePanel
 from ..display.stream import CarriageReturns
+from ..display.view import QuietView
 from ..runtime.records import Event
 
 
-class CellView:
+class CellView(QuietView):
+    """A kept job's ``JobView`` for one ``%%ddp`` cell (its run directory known from the start)."""
+
     def __init__(self, nproc: int, run_dir, *, show=None, clock=time.monotonic):
         self.nproc, self.run_dir = nproc, run_dir
         self.show, self.clock = show, clock  # the panel's (a test's stand-in for IPython's display)

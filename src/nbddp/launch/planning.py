@@ -1,8 +1,8 @@
-"""Plan a job: its run directory, torchrun's command line and environment, its ports, its installs, and where
-torchrun lays out each rank's files in the run directory.
+"""Plan a job: its run directory, torchrun's command line and environment from the checked ``RunOptions``, its
+installs, and where torchrun lays out each rank's files in the run directory.
 
 A single-node job gets torchrun's ``--standalone`` rendezvous on a free port; a multi-node one the
-arguments ``node_args`` gives. The ranks find the records they write through the environment the plan
+arguments ``options.node_args`` gives. The ranks find the records they write through the environment the plan
 sets (``NBDDP_METRICS``, ``NBDDP_FAILURES``, ``NBDDP_RUN_DIR``; file names from ``runtime.records``).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from typing import Callable, Iterable
 
 from .. import guard
 from ..errors import LaunchError
-from ..preflight import torchrun_option
+from ..options import RunOptions
 from ..runtime import records, selflaunch, shell_lines
 
 Sink = Callable[[str, str], None]  # (stream name "stdout"/"stderr", text)
@@ -80,47 +79,31 @@ def new_run_dir(base: str | os.PathLike, name: str) -> Path:
     raise LaunchError(f"cannot make a run directory under {base}")
 
 
-def node_args(nnodes: int | str | None = None, node_rank: int | None = None, rdzv_endpoint: str | None = None) -> list[str]:
-    """torchrun's multi-node arguments: ``--nnodes``, ``--node-rank``, and a c10d rendezvous at an endpoint.
-
-    Every node runs the same job with the same ``nnodes`` and ``rdzv_endpoint`` (``host:port`` of one of
-    them); the c10d rendezvous assigns ranks, ``node_rank`` only orders nodes under the static backend.
-    """
-    args = []
-    if nnodes is not None:
-        args.append(f"--nnodes={nnodes}")
-    if node_rank is not None:
-        args.append(f"--node-rank={node_rank}")
-    if rdzv_endpoint:
-        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-    return args
-
-
 def plan(
     script: str | os.PathLike,
     run_dir: str | os.PathLike,
+    options: RunOptions | None = None,
     *,
     nproc: int | None = None,
-    torchrun_args: Iterable[str] = (),
     cwd: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
-    timeout_s: float | None = None,
-    collective_timeout_s: float | None = None,
-    resume: bool = False,
 ) -> LaunchPlan:
     """The torchrun command and environment for a script. Arguments are argv items, never shell text.
 
-    A single-node job gets torchrun's ``--standalone`` rendezvous, which listens on a free port, so jobs
-    side by side and a busy 29500 never collide. A ``--master-port`` the user chose is checked first:
-    busy, it is a ``LaunchError`` rather than a rendezvous that fails or hangs later.
-    ``collective_timeout_s`` bounds each collective (``NBDDP_TIMEOUT``, the process group's timeout);
-    ``timeout_s`` the whole job. ``resume`` lets ``trainer.train()`` continue from the last checkpoint.
+    ``options`` are the run options, checked when they were made (a busy ``--master-port`` among them);
+    from them come torchrun's arguments (``RunOptions.torchrun_argv``), ``collective_timeout_s``, which
+    bounds each collective (``NBDDP_TIMEOUT``, the process group's timeout), ``timeout_s``, the whole job's,
+    and ``resume`` (``trainer.train()`` continues from the last checkpoint). What the job decided from them
+    is passed beside: ``nproc`` (default: ``options.nproc``, else one per GPU) and ``env``, the ranks' own
+    variables (default: ``options.rank_env``). A single-node job gets torchrun's ``--standalone``
+    rendezvous, which listens on a free port, so jobs side by side and a busy 29500 never collide.
     """
+    options = options or RunOptions()
+    nproc = (options.nproc if nproc is None else nproc) or default_nproc()
+    env = options.rank_env if env is None else env
     script, run_dir = Path(script).resolve(), Path(run_dir).resolve()
-    nproc = nproc or default_nproc()
-    extra = list(torchrun_args)
+    extra = list(options.torchrun_argv)
     rendezvous = selflaunch.rendezvous(extra)
-    check_master_port(extra)
     argv = (
         sys.executable, "-m", "nbddp.agent",
         *rendezvous,
@@ -139,44 +122,14 @@ def plan(
     full_env["NBDDP_RUN_DIR"] = str(run_dir)
     full_env["NBDDP_FAILURES"] = str(run_dir / records.FAILURES_FILE)
     full_env["NBDDP_LAUNCHER_PID"] = str(os.getpid())
-    if collective_timeout_s:
-        full_env["NBDDP_TIMEOUT"] = str(max(1, round(collective_timeout_s)))
-    if resume:
+    if options.collective_timeout_s:
+        full_env["NBDDP_TIMEOUT"] = str(max(1, round(options.collective_timeout_s)))
+    if options.resume:
         full_env["NBDDP_RESUME"] = "1"
     return LaunchPlan(
         argv=tuple(argv), env=full_env, cwd=Path(cwd or script.parent).resolve(), run_dir=run_dir,
-        script=script, nproc=nproc, timeout_s=timeout_s,
+        script=script, nproc=nproc, timeout_s=options.timeout_s,
     )
-
-
-def check_master_port(torchrun_args: list[str]) -> None:
-    """Refuse a user-chosen ``--master-port`` that is no port number, or that something on this machine
-    already listens on.
-
-    Busy is checked only for a single-node job: across nodes the port is on the master's host, not
-    necessarily this one.
-    """
-    port = torchrun_option(torchrun_args, "master-port")
-    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
-        raise LaunchError(f"--master-port takes a port number from 1 to 65535, not {port!r}")
-    if torchrun_option(torchrun_args, "nnodes") not in (None, "1", "1:1"):
-        return
-    if port and not port_is_free(int(port)):
-        raise LaunchError(
-            f"port {port} (--master-port) is already in use on this machine; "
-            "leave --master-port out and torchrun picks a free port"
-        )
-
-
-def port_is_free(port: int) -> bool:
-    """True when a server could listen on ``port`` on every interface, as torchrun's TCPStore does."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replace_stack: bool | None = None) -> None:
