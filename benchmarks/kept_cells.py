@@ -245,6 +245,8 @@ def write(results: dict, out: Path) -> None:
         "(accelerate's `free_memory` runs a full `gc.collect()` first), the cell's conversion and the kernel's "
         "panel (the loss curve drawn on the same CPUs as the ranks).",
     ]
+    for note in results.get("notes", ()):  # added by hand to the .json (a profile, a baseline), then --rewrite
+        lines += ["", note]
     (out / "kept_cells.md").write_text("\n".join(lines) + "\n")
 
 
