@@ -293,7 +293,7 @@ def _side_by_side(r: dict, others: list[dict]) -> list[str]:
                  + "; ".join(threads) + "."]
     for o in others:
         if o.get("error"):
-            rows += ["", f"{o['tool']} stopped: {o['error']}"]
+            rows += ["", f"{o['tool']} stopped: {o['error'].splitlines()[0]}"]
     return rows
 
 
