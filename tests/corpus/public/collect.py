@@ -11,7 +11,8 @@ repository, as a snapshot store lays them out). Nothing here runs in the tests.
 - ``unsloth_nb.tar.xz``: every notebook of ``unslothai/notebooks``'s ``nb/`` folder, compact: the same with
   outputs dropped, and markdown cells kept with an empty source (their text dropped); format version, cell
   ids, cell and notebook metadata kept. Only notebooks go in, no other file of that repository.
-- ``<source>/<name>.py``: a module a notebook imports from its folder (``MODULES``), as published.
+- ``<source>/<name>.py`` (or ``.yaml``): a module a notebook imports from its folder, or a script or recipe its
+  shell lines run (``MODULES``), as published.
 - ``MANIFEST.json``: for each notebook its repository, path, commit, licence and style tags (the tags are
   computed from the code cells by the patterns below, plus the few hand-given ones in ``EXTRA_TAGS``).
 
@@ -163,10 +164,15 @@ PATHS = {
 #: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
 PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]
 
-#: Python modules a notebook imports from its own folder, taken byte for byte (the runnable copies put them
-#: next to the notebook).
+#: Python modules a notebook imports from its own folder, and scripts and recipes its shell lines run, taken
+#: byte for byte (the runnable copies put them next to the notebook).
 MODULES = {
     "rasbt/LLMs-from-scratch": ["ch06/01_main-chapter-code/previous_chapters.py"],
+    # issue 28: the training script and recipe fine-tune-llms-in-2025's `!python scripts/run_sft.py --config …`
+    # runs, and the script its post cell runs (the runnable copy runs them, launched)
+    "philschmid/deep-learning-pytorch-huggingface": ["training/scripts/run_sft.py",
+                                                     "training/receipes/llama-3-1-8b-qlora.yaml",
+                                                     "training/scripts/merge_adapter_weights.py"],
 }
 
 #: Style tags read from the code cells.

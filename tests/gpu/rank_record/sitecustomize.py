@@ -3,10 +3,13 @@
 Python imports ``sitecustomize`` at start-up from the path. Two callers put this folder on ``PYTHONPATH``, each
 with its own variables, and each reads the records it always read:
 
-- ``tests/test_runnable_corpus.py``: ``NBDDP_TEST_RECORD`` names the folder, ``NBDDP_TEST_RECORD_ROOT`` the
-  notebook's folder. Every rank of a job (``RANK`` set by torchrun), or the one process running the notebook
-  as written (``NBDDP_TEST_RECORD_AS=single``), writes ``<rank or single>-<pid>.json`` at exit with every key
-  below; each loss is ``[optimizer, value]``, ``optimizer`` the newest optimizer's number.
+- ``tests/test_runnable_corpus.py``, ``tests/test_runnable_launched.py``: ``NBDDP_TEST_RECORD`` names the folder,
+  ``NBDDP_TEST_RECORD_ROOT`` the notebook's folder. Every rank of a job (``RANK`` set by torchrun), or the one
+  process running the notebook as written (``NBDDP_TEST_RECORD_AS=single``), or a process a launched command
+  started that is no rank (``NBDDP_LAUNCHED_INNER`` without ``RANK``: ``launched``) writes
+  ``<rank, single or launched>-<pid>.json`` at exit with every key below, and its ``WORLD_SIZE`` (``world``),
+  whether a launched command started it (``inner``), its ``argv`` and when it began and ended (``began``,
+  ``ended``); each loss is ``[optimizer, value]``, ``optimizer`` the newest optimizer's number.
 - the GPU proofs (``tests/gpu/prove_unsloth.py``): ``NBDDP_PROOF_RECORD`` names the folder, ``NBDDP_PROOF_ROOT``
   the notebook's folder. Every rank writes ``rank<RANK>-<pid>.json`` with ``passes``, ``losses`` (the values
   alone) and ``writes``; the weights are not hashed at each step (a GPU copy per step).
@@ -34,10 +37,12 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 if os.environ.get("NBDDP_TEST_RECORD"):
     FOLDER, ROOT_DIR = os.environ["NBDDP_TEST_RECORD"], os.environ.get("NBDDP_TEST_RECORD_ROOT")
-    LABEL = os.environ.get("NBDDP_TEST_RECORD_AS") or os.environ.get("RANK")
+    LABEL = (os.environ.get("NBDDP_TEST_RECORD_AS") or os.environ.get("RANK")
+             or ("launched" if os.environ.get("NBDDP_LAUNCHED_INNER") else None))
     NAME, WHOLE = f"{LABEL}-{os.getpid()}.json", True
 else:
     FOLDER, ROOT_DIR = os.environ.get("NBDDP_PROOF_RECORD"), os.environ.get("NBDDP_PROOF_ROOT")
@@ -45,7 +50,8 @@ else:
     NAME, WHOLE = f"rank{LABEL}-{os.getpid()}.json", False
 ROOT = os.path.realpath(ROOT_DIR or os.getcwd())
 
-record: dict = {"passes": [], "losses": [], "optimizers": [], "writes": []}
+record: dict = {"passes": [], "losses": [], "optimizers": [], "writes": [], "world": os.environ.get("WORLD_SIZE"),
+                "inner": bool(os.environ.get("NBDDP_LAUNCHED_INNER")), "began": time.time()}
 _optimizers: list = []
 
 
@@ -162,6 +168,7 @@ def _patch_saves(torch) -> None:
 
 
 def _write() -> None:
+    record.update(ended=time.time(), argv=sys.argv)
     os.makedirs(FOLDER, exist_ok=True)
     path = os.path.join(FOLDER, NAME)
     kept = record if WHOLE else {"passes": record["passes"], "losses": [v for _, v in record["losses"]],
