@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from conftest import write_notebook
 from nbddp.convert import convert_notebook
 from nbddp.job import run_job
 from nbddp.options import RunOptions
@@ -71,37 +72,48 @@ def same_on_both_ranks(tmp_path, name):
 # ------------------------------------------------------------------------------ 1. a second model
 
 
-SECOND_PEFT_MODEL = [
+#: Two scenarios of a model trained after a wrapped loop, in one job (one launch): plain models trained one after
+#: another (cells 3-6), then a PEFT model made from a trained one (cells 7-10). Their names are apart (the
+#: converter's facts are by name) and only the data cell is shared, as each scenario shares it between its models.
+SECOND_MODELS = [
     IMPORTS + "\nfrom peft import LoraConfig, get_peft_model",
     DATA,
-    NET + "\nmodule = Net()\noptimizer = torch.optim.SGD(module.parameters(), lr=0.01)",
+    NET + "\nmodel_1 = Net()\noptimizer_1 = torch.optim.SGD(model_1.parameters(), lr=0.01)",
+    loop("model_1", "optimizer_1"),
+    "model_2 = Net()\noptimizer_2 = torch.optim.SGD(model_2.parameters(), lr=0.01)",
+    loop("model_2", "optimizer_2", dump("model_1", "m1"), dump("model_2", "m2")),
+    "module = Net()\noptimizer = torch.optim.SGD(module.parameters(), lr=0.01)",
     loop("module", "optimizer"),
     'config = LoraConfig(r=2, target_modules=["fc1"])\npeft_model = get_peft_model(module, config)\n'
     "peft_optimizer = torch.optim.SGD(peft_model.parameters(), lr=0.05)",
     loop("peft_model", "peft_optimizer", dump("peft_model", "lora")),
 ]
 
-TWO_MODELS = [
-    IMPORTS,
-    DATA,
-    NET + "\nmodel_1 = Net()\noptimizer_1 = torch.optim.SGD(model_1.parameters(), lr=0.01)",
-    loop("model_1", "optimizer_1"),
-    "model_2 = Net()\noptimizer_2 = torch.optim.SGD(model_2.parameters(), lr=0.01)",
-    loop("model_2", "optimizer_2", dump("model_1", "m1"), dump("model_2", "m2")),
-]
+
+@pytest.fixture(scope="module")
+def second_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("second_models")
+    return folder, *run(folder, write_notebook(folder / "nb.ipynb", SECOND_MODELS))
 
 
-def test_a_peft_model_trained_after_a_wrapped_loop_is_wrapped_too(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(SECOND_PEFT_MODEL))
-    assert result.ok, (out[-3000:], result.failure)
-    assert same_on_both_ranks(tmp_path, "lora")
+def ran_to_its_cells(result, out, cells: range):
+    """The shared job ended well; where it failed, whether in this scenario's cells or before them."""
+    failure = result.failure
+    where = "this scenario's" if failure and failure.cell in cells else "another scenario's"
+    assert result.ok, (f"the shared job failed in {where} cell {failure and failure.cell}", out[-3000:], failure)
+
+
+def test_models_trained_one_after_another_are_each_wrapped(second_models):
+    folder, script, result, out = second_models
+    ran_to_its_cells(result, out, range(1, 7))
+    assert same_on_both_ranks(folder, "m1") and same_on_both_ranks(folder, "m2")
+
+
+def test_a_peft_model_trained_after_a_wrapped_loop_is_wrapped_too(second_models):
+    folder, script, result, out = second_models
+    ran_to_its_cells(result, out, range(7, 11))
+    assert same_on_both_ranks(folder, "lora")
     assert "peft_model = _nbddp.ddp(peft_model)" in script.text
-
-
-def test_models_trained_one_after_another_are_each_wrapped(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(TWO_MODELS))
-    assert result.ok, (out[-3000:], result.failure)
-    assert same_on_both_ranks(tmp_path, "m1") and same_on_both_ranks(tmp_path, "m2")
 
 
 # ------------------------------------------------------------------------------------ the safety net
