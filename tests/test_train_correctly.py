@@ -268,18 +268,6 @@ FACTORY_LOADERS = [
 ]
 
 
-def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_epoch(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(FACTORY_LOADERS))
-    assert result.ok, (out[-3000:], result.failure)
-    assert "evaluated on 32 samples" in out  # the whole test set, not rank 0's half
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
-    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
-    assert "_nbddp.set_epoch(train_dl, epoch)" in script.text
-
-
 #: The factory's own loader and the training function's parameter share a name (``data_loader``), as in
 #: bentrevett/pytorch-sentiment-analysis: the factory's loader is not the one the training loop iterates.
 FACTORY_SAME_NAME = [
@@ -307,11 +295,116 @@ FACTORY_SAME_NAME = [
 ]
 
 
-def test_a_factory_loader_named_as_a_training_functions_parameter_stays_whole_for_evaluation(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(FACTORY_SAME_NAME))
-    assert result.ok, (out[-3000:], result.failure)
-    assert out.count("validated on 32 samples") == 2 and "tested on 32 samples" in out, out[-2000:]  # not half
+#: 3. loaders with a RandomSampler of their own
+RANDOM_SAMPLER = [
+    IMPORTS + "\nfrom torch.utils.data import RandomSampler, SequentialSampler",
+    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "train_loader = DataLoader(train_ds, batch_size=8, sampler=RandomSampler(train_ds))\n"
+    "test_loader = DataLoader(test_ds, batch_size=8, sampler=SequentialSampler(test_ds))",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+#: a training loader from an imported helper, sharded when it runs
+HELPER_LOADER = [
+    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom helpers import create_dataloader",
+    FACTORY_LOADERS[1].split("\ndef ")[0] + "\ntrain_loader = create_dataloader(train_ds, batch_size=8)\n"
+    "test_loader = create_dataloader(test_ds, batch_size=8, shuffle=False)",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+
+# ------------------------------------------------- the four loader scenarios above, in one job (one launch)
+
+#: Each scenario's top-level names, suffixed in the shared job: the converter's facts about loaders and models are
+#: by name, so apart names keep one scenario's loaders from being judged by another's (each scenario's rewrites
+#: are those it gets alone). A wrong sharding does not stop a job, so each scenario's regression fails its own
+#: test alone. One difference: a scenario's evaluation cells that other scenarios' training follows run on every
+#: rank, not on rank 0 alone as after a job's last training; as telling, since a sharded test loader would give
+#: rank 0 half the samples either way.
+LOADER_SCENARIOS = {
+    "factory": (FACTORY_LOADERS, ("train_ds", "test_ds", "get_data_loader", "train_dl", "test_dl", "model",
+                                  "optimizer", "seen", "count")),
+    "same_name": (FACTORY_SAME_NAME, ("train_ds", "test_ds", "get_data_loader", "train_dl", "test_dl", "model",
+                                      "optimizer", "train", "evaluate")),
+    "random": (RANDOM_SAMPLER, ("train_ds", "test_ds", "train_loader", "test_loader", "model", "optimizer", "seen",
+                                "count")),
+    "helper": (HELPER_LOADER, ("train_ds", "test_ds", "train_loader", "test_loader", "model", "optimizer", "seen",
+                               "count")),
+}
+SAID = ("evaluated on", "validated on", "tested on")
+
+
+def apart(cells: list[str], suffix: str, names: tuple[str, ...]) -> list[str]:
+    """The scenario's cells with its names (and the files named after them) suffixed, its lines labelled."""
+    def one(cell: str) -> str:
+        for name in names:
+            cell = re.sub(rf"\b{name}\b", f"{name}_{suffix}", cell)
+        for phrase in SAID:
+            cell = cell.replace(phrase, f"{suffix} {phrase}")
+        return cell
+
+    return [one(cell) for cell in cells]
+
+
+@pytest.fixture(scope="module")
+def loaders(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loaders")
+    (folder / "helpers.py").write_text(
+        "from torch.utils.data import DataLoader\n\n"
+        "def create_dataloader(ds, batch_size, shuffle=True):\n"
+        "    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)\n"
+    )
+    cells = [c for suffix, (scenario, names) in LOADER_SCENARIOS.items() for c in apart(scenario, suffix, names)]
+    script, result, out = run(folder, write_notebook(folder / "nb.ipynb", cells))
+    assert result.ok, (out[-3000:], result.failure)  # a failure here fails each of the four tests
+    return folder, script, out
+
+
+def seen_by_rank(folder, suffix):
+    return [json.loads((folder / f"seen_{suffix}-{r}.json").read_text()) for r in (0, 1)]
+
+
+def each_epoch_split_between_the_ranks(seen):
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
+
+
+def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_epoch(loaders):
+    folder, script, out = loaders
+    assert "factory evaluated on 32 samples" in out  # the whole test set, not rank 0's half
+    seen = seen_by_rank(folder, "factory")
+    each_epoch_split_between_the_ranks(seen)
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+    assert "_nbddp.set_epoch(train_dl_factory, epoch)" in script.text
+
+
+def test_a_factory_loader_named_as_a_training_functions_parameter_stays_whole_for_evaluation(loaders):
+    folder, script, out = loaders
+    assert out.count("same_name validated on 32 samples") == 2 and "same_name tested on 32 samples" in out, \
+        out[-2000:]  # not half
     assert "sampler=_nbddp.distributed_sampler(dataset, shuffle=shuffle) if shuffle else None" in script.text
+
+
+def test_a_random_sampler_is_replaced_by_the_distributed_one(loaders):
+    folder, script, out = loaders
+    assert "random evaluated on 32 samples" in out
+    seen = seen_by_rank(folder, "random")
+    each_epoch_split_between_the_ranks(seen)
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+
+
+def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(loaders):
+    folder, script, out = loaders
+    assert "helper evaluated on 32 samples" in out
+    each_epoch_split_between_the_ranks(seen_by_rank(folder, "helper"))
 
 
 # ----------------------------------------------------------------------- 5. a trainer built by a helper
@@ -362,31 +455,6 @@ def test_files_saved_before_training_are_complete_before_any_rank_reads_them(tmp
     assert script.text.count("_nbddp.barrier()") == 2
 
 
-# ------------------------------------------------------------- 3. loaders with a RandomSampler of their own
-
-RANDOM_SAMPLER = [
-    IMPORTS + "\nfrom torch.utils.data import RandomSampler, SequentialSampler",
-    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
-    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
-    "train_loader = DataLoader(train_ds, batch_size=8, sampler=RandomSampler(train_ds))\n"
-    "test_loader = DataLoader(test_ds, batch_size=8, sampler=SequentialSampler(test_ds))",
-    FACTORY_LOADERS[2],
-    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
-    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
-]
-
-
-def test_a_random_sampler_is_replaced_by_the_distributed_one(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(RANDOM_SAMPLER))
-    assert result.ok, (out[-3000:], result.failure)
-    assert "evaluated on 32 samples" in out
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
-    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
-
-
 # ------------------------------------------------- 4. a plain loop and an Accelerate loop in one notebook
 
 PLAIN_THEN_ACCELERATE = [
@@ -421,31 +489,6 @@ def test_an_accelerate_loop_leaves_the_plain_loops_to_nbddp_and_notebook_launche
     assert accel[0] == accel[1] and accel[0]["processes"] == 2  # one job of 2, not a nested one per rank
     assert accel[0]["precision"] == "bf16"  # the launcher's mixed_precision= reaches the Accelerator
     assert "model = _nbddp.ddp(model)" not in script.text  # Accelerate's own model is left to it
-
-
-HELPER_LOADER = [
-    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom helpers import create_dataloader",
-    FACTORY_LOADERS[1].split("\ndef ")[0] + "\ntrain_loader = create_dataloader(train_ds, batch_size=8)\n"
-    "test_loader = create_dataloader(test_ds, batch_size=8, shuffle=False)",
-    FACTORY_LOADERS[2],
-    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
-    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
-]
-
-
-def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(tmp_path, notebook):
-    (tmp_path / "helpers.py").write_text(
-        "from torch.utils.data import DataLoader\n\n"
-        "def create_dataloader(ds, batch_size, shuffle=True):\n"
-        "    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)\n"
-    )
-    script, result, out = run(tmp_path, notebook(HELPER_LOADER))
-    assert result.ok, (out[-3000:], result.failure)
-    assert "evaluated on 32 samples" in out
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
 
 
 # ---------------------------------------------- 5. training through an imported helper (pytorch_dl's engine)
