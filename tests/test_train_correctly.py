@@ -320,7 +320,50 @@ HELPER_LOADER = [
 
 
 
-# ------------------------------------------------- the four loader scenarios above, in one job (one launch)
+#: training through an imported helper (pytorch_dl's engine)
+ENGINE = (
+    "import json, os\nimport torch\n\n"
+    "def train(model, train_dataloader, test_dataloader, optimizer, loss_fn, epochs, device):\n"
+    "    seen = {}\n"
+    "    for epoch in range(epochs):\n"
+    "        seen[epoch] = []\n"
+    "        model.train()\n"
+    "        for xb, yb in train_dataloader:\n"
+    "            seen[epoch] += xb.squeeze(1).long().tolist()\n"
+    "            loss = loss_fn(model(xb), yb)\n"
+    "            optimizer.zero_grad()\n"
+    "            loss.backward()\n"
+    "            optimizer.step()\n"
+    "        model.eval()\n"
+    "        with torch.inference_mode():\n"
+    "            tested = sum(len(xb) for xb, _ in test_dataloader)\n"
+    "    rank = os.environ['RANK']\n"
+    "    with open(f'seen-{rank}.json', 'w') as fh:\n"
+    "        json.dump(seen, fh)\n"
+    "    with open(f'weights-{rank}.json', 'w') as fh:\n"
+    "        json.dump({k: v.tolist() for k, v in model.named_parameters() if v.requires_grad}, fh)\n"
+    "    return {'tested': tested, 'loss': loss.item()}\n"
+)
+DATA_SETUP = (
+    "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n"
+    "def create_dataloaders(batch_size):\n"
+    "    train = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "    test = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "    return DataLoader(train, batch_size, shuffle=True), DataLoader(test, batch_size), ['y']\n"
+)
+HELPER_TRAINING = [
+    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom going_modular import data_setup, engine",
+    "train_dataloader, test_dataloader, class_names = data_setup.create_dataloaders(batch_size=8)",
+    "torch.manual_seed(0)\nmodel = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))\n"
+    "for param in model[0].parameters():\n    param.requires_grad = False\nmodel[2] = nn.Linear(8, 1)",
+    "optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)",
+    "results = engine.train(model=model, train_dataloader=train_dataloader, test_dataloader=test_dataloader,\n"
+    "                       optimizer=optimizer, loss_fn=nn.MSELoss(), epochs=2, device='cpu')",
+    "print(f\"tested on {results['tested']} samples\")\ntorch.save(model.state_dict(), 'model.pth')",
+]
+
+
+# ------------------------------------------------- the five loader scenarios above, in one job (one launch)
 
 #: Each scenario's top-level names, suffixed in the shared job: the converter's facts about loaders and models are
 #: by name, so apart names keep one scenario's loaders from being judged by another's (each scenario's rewrites
@@ -337,6 +380,9 @@ LOADER_SCENARIOS = {
                                 "count")),
     "helper": (HELPER_LOADER, ("train_ds", "test_ds", "train_loader", "test_loader", "model", "optimizer", "seen",
                                "count")),
+    # last, as alone: what follows its training runs on rank 0 alone (its files keep the engine's names)
+    "engine": (HELPER_TRAINING, ("train_dataloader", "test_dataloader", "class_names", "model", "optimizer",
+                                 "results")),
 }
 SAID = ("evaluated on", "validated on", "tested on")
 
@@ -345,7 +391,7 @@ def apart(cells: list[str], suffix: str, names: tuple[str, ...]) -> list[str]:
     """The scenario's cells with its names (and the files named after them) suffixed, its lines labelled."""
     def one(cell: str) -> str:
         for name in names:
-            cell = re.sub(rf"\b{name}\b", f"{name}_{suffix}", cell)
+            cell = re.sub(rf"\b{name}\b(?!=[^=])", f"{name}_{suffix}", cell)  # a keyword (name=…) stays
         for phrase in SAID:
             cell = cell.replace(phrase, f"{suffix} {phrase}")
         return cell
@@ -361,9 +407,14 @@ def loaders(tmp_path_factory):
         "def create_dataloader(ds, batch_size, shuffle=True):\n"
         "    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)\n"
     )
+    package = folder / "going_modular"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text(ENGINE)
+    (package / "data_setup.py").write_text(DATA_SETUP)
     cells = [c for suffix, (scenario, names) in LOADER_SCENARIOS.items() for c in apart(scenario, suffix, names)]
     script, result, out = run(folder, write_notebook(folder / "nb.ipynb", cells))
-    assert result.ok, (out[-3000:], result.failure)  # a failure here fails each of the four tests
+    assert result.ok, (out[-3000:], result.failure)  # a failure here fails each of the five tests
     return folder, script, out
 
 
@@ -405,6 +456,17 @@ def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(loade
     folder, script, out = loaders
     assert "helper evaluated on 32 samples" in out
     each_epoch_split_between_the_ranks(seen_by_rank(folder, "helper"))
+
+
+def test_training_through_an_imported_helper_is_distributed(loaders):
+    """pytorch_dl 06–09 train with ``engine.train(model=…, optimizer=…)`` from ``going_modular``: nbddp sees
+    no loop, only what goes in. The model (features frozen, head replaced) is wrapped after those changes,
+    the training loader is sharded as it goes in, and the rest runs on rank 0."""
+    folder, script, out = loaders
+    assert out.count("engine tested on 32 samples") == 1  # the whole test set, printed by rank 0
+    each_epoch_split_between_the_ranks([json.loads((folder / f"seen-{r}.json").read_text()) for r in (0, 1)])
+    assert same_on_both_ranks(folder, "weights")
+    assert (folder / "model_engine.pth").exists() and "2.weight" in torch_keys(folder / "model_engine.pth")
 
 
 # ----------------------------------------------------------------------- 5. a trainer built by a helper
@@ -489,70 +551,6 @@ def test_an_accelerate_loop_leaves_the_plain_loops_to_nbddp_and_notebook_launche
     assert accel[0] == accel[1] and accel[0]["processes"] == 2  # one job of 2, not a nested one per rank
     assert accel[0]["precision"] == "bf16"  # the launcher's mixed_precision= reaches the Accelerator
     assert "model = _nbddp.ddp(model)" not in script.text  # Accelerate's own model is left to it
-
-
-# ---------------------------------------------- 5. training through an imported helper (pytorch_dl's engine)
-
-ENGINE = (
-    "import json, os\nimport torch\n\n"
-    "def train(model, train_dataloader, test_dataloader, optimizer, loss_fn, epochs, device):\n"
-    "    seen = {}\n"
-    "    for epoch in range(epochs):\n"
-    "        seen[epoch] = []\n"
-    "        model.train()\n"
-    "        for xb, yb in train_dataloader:\n"
-    "            seen[epoch] += xb.squeeze(1).long().tolist()\n"
-    "            loss = loss_fn(model(xb), yb)\n"
-    "            optimizer.zero_grad()\n"
-    "            loss.backward()\n"
-    "            optimizer.step()\n"
-    "        model.eval()\n"
-    "        with torch.inference_mode():\n"
-    "            tested = sum(len(xb) for xb, _ in test_dataloader)\n"
-    "    rank = os.environ['RANK']\n"
-    "    with open(f'seen-{rank}.json', 'w') as fh:\n"
-    "        json.dump(seen, fh)\n"
-    "    with open(f'weights-{rank}.json', 'w') as fh:\n"
-    "        json.dump({k: v.tolist() for k, v in model.named_parameters() if v.requires_grad}, fh)\n"
-    "    return {'tested': tested, 'loss': loss.item()}\n"
-)
-DATA_SETUP = (
-    "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n"
-    "def create_dataloaders(batch_size):\n"
-    "    train = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
-    "    test = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
-    "    return DataLoader(train, batch_size, shuffle=True), DataLoader(test, batch_size), ['y']\n"
-)
-HELPER_TRAINING = [
-    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom going_modular import data_setup, engine",
-    "train_dataloader, test_dataloader, class_names = data_setup.create_dataloaders(batch_size=8)",
-    "torch.manual_seed(0)\nmodel = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))\n"
-    "for param in model[0].parameters():\n    param.requires_grad = False\nmodel[2] = nn.Linear(8, 1)",
-    "optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)",
-    "results = engine.train(model=model, train_dataloader=train_dataloader, test_dataloader=test_dataloader,\n"
-    "                       optimizer=optimizer, loss_fn=nn.MSELoss(), epochs=2, device='cpu')",
-    "print(f\"tested on {results['tested']} samples\")\ntorch.save(model.state_dict(), 'model.pth')",
-]
-
-
-def test_training_through_an_imported_helper_is_distributed(tmp_path, notebook):
-    """pytorch_dl 06–09 train with ``engine.train(model=…, optimizer=…)`` from ``going_modular``: nbddp sees
-    no loop, only what goes in. The model (features frozen, head replaced) is wrapped after those changes,
-    the training loader is sharded as it goes in, and the rest runs on rank 0."""
-    package = tmp_path / "going_modular"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "engine.py").write_text(ENGINE)
-    (package / "data_setup.py").write_text(DATA_SETUP)
-    script, result, out = run(tmp_path, notebook(HELPER_TRAINING))
-    assert result.ok, (out[-3000:], result.failure)
-    assert out.count("tested on 32 samples") == 1  # the whole test set, printed by rank 0
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
-    assert same_on_both_ranks(tmp_path, "weights")
-    assert (tmp_path / "model.pth").exists() and "2.weight" in torch_keys(tmp_path / "model.pth")
 
 
 def torch_keys(path):
