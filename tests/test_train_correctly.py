@@ -16,6 +16,10 @@ from nbddp.options import RunOptions
 from views import Said
 
 pytestmark = pytest.mark.e2e
+#: The tests reading one module-scoped job: under pytest-xdist's ``--dist loadgroup`` they run on one worker, so
+#: the job is launched once (under plain ``-n``, once per worker that gets one of them).
+SHARED_SECOND_MODELS = pytest.mark.xdist_group("train_correctly_second_models")
+SHARED_LOADERS = pytest.mark.xdist_group("train_correctly_loaders")
 
 IMPORTS = (
     "import json, os\nimport torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, TensorDataset"
@@ -103,12 +107,14 @@ def ran_to_its_cells(result, out, cells: range):
     assert result.ok, (f"the shared job failed in {where} cell {failure and failure.cell}", out[-3000:], failure)
 
 
+@SHARED_SECOND_MODELS
 def test_models_trained_one_after_another_are_each_wrapped(second_models):
     folder, script, result, out = second_models
     ran_to_its_cells(result, out, range(1, 7))
     assert same_on_both_ranks(folder, "m1") and same_on_both_ranks(folder, "m2")
 
 
+@SHARED_SECOND_MODELS
 def test_a_peft_model_trained_after_a_wrapped_loop_is_wrapped_too(second_models):
     folder, script, result, out = second_models
     ran_to_its_cells(result, out, range(7, 11))
@@ -428,6 +434,7 @@ def each_epoch_split_between_the_ranks(seen):
         assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
 
 
+@SHARED_LOADERS
 def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_epoch(loaders):
     folder, script, out = loaders
     assert "factory evaluated on 32 samples" in out  # the whole test set, not rank 0's half
@@ -437,6 +444,7 @@ def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_
     assert "_nbddp.set_epoch(train_dl_factory, epoch)" in script.text
 
 
+@SHARED_LOADERS
 def test_a_factory_loader_named_as_a_training_functions_parameter_stays_whole_for_evaluation(loaders):
     folder, script, out = loaders
     assert out.count("same_name validated on 32 samples") == 2 and "same_name tested on 32 samples" in out, \
@@ -444,6 +452,7 @@ def test_a_factory_loader_named_as_a_training_functions_parameter_stays_whole_fo
     assert "sampler=_nbddp.distributed_sampler(dataset, shuffle=shuffle) if shuffle else None" in script.text
 
 
+@SHARED_LOADERS
 def test_a_random_sampler_is_replaced_by_the_distributed_one(loaders):
     folder, script, out = loaders
     assert "random evaluated on 32 samples" in out
@@ -452,12 +461,14 @@ def test_a_random_sampler_is_replaced_by_the_distributed_one(loaders):
     assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
 
 
+@SHARED_LOADERS
 def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(loaders):
     folder, script, out = loaders
     assert "helper evaluated on 32 samples" in out
     each_epoch_split_between_the_ranks(seen_by_rank(folder, "helper"))
 
 
+@SHARED_LOADERS
 def test_training_through_an_imported_helper_is_distributed(loaders):
     """pytorch_dl 06–09 train with ``engine.train(model=…, optimizer=…)`` from ``going_modular``: nbddp sees
     no loop, only what goes in. The model (features frozen, head replaced) is wrapped after those changes,
