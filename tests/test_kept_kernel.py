@@ -162,13 +162,21 @@ torch.distributed.all_reduce(torch.zeros(1))
 """
 
 
+#: What the kept jobs that only need to be up train: a plain loop, torch alone in the ranks (how a kept job
+#: ends does not depend on what it trained; the Trainer's kept job is the test above).
+SMALL_SETUP = ("%%ddp_setup\nimport torch\nmodel = torch.nn.Linear(4, 1)\n"
+               "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+SMALL_TRAIN = ("%%ddp_train --keep --nproc 2\nfor _ in range(3):\n    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+               "    optimizer.zero_grad()\n    loss.backward()\n    optimizer.step()\n")
+
+
 @pytest.mark.parametrize("how", ["restart", "kill", "one rank fails", "idle limit"])
 def test_kept_job_ends_with_its_kernel(tmp_path, how):
     nb, client = _client(tmp_path)
     env = kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))
     with client.setup_kernel(env=env):
-        train = TRAIN.replace("--keep", "--keep --idle-limit 0.2") if how == "idle limit" else TRAIN
-        cells = _run(client, nb, ["%load_ext nbddp", SETUP, train])
+        train = SMALL_TRAIN.replace("--keep", "--keep --idle-limit 0.2") if how == "idle limit" else SMALL_TRAIN
+        cells = _run(client, nb, ["%load_ext nbddp", SMALL_SETUP, train])
         assert not any(errors(c) for c in cells), [errors(c) for c in cells]
         family = _kernel_family(client)
         assert len(family) >= 4

@@ -9,12 +9,17 @@ import re
 
 import pytest
 
+from conftest import write_notebook
 from nbddp.convert import convert_notebook
 from nbddp.job import run_job
 from nbddp.options import RunOptions
 from views import Said
 
 pytestmark = pytest.mark.e2e
+#: The tests reading one module-scoped job: under pytest-xdist's ``--dist loadgroup`` they run on one worker, so
+#: the job is launched once (under plain ``-n``, once per worker that gets one of them).
+SHARED_SECOND_MODELS = pytest.mark.xdist_group("train_correctly_second_models")
+SHARED_LOADERS = pytest.mark.xdist_group("train_correctly_loaders")
 
 IMPORTS = (
     "import json, os\nimport torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, TensorDataset"
@@ -71,37 +76,50 @@ def same_on_both_ranks(tmp_path, name):
 # ------------------------------------------------------------------------------ 1. a second model
 
 
-SECOND_PEFT_MODEL = [
+#: Two scenarios of a model trained after a wrapped loop, in one job (one launch): plain models trained one after
+#: another (cells 3-6), then a PEFT model made from a trained one (cells 7-10). Their names are apart (the
+#: converter's facts are by name) and only the data cell is shared, as each scenario shares it between its models.
+SECOND_MODELS = [
     IMPORTS + "\nfrom peft import LoraConfig, get_peft_model",
     DATA,
-    NET + "\nmodule = Net()\noptimizer = torch.optim.SGD(module.parameters(), lr=0.01)",
+    NET + "\nmodel_1 = Net()\noptimizer_1 = torch.optim.SGD(model_1.parameters(), lr=0.01)",
+    loop("model_1", "optimizer_1"),
+    "model_2 = Net()\noptimizer_2 = torch.optim.SGD(model_2.parameters(), lr=0.01)",
+    loop("model_2", "optimizer_2", dump("model_1", "m1"), dump("model_2", "m2")),
+    "module = Net()\noptimizer = torch.optim.SGD(module.parameters(), lr=0.01)",
     loop("module", "optimizer"),
     'config = LoraConfig(r=2, target_modules=["fc1"])\npeft_model = get_peft_model(module, config)\n'
     "peft_optimizer = torch.optim.SGD(peft_model.parameters(), lr=0.05)",
     loop("peft_model", "peft_optimizer", dump("peft_model", "lora")),
 ]
 
-TWO_MODELS = [
-    IMPORTS,
-    DATA,
-    NET + "\nmodel_1 = Net()\noptimizer_1 = torch.optim.SGD(model_1.parameters(), lr=0.01)",
-    loop("model_1", "optimizer_1"),
-    "model_2 = Net()\noptimizer_2 = torch.optim.SGD(model_2.parameters(), lr=0.01)",
-    loop("model_2", "optimizer_2", dump("model_1", "m1"), dump("model_2", "m2")),
-]
+
+@pytest.fixture(scope="module")
+def second_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("second_models")
+    return folder, *run(folder, write_notebook(folder / "nb.ipynb", SECOND_MODELS))
 
 
-def test_a_peft_model_trained_after_a_wrapped_loop_is_wrapped_too(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(SECOND_PEFT_MODEL))
-    assert result.ok, (out[-3000:], result.failure)
-    assert same_on_both_ranks(tmp_path, "lora")
+def ran_to_its_cells(result, out, cells: range):
+    """The shared job ended well; where it failed, whether in this scenario's cells or before them."""
+    failure = result.failure
+    where = "this scenario's" if failure and failure.cell in cells else "another scenario's"
+    assert result.ok, (f"the shared job failed in {where} cell {failure and failure.cell}", out[-3000:], failure)
+
+
+@SHARED_SECOND_MODELS
+def test_models_trained_one_after_another_are_each_wrapped(second_models):
+    folder, script, result, out = second_models
+    ran_to_its_cells(result, out, range(1, 7))
+    assert same_on_both_ranks(folder, "m1") and same_on_both_ranks(folder, "m2")
+
+
+@SHARED_SECOND_MODELS
+def test_a_peft_model_trained_after_a_wrapped_loop_is_wrapped_too(second_models):
+    folder, script, result, out = second_models
+    ran_to_its_cells(result, out, range(7, 11))
+    assert same_on_both_ranks(folder, "lora")
     assert "peft_model = _nbddp.ddp(peft_model)" in script.text
-
-
-def test_models_trained_one_after_another_are_each_wrapped(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(TWO_MODELS))
-    assert result.ok, (out[-3000:], result.failure)
-    assert same_on_both_ranks(tmp_path, "m1") and same_on_both_ranks(tmp_path, "m2")
 
 
 # ------------------------------------------------------------------------------------ the safety net
@@ -256,18 +274,6 @@ FACTORY_LOADERS = [
 ]
 
 
-def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_epoch(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(FACTORY_LOADERS))
-    assert result.ok, (out[-3000:], result.failure)
-    assert "evaluated on 32 samples" in out  # the whole test set, not rank 0's half
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
-    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
-    assert "_nbddp.set_epoch(train_dl, epoch)" in script.text
-
-
 #: The factory's own loader and the training function's parameter share a name (``data_loader``), as in
 #: bentrevett/pytorch-sentiment-analysis: the factory's loader is not the one the training loop iterates.
 FACTORY_SAME_NAME = [
@@ -295,11 +301,183 @@ FACTORY_SAME_NAME = [
 ]
 
 
-def test_a_factory_loader_named_as_a_training_functions_parameter_stays_whole_for_evaluation(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(FACTORY_SAME_NAME))
-    assert result.ok, (out[-3000:], result.failure)
-    assert out.count("validated on 32 samples") == 2 and "tested on 32 samples" in out, out[-2000:]  # not half
+#: 3. loaders with a RandomSampler of their own
+RANDOM_SAMPLER = [
+    IMPORTS + "\nfrom torch.utils.data import RandomSampler, SequentialSampler",
+    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "train_loader = DataLoader(train_ds, batch_size=8, sampler=RandomSampler(train_ds))\n"
+    "test_loader = DataLoader(test_ds, batch_size=8, sampler=SequentialSampler(test_ds))",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+#: a training loader from an imported helper, sharded when it runs
+HELPER_LOADER = [
+    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom helpers import create_dataloader",
+    FACTORY_LOADERS[1].split("\ndef ")[0] + "\ntrain_loader = create_dataloader(train_ds, batch_size=8)\n"
+    "test_loader = create_dataloader(test_ds, batch_size=8, shuffle=False)",
+    FACTORY_LOADERS[2],
+    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
+    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
+]
+
+
+
+#: training through an imported helper (pytorch_dl's engine)
+ENGINE = (
+    "import json, os\nimport torch\n\n"
+    "def train(model, train_dataloader, test_dataloader, optimizer, loss_fn, epochs, device):\n"
+    "    seen = {}\n"
+    "    for epoch in range(epochs):\n"
+    "        seen[epoch] = []\n"
+    "        model.train()\n"
+    "        for xb, yb in train_dataloader:\n"
+    "            seen[epoch] += xb.squeeze(1).long().tolist()\n"
+    "            loss = loss_fn(model(xb), yb)\n"
+    "            optimizer.zero_grad()\n"
+    "            loss.backward()\n"
+    "            optimizer.step()\n"
+    "        model.eval()\n"
+    "        with torch.inference_mode():\n"
+    "            tested = sum(len(xb) for xb, _ in test_dataloader)\n"
+    "    rank = os.environ['RANK']\n"
+    "    with open(f'seen-{rank}.json', 'w') as fh:\n"
+    "        json.dump(seen, fh)\n"
+    "    with open(f'weights-{rank}.json', 'w') as fh:\n"
+    "        json.dump({k: v.tolist() for k, v in model.named_parameters() if v.requires_grad}, fh)\n"
+    "    return {'tested': tested, 'loss': loss.item()}\n"
+)
+DATA_SETUP = (
+    "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n"
+    "def create_dataloaders(batch_size):\n"
+    "    train = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
+    "    test = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
+    "    return DataLoader(train, batch_size, shuffle=True), DataLoader(test, batch_size), ['y']\n"
+)
+HELPER_TRAINING = [
+    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom going_modular import data_setup, engine",
+    "train_dataloader, test_dataloader, class_names = data_setup.create_dataloaders(batch_size=8)",
+    "torch.manual_seed(0)\nmodel = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))\n"
+    "for param in model[0].parameters():\n    param.requires_grad = False\nmodel[2] = nn.Linear(8, 1)",
+    "optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)",
+    "results = engine.train(model=model, train_dataloader=train_dataloader, test_dataloader=test_dataloader,\n"
+    "                       optimizer=optimizer, loss_fn=nn.MSELoss(), epochs=2, device='cpu')",
+    "print(f\"tested on {results['tested']} samples\")\ntorch.save(model.state_dict(), 'model.pth')",
+]
+
+
+# ------------------------------------------------- the five loader scenarios above, in one job (one launch)
+
+#: Each scenario's top-level names, suffixed in the shared job: the converter's facts about loaders and models are
+#: by name, so apart names keep one scenario's loaders from being judged by another's (each scenario's rewrites
+#: are those it gets alone). A wrong sharding does not stop a job, so each scenario's regression fails its own
+#: test alone. One difference: a scenario's evaluation cells that other scenarios' training follows run on every
+#: rank, not on rank 0 alone as after a job's last training; as telling, since a sharded test loader would give
+#: rank 0 half the samples either way.
+LOADER_SCENARIOS = {
+    "factory": (FACTORY_LOADERS, ("train_ds", "test_ds", "get_data_loader", "train_dl", "test_dl", "model",
+                                  "optimizer", "seen", "count")),
+    "same_name": (FACTORY_SAME_NAME, ("train_ds", "test_ds", "get_data_loader", "train_dl", "test_dl", "model",
+                                      "optimizer", "train", "evaluate")),
+    "random": (RANDOM_SAMPLER, ("train_ds", "test_ds", "train_loader", "test_loader", "model", "optimizer", "seen",
+                                "count")),
+    "helper": (HELPER_LOADER, ("train_ds", "test_ds", "train_loader", "test_loader", "model", "optimizer", "seen",
+                               "count")),
+    # last, as alone: what follows its training runs on rank 0 alone (its files keep the engine's names)
+    "engine": (HELPER_TRAINING, ("train_dataloader", "test_dataloader", "class_names", "model", "optimizer",
+                                 "results")),
+}
+SAID = ("evaluated on", "validated on", "tested on")
+
+
+def apart(cells: list[str], suffix: str, names: tuple[str, ...]) -> list[str]:
+    """The scenario's cells with its names (and the files named after them) suffixed, its lines labelled."""
+    def one(cell: str) -> str:
+        for name in names:
+            cell = re.sub(rf"\b{name}\b(?!=[^=])", f"{name}_{suffix}", cell)  # a keyword (name=…) stays
+        for phrase in SAID:
+            cell = cell.replace(phrase, f"{suffix} {phrase}")
+        return cell
+
+    return [one(cell) for cell in cells]
+
+
+@pytest.fixture(scope="module")
+def loaders(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loaders")
+    (folder / "helpers.py").write_text(
+        "from torch.utils.data import DataLoader\n\n"
+        "def create_dataloader(ds, batch_size, shuffle=True):\n"
+        "    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)\n"
+    )
+    package = folder / "going_modular"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text(ENGINE)
+    (package / "data_setup.py").write_text(DATA_SETUP)
+    cells = [c for suffix, (scenario, names) in LOADER_SCENARIOS.items() for c in apart(scenario, suffix, names)]
+    script, result, out = run(folder, write_notebook(folder / "nb.ipynb", cells))
+    assert result.ok, (out[-3000:], result.failure)  # a failure here fails each of the five tests
+    return folder, script, out
+
+
+def seen_by_rank(folder, suffix):
+    return [json.loads((folder / f"seen_{suffix}-{r}.json").read_text()) for r in (0, 1)]
+
+
+def each_epoch_split_between_the_ranks(seen):
+    for epoch in ("0", "1"):
+        a, b = seen[0][epoch], seen[1][epoch]
+        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
+
+
+@SHARED_LOADERS
+def test_loaders_from_a_factory_shard_the_training_data_only_and_reshuffle_each_epoch(loaders):
+    folder, script, out = loaders
+    assert "factory evaluated on 32 samples" in out  # the whole test set, not rank 0's half
+    seen = seen_by_rank(folder, "factory")
+    each_epoch_split_between_the_ranks(seen)
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+    assert "_nbddp.set_epoch(train_dl_factory, epoch)" in script.text
+
+
+@SHARED_LOADERS
+def test_a_factory_loader_named_as_a_training_functions_parameter_stays_whole_for_evaluation(loaders):
+    folder, script, out = loaders
+    assert out.count("same_name validated on 32 samples") == 2 and "same_name tested on 32 samples" in out, \
+        out[-2000:]  # not half
     assert "sampler=_nbddp.distributed_sampler(dataset, shuffle=shuffle) if shuffle else None" in script.text
+
+
+@SHARED_LOADERS
+def test_a_random_sampler_is_replaced_by_the_distributed_one(loaders):
+    folder, script, out = loaders
+    assert "random evaluated on 32 samples" in out
+    seen = seen_by_rank(folder, "random")
+    each_epoch_split_between_the_ranks(seen)
+    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
+
+
+@SHARED_LOADERS
+def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(loaders):
+    folder, script, out = loaders
+    assert "helper evaluated on 32 samples" in out
+    each_epoch_split_between_the_ranks(seen_by_rank(folder, "helper"))
+
+
+@SHARED_LOADERS
+def test_training_through_an_imported_helper_is_distributed(loaders):
+    """pytorch_dl 06–09 train with ``engine.train(model=…, optimizer=…)`` from ``going_modular``: nbddp sees
+    no loop, only what goes in. The model (features frozen, head replaced) is wrapped after those changes,
+    the training loader is sharded as it goes in, and the rest runs on rank 0."""
+    folder, script, out = loaders
+    assert out.count("engine tested on 32 samples") == 1  # the whole test set, printed by rank 0
+    each_epoch_split_between_the_ranks([json.loads((folder / f"seen-{r}.json").read_text()) for r in (0, 1)])
+    assert same_on_both_ranks(folder, "weights")
+    assert (folder / "model_engine.pth").exists() and "2.weight" in torch_keys(folder / "model_engine.pth")
 
 
 # ----------------------------------------------------------------------- 5. a trainer built by a helper
@@ -350,31 +528,6 @@ def test_files_saved_before_training_are_complete_before_any_rank_reads_them(tmp
     assert script.text.count("_nbddp.barrier()") == 2
 
 
-# ------------------------------------------------------------- 3. loaders with a RandomSampler of their own
-
-RANDOM_SAMPLER = [
-    IMPORTS + "\nfrom torch.utils.data import RandomSampler, SequentialSampler",
-    "train_ds = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
-    "test_ds = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
-    "train_loader = DataLoader(train_ds, batch_size=8, sampler=RandomSampler(train_ds))\n"
-    "test_loader = DataLoader(test_ds, batch_size=8, sampler=SequentialSampler(test_ds))",
-    FACTORY_LOADERS[2],
-    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
-    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
-]
-
-
-def test_a_random_sampler_is_replaced_by_the_distributed_one(tmp_path, notebook):
-    script, result, out = run(tmp_path, notebook(RANDOM_SAMPLER))
-    assert result.ok, (out[-3000:], result.failure)
-    assert "evaluated on 32 samples" in out
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
-    assert seen[0]["0"] != seen[0]["1"]  # set_epoch reshuffled
-
-
 # ------------------------------------------------- 4. a plain loop and an Accelerate loop in one notebook
 
 PLAIN_THEN_ACCELERATE = [
@@ -409,95 +562,6 @@ def test_an_accelerate_loop_leaves_the_plain_loops_to_nbddp_and_notebook_launche
     assert accel[0] == accel[1] and accel[0]["processes"] == 2  # one job of 2, not a nested one per rank
     assert accel[0]["precision"] == "bf16"  # the launcher's mixed_precision= reaches the Accelerator
     assert "model = _nbddp.ddp(model)" not in script.text  # Accelerate's own model is left to it
-
-
-HELPER_LOADER = [
-    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom helpers import create_dataloader",
-    FACTORY_LOADERS[1].split("\ndef ")[0] + "\ntrain_loader = create_dataloader(train_ds, batch_size=8)\n"
-    "test_loader = create_dataloader(test_ds, batch_size=8, shuffle=False)",
-    FACTORY_LOADERS[2],
-    FACTORY_LOADERS[3].replace("train_dl", "train_loader"),
-    FACTORY_LOADERS[4].replace("test_dl", "test_loader"),
-]
-
-
-def test_a_training_loader_from_an_imported_helper_is_sharded_when_it_runs(tmp_path, notebook):
-    (tmp_path / "helpers.py").write_text(
-        "from torch.utils.data import DataLoader\n\n"
-        "def create_dataloader(ds, batch_size, shuffle=True):\n"
-        "    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle)\n"
-    )
-    script, result, out = run(tmp_path, notebook(HELPER_LOADER))
-    assert result.ok, (out[-3000:], result.failure)
-    assert "evaluated on 32 samples" in out
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
-
-
-# ---------------------------------------------- 5. training through an imported helper (pytorch_dl's engine)
-
-ENGINE = (
-    "import json, os\nimport torch\n\n"
-    "def train(model, train_dataloader, test_dataloader, optimizer, loss_fn, epochs, device):\n"
-    "    seen = {}\n"
-    "    for epoch in range(epochs):\n"
-    "        seen[epoch] = []\n"
-    "        model.train()\n"
-    "        for xb, yb in train_dataloader:\n"
-    "            seen[epoch] += xb.squeeze(1).long().tolist()\n"
-    "            loss = loss_fn(model(xb), yb)\n"
-    "            optimizer.zero_grad()\n"
-    "            loss.backward()\n"
-    "            optimizer.step()\n"
-    "        model.eval()\n"
-    "        with torch.inference_mode():\n"
-    "            tested = sum(len(xb) for xb, _ in test_dataloader)\n"
-    "    rank = os.environ['RANK']\n"
-    "    with open(f'seen-{rank}.json', 'w') as fh:\n"
-    "        json.dump(seen, fh)\n"
-    "    with open(f'weights-{rank}.json', 'w') as fh:\n"
-    "        json.dump({k: v.tolist() for k, v in model.named_parameters() if v.requires_grad}, fh)\n"
-    "    return {'tested': tested, 'loss': loss.item()}\n"
-)
-DATA_SETUP = (
-    "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n"
-    "def create_dataloaders(batch_size):\n"
-    "    train = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.arange(64).float().unsqueeze(1) * 3)\n"
-    "    test = TensorDataset(torch.arange(32).float().unsqueeze(1), torch.arange(32).float().unsqueeze(1) * 3)\n"
-    "    return DataLoader(train, batch_size, shuffle=True), DataLoader(test, batch_size), ['y']\n"
-)
-HELPER_TRAINING = [
-    IMPORTS + "\nimport sys\nsys.path.insert(0, os.getcwd())\nfrom going_modular import data_setup, engine",
-    "train_dataloader, test_dataloader, class_names = data_setup.create_dataloaders(batch_size=8)",
-    "torch.manual_seed(0)\nmodel = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))\n"
-    "for param in model[0].parameters():\n    param.requires_grad = False\nmodel[2] = nn.Linear(8, 1)",
-    "optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)",
-    "results = engine.train(model=model, train_dataloader=train_dataloader, test_dataloader=test_dataloader,\n"
-    "                       optimizer=optimizer, loss_fn=nn.MSELoss(), epochs=2, device='cpu')",
-    "print(f\"tested on {results['tested']} samples\")\ntorch.save(model.state_dict(), 'model.pth')",
-]
-
-
-def test_training_through_an_imported_helper_is_distributed(tmp_path, notebook):
-    """pytorch_dl 06–09 train with ``engine.train(model=…, optimizer=…)`` from ``going_modular``: nbddp sees
-    no loop, only what goes in. The model (features frozen, head replaced) is wrapped after those changes,
-    the training loader is sharded as it goes in, and the rest runs on rank 0."""
-    package = tmp_path / "going_modular"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "engine.py").write_text(ENGINE)
-    (package / "data_setup.py").write_text(DATA_SETUP)
-    script, result, out = run(tmp_path, notebook(HELPER_TRAINING))
-    assert result.ok, (out[-3000:], result.failure)
-    assert out.count("tested on 32 samples") == 1  # the whole test set, printed by rank 0
-    seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1)]
-    for epoch in ("0", "1"):
-        a, b = seen[0][epoch], seen[1][epoch]
-        assert len(a) == len(b) == 32 and not set(a) & set(b) and set(a) | set(b) == set(range(64))
-    assert same_on_both_ranks(tmp_path, "weights")
-    assert (tmp_path / "model.pth").exists() and "2.weight" in torch_keys(tmp_path / "model.pth")
 
 
 def torch_keys(path):
