@@ -29,7 +29,7 @@ test-fast: $(STAMP)  ## the tests that start no process (a few minutes)
 
 test-e2e: $(STAMP)  ## the tests that start processes: torchrun on 2 gloo ranks, kernels, the nbddp CLI
 	$(PY) -m compileall -q src
-	$(PY) -m pytest -q -n 2 -m 'e2e and not browser and not colab'
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m 'e2e and not browser and not colab'
 
 # Chromium comes from the system's packages (never a browser download): installed with apt where this can.
 CHROMIUM_HINT := no chromium: install your system's package (Debian/Ubuntu: apt-get install -y chromium) and run make test-browser again

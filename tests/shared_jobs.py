@@ -46,3 +46,17 @@ def greeting_job(tmp_path_factory) -> Launched:
                   RunOptions(every_rank=True, nproc=2, runs_dir=folder / "runs", env={"NBDDP_SEED": str(GREETING_SEED)}),
                   Said(said, run_dir=True))
     return Launched(folder, job, said)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (make test-e2e runs --dist loadgroup)
+def pytest_collection_modifyitems(items):
+    """The tests reading a session job form one xdist group, so they run on one worker and the job is launched
+    once, not once per worker."""
+    for item in items:
+        for name in SESSION_JOBS:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(name))
+
+
+#: The session-scoped job fixtures above, by name.
+SESSION_JOBS = ("greeting_job",)
