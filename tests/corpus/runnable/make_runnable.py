@@ -284,7 +284,7 @@ NOTEBOOKS = {
             (26, "seg_loss = monai.losses.DiceCELoss(sigmoid=True, squared_pred=True, reduction='mean')",
              f"seg_loss = torch.nn.BCEWithLogitsLoss()  {MARK} monai is not installed: its DiceCELoss's "
              "cross-entropy term alone"),
-            (27, "num_epochs = 100", f"num_epochs = 3  {MARK} fewer epochs"),
+            (27, "num_epochs = 100", f"num_epochs = 2  {MARK} fewer epochs"),
         ],
         "tiny": ["sam", "breast_cancer"],
         "train_size": 32,
