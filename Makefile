@@ -21,10 +21,14 @@ demo: $(STAMP)  ## train the embedded tiny model on 2 processes (CPU/gloo withou
 # running nbddp) is marked e2e, one that starts none is not. The fast lane runs first, so a quick failure shows early.
 test: test-fast test-e2e  ## the full test suite, as CI runs it
 
+# Bytecode for nbddp written once before the tests: every launch starts Python processes that import it, and
+# where PYTHONDONTWRITEBYTECODE is set (as on CI) each would compile it again.
 test-fast: $(STAMP)  ## the tests that start no process (a few minutes)
+	$(PY) -m compileall -q src
 	$(PY) -m pytest -q -m 'not e2e and not browser and not colab'
 
 test-e2e: $(STAMP)  ## the tests that start processes: torchrun on 2 gloo ranks, kernels, the nbddp CLI
+	$(PY) -m compileall -q src
 	$(PY) -m pytest -q -n 2 -m 'e2e and not browser and not colab'
 
 # Chromium comes from the system's packages (never a browser download): installed with apt where this can.

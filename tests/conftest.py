@@ -12,6 +12,19 @@ pytest_plugins = ["lanes", "pytester", "shared_jobs"]
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
 
+#: The test files whose tests run longest (each a minute or more of launches on a 2-core machine), started first:
+#: pytest-xdist hands tests out in collection order, so a long test collected last leaves one worker running it
+#: alone while the other idles. Longest first is the classic greedy schedule (LPT); the rest keep their order.
+LONGEST_FIRST = ("test_runnable_corpus.py", "test_runnable_launched.py", "test_kept_kernel.py", "test_launched.py",
+                 "test_grad_ckpt.py", "test_fsdp_saves.py", "test_loss_filter.py", "test_clean_exit.py",
+                 "test_no_checkpointing.py", "test_faults.py", "test_gpu_proofs.py", "test_magics_kernel.py",
+                 "test_strategy.py", "test_part_optimizer.py", "test_train_correctly.py")
+
+
+def pytest_collection_modifyitems(items):
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.name, len(place)))  # a stable sort: the rest as collected
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):

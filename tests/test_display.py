@@ -136,3 +136,22 @@ def test_the_error_a_cell_ends_with(tmp_path):
     assert "timed out" in str(outcome_error(job))
     job = JobResult(run_result(tmp_path, returncode=3), tmp_path)
     assert "torchrun exited with 3" in str(outcome_error(job))
+
+
+def test_the_loss_plot_is_drawn_again_on_one_figure():
+    """Redraws reuse the kernel's one figure (cheap: the kernel shares the CPUs with the ranks) and still
+    show what each call is given: the points, and the eval curve with its legend only when there is one."""
+    from nbddp.display import progress
+
+    progress.warm()
+    plot = progress.shared_plot()
+    first = loss_plot_png([(2, 2.6), (4, 2.2)], max_steps=10)
+    assert progress.shared_plot() is plot
+    assert plot.loss.get_xydata().tolist() == [[2, 2.6], [4, 2.2]] and not plot.eval.get_visible()
+    assert plot.ax.get_legend() is None and plot.ax.get_xlim() == (0, 10)
+    second = loss_plot_png([(2, 2.6), (4, 2.2), (6, 1.0)], [(6, 1.5)], max_steps=20)
+    assert second != first and second.startswith(b"\x89PNG")
+    assert plot.eval.get_visible() and plot.ax.get_legend() is not None and plot.ax.get_xlim() == (0, 20)
+    assert plot.ax.get_ylim()[0] <= 1.0  # rescaled to the new points
+    loss_plot_png([(2, 2.6)])
+    assert plot.ax.get_legend() is None and not plot.eval.get_visible()

@@ -15,7 +15,7 @@ import pytest
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 
-from kernel import errors, kernel_env, stream
+from kernel import FrontEnd, errors, kernel_env, stream
 
 pytestmark = pytest.mark.e2e
 
@@ -189,3 +189,28 @@ def test_kept_job_ends_with_its_kernel(tmp_path, how):
                 os.kill(family[0].pid, signal.SIGKILL)
             alive = _gone(family, within_s=30)
         assert not alive, [(p.pid, _cmdline(p)) for p in alive]
+
+
+def test_a_cell_the_kept_job_ran_changed_and_run_again_is_refused(tmp_path):
+    """The person edits the loading cell and runs it again in the kernel (as JupyterLab sends it: the same cell
+    id, new code): the ranks still hold what its old code made, so a %%ddp cell is refused naming the cell and
+    the fix; run again unchanged it is not; %ddp_stop still ends the ranks."""
+    front = FrontEnd(tmp_path, NBDDP_CACHE=str(tmp_path / "cache"))
+    try:
+        front.run("%load_ext nbddp", cell_id="c-load")
+        front.run("import torch\nweights = torch.ones(2)", cell_id="c-loader")
+        keep = front.run("%%ddp_train --keep --nproc 2\nprint('ready')", cell_id="c-keep")
+        assert keep.error is None and "stay up" in keep.shown, keep.shown
+        check = "%%ddp\nprint('holding', weights.sum().item())"
+        assert "holding 2.0" in front.run(check, cell_id="c-check").shown
+        front.run("import torch\nweights = torch.ones(2)", cell_id="c-loader")  # run again as it is
+        same = front.run(check, cell_id="c-check")
+        assert same.error is None and "holding 2.0" in same.shown
+
+        front.run("import torch\nweights = torch.zeros(2)", cell_id="c-loader")  # edited, run again
+        refused = front.run(check, cell_id="c-check")
+        assert refused.error and "ran as In [2] was changed and run again here (In [7])" in refused.error, refused.error
+        assert "%ddp_stop, then %%ddp_train --keep" in refused.error and "holding" not in refused.shown
+        assert "every rank has exited" in front.run(STOP, cell_id="c-stop").shown
+    finally:
+        front.close()

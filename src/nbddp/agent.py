@@ -14,6 +14,11 @@ all) and adds two things torchrun leaves out:
   the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``); torchrun's handler then stops every
   rank as it does on Ctrl-C.
 
+Once torchrun's ``main`` has returned (every rank ended well), the agent also ends without tearing down its
+interpreter (``exit_without_teardown``): freeing torch's modules one by one took 0.4–0.5 s of CPU, more than a
+second of wall time on the 2-core machine, after the job's work was done (``benchmarks/results/job_overhead.md``).
+The exit handlers still run and the output is flushed; no code of the notebook runs in this process.
+
 Runs in torchrun's process, not in the ranks: imports neither IPython, nbformat nor libcst.
 """
 
@@ -75,6 +80,24 @@ def failure_record(error) -> dict:
     return records.failures_record(root, exits)
 
 
+def exit_without_teardown(code: int = 0) -> None:
+    """End this process as Python's own exit would, less the teardown of its modules: other threads joined,
+    exit handlers run (logging's flush among them), stdout and stderr flushed, then ``os._exit``."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     die_with_parent(int(os.environ.get("NBDDP_LAUNCHER_PID", "0") or 0))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -96,3 +119,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # every rank ended well; a failure raised above and exits as torchrun does

@@ -11,8 +11,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
-from nbformat.warnings import MissingIDFieldWarning
+from .notebook_format import nbformat  # first: any nbformat import loads jsonschema, which it loads lazily
+
+from nbformat.warnings import MissingIDFieldWarning  # noqa: E402
 
 from .errors import NotebookError
 

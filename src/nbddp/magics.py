@@ -26,6 +26,7 @@ from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
 from .guard import guard
 from .job import check_trains, prepare_job, run_job
+from .kept.changed import cells_ran_here
 from .kept.channel import Channel
 from .kept.controller import KeptJob
 from .kept.magics import DEFAULT_IDLE_MIN, KeptMagics
@@ -86,7 +87,7 @@ class NbddpMagics(Magics):
         super().__init__(shell)
         self.registry = Registry()
         self.record = executions.follow(shell)  # what the kernel ran, for %%ddp_train and a re-run %%ddp_setup
-        self.kept = KeptMagics(shell, lambda: self.registry.cells)  # the kept job's magics (%%ddp, …), registered beside these
+        self.kept = KeptMagics(shell, lambda: self.registry.cells, self.record)  # the kept job's magics (%%ddp, …), registered beside these
 
     def _execution_count(self) -> int:
         """The running cell's ``[N]``: its history entry is stored before it runs (in every IPython version,
@@ -121,12 +122,13 @@ class NbddpMagics(Magics):
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
         options = RunOptions.parse(args, torchrun_args)
         check_output_file(args.save, "--save")
+        selection = kernel = None
         if cell is None:
             prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
         else:
+            kernel = self.record.snapshot(self._execution_count(), f"%%ddp_train {line}\n{cell}")
             selection = select_cells(
-                line, cell, source=args.source, registered=self.registry.cells,
-                kernel=self.record.snapshot(self._execution_count(), f"%%ddp_train {line}\n{cell}"),
+                line, cell, source=args.source, registered=self.registry.cells, kernel=kernel,
                 notebook=find_notebook(self.shell.user_ns, os.environ, Path.cwd()),
             )
             print(selection.report(per_cell=args.dry_run))
@@ -152,7 +154,8 @@ class NbddpMagics(Magics):
         if job.run.process is not None:
             registered = cell is not None and selection.source == "registered"
             setup = tuple(c.source for c in self.registry.cells) if registered else None
-            self.kept.start(KeptJob(job.run.process, channel, job.run_dir, list(prepared.script.cells), job.cwd, setup))
+            self.kept.start(KeptJob(job.run.process, channel, job.run_dir, list(prepared.script.cells), job.cwd, setup,
+                                    ran_here=cells_ran_here(selection, kernel), started_at=self._execution_count()))
             print(f"nbddp: the {nproc} rank(s) stay up: %%ddp cells run on them; %ddp_stop ends them"
                   + (f" (or {args.idle_limit:g} min idle)" if args.idle_limit else ""))
         error = outcome_error(job, label)

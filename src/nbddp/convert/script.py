@@ -116,7 +116,7 @@ def _collector_paused():
 
 def convert_cells(
     cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False, precheck: bool = True,
-    notes: tuple[str, ...] = (),
+    notes: tuple[str, ...] = (), launcher_facts: bool = True,
 ) -> Script:
     """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
 
@@ -124,13 +124,16 @@ def convert_cells(
     (unless ``skip_bad_cells``). The rules run only on the statements their checks say they may change
     (``engine.plan.plan_cell``); ``precheck=False`` runs them over every statement of every cell they are wanted
     in instead, which gives the same script more slowly (what the checks are tested against). ``notes``:
-    warnings from reading the notebook, listed first.
+    warnings from reading the notebook, listed first. ``launcher_facts=False`` leaves out what only a launch
+    reads (``Script.shape``, ``Script.output_targets``: one more parse of the whole script), for a kept job's
+    ``%%ddp`` cell, which launches nothing.
     """
     with _collector_paused():
-        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes)
+        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes, launcher_facts)
 
 
-def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool, notes=()) -> Script:
+def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool, notes=(),
+                   launcher_facts: bool = True) -> Script:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     warnings: list[str] = list(notes)
@@ -157,7 +160,7 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
     lines = prelude + [text for text, _ in body] + epilogue
     mapping = {n: src for n, (_, src) in enumerate(body, start=len(prelude) + 1) if src is not None}
     text, source_map = "\n".join(lines) + "\n", SourceMap(origin, mapping)
-    shape, targets = _launcher_facts(text, source_map)
+    shape, targets = _launcher_facts(text, source_map) if launcher_facts else (ShapeUnread("not read: no launch"), ())
     return Script(
         text=text,
         source_map=source_map,

@@ -3,8 +3,10 @@ the table of logged metrics, the loss curve. Pure data and drawing; the panel an
 
 from __future__ import annotations
 
+import contextlib
 import html
 import io
+import threading
 from typing import Sequence
 
 from ..runtime.records import Event
@@ -94,32 +96,74 @@ def _clock(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
+class LossPlot:
+    """The loss curve, drawn again on one matplotlib figure (Agg): the figure, its axes and its ticks are made
+    once, and the margins are fixed, so a redraw costs a few hundredths of a second where a new figure with
+    ``tight_layout`` cost several tenths — CPU the kernel takes from ranks on the same cores. One per kernel
+    (``shared``), behind a lock, so a warm-up in a thread (``warm``) and a panel never draw at once."""
+
+    def __init__(self):
+        from matplotlib.figure import Figure
+
+        self.fig = Figure(figsize=(6, 2.6), dpi=80)
+        self.fig.subplots_adjust(left=0.13, right=0.97, top=0.95, bottom=0.19)
+        self.ax = self.fig.add_subplot()
+        self.ax.set_xlabel("step")
+        self.ax.set_ylabel("loss")
+        self.ax.grid(alpha=0.3)
+        (self.loss,) = self.ax.plot([], [], marker=".", label="loss")
+        (self.eval,) = self.ax.plot([], [], marker="o", label="eval_loss")
+        self.lock = threading.Lock()
+
+    def png(self, losses: Sequence[tuple[int, float]], eval_losses: Sequence[tuple[int, float]] = (),
+            max_steps: int = 0) -> bytes:
+        with self.lock:
+            for line, points in ((self.loss, losses), (self.eval, eval_losses)):
+                line.set_data(*(zip(*points) if points else ([], [])))
+                line.set_visible(bool(points))
+            legend = self.ax.get_legend()
+            if eval_losses and legend is None:
+                self.ax.legend()
+            elif not eval_losses and legend is not None:
+                legend.remove()
+            self.ax.relim(visible_only=True)
+            self.ax.autoscale_view()
+            if max_steps:
+                self.ax.set_xlim(0, max_steps)
+            buf = io.BytesIO()
+            self.fig.savefig(buf, format="png")  # a bare Figure renders with Agg, whatever pyplot's backend is
+            return buf.getvalue()
+
+
+_shared: list[LossPlot] = []
+
+
+def shared_plot() -> LossPlot | None:
+    """This process' ``LossPlot``, made on first use; None without matplotlib."""
+    if not _shared:
+        try:
+            plot = LossPlot()
+        except ImportError:
+            return None
+        _shared[:] = _shared or [plot]
+    return _shared[0]
+
+
+def warm() -> None:
+    """Import matplotlib and draw once (fonts, the renderer), so a job's first plot is a cheap one; run in a
+    thread while a kept job's ranks load."""
+    with contextlib.suppress(Exception):
+        plot = shared_plot()
+        if plot is not None:
+            plot.png([(0, 1.0)])
+
+
 def loss_plot_png(
     losses: Sequence[tuple[int, float]], eval_losses: Sequence[tuple[int, float]] = (), max_steps: int = 0
 ) -> bytes | None:
     """The loss curve as PNG bytes, drawn with matplotlib's Agg backend; None without matplotlib."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
-    fig = Figure(figsize=(6, 2.6), dpi=80)
-    ax = fig.add_subplot()
-    if losses:
-        ax.plot(*zip(*losses), marker=".", label="loss")
-    if eval_losses:
-        ax.plot(*zip(*eval_losses), marker="o", label="eval_loss")
-    if max_steps:
-        ax.set_xlim(0, max_steps)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    if eval_losses:
-        ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")  # a bare Figure renders with Agg, whatever pyplot's backend is
-    return buf.getvalue()
-
+    plot = shared_plot()
+    return plot.png(losses, eval_losses, max_steps) if plot is not None else None
 
 
 class MetricsTable:

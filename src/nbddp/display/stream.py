@@ -177,6 +177,61 @@ class CarriageReturns:
         return text
 
 
+class Redraws:
+    """Passes a stream on less the redraws that would show what the line already shows.
+
+    Each time the Trainer logs, ``tqdm.write`` clears the bar (a redraw of spaces), prints the dict and draws
+    the bar again as it was. A terminal shows that as one bar; a file, a pipe or a log viewer that breaks
+    lines at ``\\r`` (CI, Kaggle's log, a captured run) as every frame twice with a blank line between. So a
+    redraw equal to the last one passed on for the line is dropped, and so is a clearing followed by such a
+    repeat; a clearing followed by anything else is kept (a shorter text drawn over the bar needs it). What
+    may yet turn out to be one of those waits for what follows (``flush()`` at the end gives it).
+    ``forget()`` says the line no longer shows its last redraw (cleared on a terminal): the next is passed on.
+    """
+
+    def __init__(self):
+        self.shown: str | None = None  # the line's last redraw passed on
+        self.pending = ""
+
+    def feed(self, text: str) -> str:
+        return self._pass((self.pending + text).replace("\r\n", "\n"), final=False)
+
+    def flush(self) -> str:
+        return self._pass(self.pending, final=True)
+
+    def forget(self) -> None:
+        self.shown = None
+
+    def _pass(self, text: str, final: bool) -> str:
+        self.pending = ""
+        pieces = [p for p in re.split(r"(?=[\r\n])", text) if p]
+        out, clearing = [], ""
+        for i, piece in enumerate(pieces):
+            drawn = piece[1:] if piece.startswith("\r") else None
+            if drawn is not None:
+                unfinished = not final and i == len(pieces) - 1
+                if unfinished and (not drawn.strip() or (self.shown or "").startswith(drawn)):
+                    self.pending = clearing + piece  # a clearing, a repeat or half of "\r\n": known at its end
+                    return "".join(out)
+                if not drawn.strip():
+                    clearing = clearing or piece  # kept only if something new is drawn after it
+                    continue
+                if drawn == self.shown:
+                    clearing = ""
+                    continue
+            if clearing:
+                out.append(clearing)
+                clearing = ""
+            out.append(piece)
+            self.shown = drawn if drawn is not None else None if piece.startswith("\n") else (self.shown or "") + piece
+        if clearing:
+            if not final:
+                self.pending = clearing
+            else:
+                out.append(clearing)
+        return "".join(out)
+
+
 def _last_redraw(line: str) -> str:
     """``"a\\rb\\rc"`` → ``"\\rc"``: what a front end shows of a line drawn over and over."""
     return "\r" + line.rsplit("\r", 1)[1] if "\r" in line else line

@@ -1,4 +1,5 @@
-"""``nbddp run`` in a terminal: rank 0's text as it comes, so tqdm redraws its bar on one line; the
+"""``nbddp run`` in a terminal: rank 0's text as it comes, so tqdm redraws its bar on one line (each frame
+once: ``stream.Redraws`` drops the bar ``tqdm.write`` draws again as it was after each Trainer log); the
 Trainer's logged metrics as a compact table instead of its dict lines; nothing printed on the end of a bar;
 a raw traceback held back until the job's end says whether it is the consequence of another rank's failure
 (then one line: ``stream.HeldTraceback``), so the failing rank's report is what a person reads last.
@@ -11,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from .progress import MetricsTable
-from .stream import HeldTraceback, fold_traceback, trained_after
+from .stream import HeldTraceback, Redraws, fold_traceback, trained_after
 from .view import QuietView
 
 if TYPE_CHECKING:
@@ -34,15 +35,20 @@ class TerminalView(QuietView):
         self._held = ""  # stdout's unfinished line that may be a Trainer dict
         self._open: str | None = None  # the stream whose last line is unfinished (a bar being drawn)
         self.held = HeldTraceback()  # rank 0's raw traceback (Python and torch print them on stderr)
+        self.redraws = {"stdout": Redraws(), "stderr": Redraws()}  # a bar's frame once, not again after tqdm.write
 
     def sink(self, stream: str, text: str) -> None:
         text = self._without_trainer_dicts(text) if stream == "stdout" else self.held.feed(text)
+        text = self.redraws[stream].feed(text)
         if text:
             self._emit(stream, text)
 
     def finish(self, result: "RunResult") -> None:
         """The job ended: a held traceback is folded to one line when the job failed (kept whole in rank 0's
         log), else shown as it was; a bar's line is ended."""
+        for stream, redraws in self.redraws.items():
+            if text := redraws.flush():
+                self._emit(stream, text)
         if result.failure is not None and self.held.held:
             line = fold_traceback(self.held.take(), 0, result.failure.rank, result.rank_log(0, "stderr"))
             self.end_line()
@@ -72,8 +78,11 @@ class TerminalView(QuietView):
         if self._open is None:
             return
         f = self.files[self._open]
-        f.write(_CLEAR_LINE if clear and f.isatty() else "\n")
+        cleared = clear and f.isatty()
+        f.write(_CLEAR_LINE if cleared else "\n")
         f.flush()
+        if cleared:  # the bar is gone from the screen: its next frame is drawn even if it is the same
+            self.redraws[self._open].forget()
         self._open = None
 
     def _without_trainer_dicts(self, text: str) -> str:

@@ -19,10 +19,9 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-import nbformat
-
 from ..cells import SKIP_TAG, Cell
 from ..errors import NbddpError, SecretError
+from ..notebook_format import nbformat
 
 _QUOTED = r"""["']([^"'\s]{16,})["']"""
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..cells import Cell
 from ..convert import Script, convert_cells
 from ..errors import NbddpError
+from ..runtime.sourcemap import map_path
 
 #: The line the cell's code is known by: kept as a comment, so its line numbers are the cell's own.
 MAGIC_LINE = "# %%ddp"
@@ -38,12 +39,20 @@ def convert_kept_cell(source: str, history: list[Cell], run_dir: Path, number: i
     """Convert ``source`` as the cell after ``history``; write the script as ``ddp-cell-<number>.py``."""
     index = max((c.index for c in history), default=0) + 1
     cell = Cell(index, f"{MAGIC_LINE}\n{source}", history[0].origin if history else "<cells>")
-    script = convert_cells([*history, cell], origin=history[0].origin if history else "<cells>")
+    script = convert_cells([*history, cell], origin=history[0].origin if history else "<cells>", launcher_facts=False)
     lines = script.text.splitlines()
     header = f"# [cell {index}]"
     starts = [n for n, text in enumerate(lines, start=1) if text == header]
     ends = [n for n, text in enumerate(lines, start=1) if text.startswith(_EPILOGUE)]
     if not starts or not ends:
         raise NbddpError("the %%ddp cell could not be found in its converted script; run it as a job instead")
-    path = script.write(run_dir / f"ddp-cell-{number}.py")
+    path = _write(script, run_dir / f"ddp-cell-{number}.py")
     return KeptCell(cell, script, path, starts[-1], ends[-1] - 1)
+
+
+def _write(script: Script, path: Path) -> Path:
+    """The script and its map, plainly: the ranks read them as soon as this returns and the kept job does not
+    outlive the machine, so the fsyncs of a job's script (``Script.write``) would only slow each cell."""
+    path.write_text(script.text, encoding="utf-8")
+    map_path(path).write_text(script.source_map.to_json(), encoding="utf-8")
+    return path

@@ -52,6 +52,8 @@ class KeptJob:
     cells: list[Cell]  # the job's cells, then every %%ddp cell that ran through
     cwd: Path
     setup: tuple[str, ...] | None = None  # the %%ddp_setup cells' code the ranks ran, when the job used them
+    ran_here: tuple = ()  # the job's cells taken as the kernel ran them (``changed.RanCell``), for re-runs
+    started_at: int = 0  # the kernel's In [N] that started the job: runs after it came later
     started: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     ended_because: str | None = None

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 
 from IPython.core.error import UsageError
@@ -13,6 +14,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..display import outcome_error
+from ..display.progress import warm as warm_plot
 from ..display.text import cell_label
 from ..errors import JobFailed, NbddpError
 from ..guard import guard
@@ -20,6 +22,7 @@ from ..job import JobResult
 from ..launch import RankFailure, RunResult, map_traceback
 from ..runtime.sourcemap import read_source_map
 from .cell import convert_kept_cell
+from .changed import refuse_changed
 from .controller import KeptJob
 from .view import CellView
 
@@ -34,17 +37,23 @@ def _no_job() -> NbddpError:
 
 @magics_class
 class KeptMagics(Magics):
-    def __init__(self, shell, setup_cells=lambda: ()):
+    def __init__(self, shell, setup_cells=lambda: (), record=None):
         super().__init__(shell)
+        self.record = record  # the kernel's executions (``executions.ExecutionRecord``), for cells run again
         self.job: KeptJob | None = None
         self.count = 0
+        self._warming = False
         self.setup_cells = setup_cells  # the %%ddp_setup cells registered now
 
     def start(self, job: KeptJob | None) -> None:
-        """A new kept job (or none) replaces the previous one, which is stopped first."""
+        """A new kept job (or none) replaces the previous one, which is stopped first. Called as every
+        ``%%ddp_train`` begins: matplotlib is made ready meanwhile, in a thread, while the ranks start."""
         if self.job is not None:
             self.job.stop()
         self.job = job
+        if not self._warming:
+            self._warming = True
+            threading.Thread(target=warm_plot, daemon=True, name="nbddp-warm-plot").start()
 
     def _job(self) -> KeptJob:
         if self.job is None:
@@ -61,6 +70,9 @@ class KeptMagics(Magics):
         rank's traceback at this cell's line. Interrupting stops the ranks together at the next step."""
         job = self._job()
         self._refuse_changed_setup(job)
+        if self.record is not None and job.ran_here:
+            count = len(self.shell.history_manager.input_hist_raw) - 1
+            refuse_changed(job.ran_here, self.record.snapshot(count, cell), job.started_at)
         self.count += 1
         kept = convert_kept_cell(cell, job.cells, job.run_dir, self.count)
         for warning in kept.script.warnings:

@@ -4,8 +4,9 @@ namespace (the model, the trainer, the data), and runs what the kernel sends unt
 The channel is the kernel's Unix socket (``NBDDP_KEEP_SOCKET``, in a 0700 folder) through
 ``multiprocessing.connection``, whose handshake proves the per-job key (``NBDDP_KEEP_KEY``); the kernel also
 checks this process' uid. A reader thread takes every message, so a stop request reaches a rank busy in a
-cell: the Trainer then stops at the next step boundary, all ranks together (``StopAtStep``, one all-reduce per
-step). The rank ends with its kernel: the socket closing (a restart, a killed kernel) ends it at once; so do
+cell: the Trainer then stops at a step boundary, all ranks together (``StopAtStep``: one all-reduce about
+every ``STOP_CHECK_S`` of training, at steps the ranks agree on). The rank ends with its kernel: the socket
+closing (a restart, a killed kernel) ends it at once; so do
 ``%ddp_stop`` and the idle limit (``NBDDP_KEEP_IDLE``, seconds without a message). Messages are tuples:
 ``("run", path, first, last)`` runs lines first..last of a converted cell's script, ``("pull", name)``,
 ``("push", name, value)``, ``("status",)``, ``("stop",)``; each is answered ``("ok", value)`` or
@@ -15,10 +16,12 @@ step). The rank ends with its kernel: the socket closing (a restart, a killed ke
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import queue
 import sys
 import threading
+import time
 import traceback
 
 from .rank import rank_info
@@ -45,11 +48,22 @@ def serve(namespace: dict) -> None:
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(conn, inbox), daemon=True, name="nbddp-keep-reader").start()
     _install_stop_callback(namespace)
+    settle = info.device == "cpu"  # see settle_heap: where memory is a GPU's, the library's collections stay whole
+    if settle:
+        settle_heap()  # the first request, if one came meanwhile, waits in the inbox
     idle_s = float(os.environ.get(IDLE_ENV) or 0) or None
+    last, unsettled = time.monotonic(), False
     while True:
+        left = None if idle_s is None else max(0.0, idle_s - (time.monotonic() - last))
+        if unsettled:
+            left = SETTLE_AFTER_S if left is None else min(left, SETTLE_AFTER_S)
         try:
-            message = inbox.get(timeout=idle_s)
+            message = inbox.get(timeout=left)
         except queue.Empty:
+            if unsettled:
+                settle_heap()
+                unsettled = False
+                continue
             if info.is_main:
                 print(f"nbddp: the kept job was idle for {idle_s / 60:g} min (--idle-limit): ending it", flush=True)
             return
@@ -59,6 +73,27 @@ def serve(namespace: dict) -> None:
         reply = _handle(message, namespace, info)
         _flush()
         _send(conn, reply)
+        last, unsettled = time.monotonic(), settle and message[0] in ("run", "push")
+
+
+#: Seconds without a request after a cell before the rank settles its heap (``settle_heap``).
+SETTLE_AFTER_S = 1.0
+
+
+def settle_heap() -> None:
+    """A full garbage collection, then every object left frozen out of later collections (``gc.freeze``).
+
+    A kept rank holds half a million objects (torch, transformers, the model, the data), and every
+    ``Trainer.train()`` begins with a full ``gc.collect()`` (accelerate's ``free_memory``) that walks them
+    all: 0.3 s to 1 s of each 30-step cell on a small CPU machine. Frozen, they are not walked again; the
+    collection then sees what the cells made since. Garbage among frozen objects (a model a cell replaced)
+    is freed here, at the next quiet moment: the rank settles again after each cell that ran code, once no
+    request came for ``SETTLE_AFTER_S``. CPU ranks only: on a GPU the collection at ``train()``'s start is
+    what frees a replaced model's GPU memory before the new training allocates, so it must see everything.
+    """
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _send(conn, reply: tuple) -> None:
@@ -158,12 +193,48 @@ def _install_stop_callback(namespace: dict) -> None:
             value.add_callback(type(callback))
 
 
+#: Seconds of training between two looks at the stop flag: each look is one all-reduce that every rank must
+#: enter at the same step, so the steps between looks are agreed in that all-reduce (``StopSchedule``).
+STOP_CHECK_S = 0.25
+#: At most this many steps between two looks, however short a step.
+MAX_STOP_INTERVAL = 1000
+
+
+class StopSchedule:
+    """Which Trainer steps look at the stop flag: the first step of every ``train()``, then steps about
+    ``STOP_CHECK_S`` of training apart. Each look's all-reduce carries every rank's proposed interval (from
+    the time its steps took) and the largest is taken, so all ranks look again at the same step. A stop
+    request is seen within ``STOP_CHECK_S`` and a step; the all-reduce no longer waits on every step, which on
+    a small model's ~0.05 s steps cost more than the step's own communication."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.begin(0)
+
+    def begin(self, step: int) -> None:
+        self.next, self.since, self.since_step = step + 1, self.clock(), step
+
+    def due(self, step: int) -> bool:
+        return step >= self.next
+
+    def proposal(self, step: int) -> int:
+        """This rank's interval until the next look, from the mean time of the steps since the last one."""
+        per_step = (self.clock() - self.since) / max(1, step - self.since_step)
+        if per_step <= 0:
+            return MAX_STOP_INTERVAL
+        return int(max(1, min(MAX_STOP_INTERVAL, STOP_CHECK_S / per_step)))
+
+    def agreed(self, step: int, interval: int) -> None:
+        self.next, self.since, self.since_step = step + max(1, interval), self.clock(), step
+
+
 _callback_class = None
 
 
 def _stop_callback():
     """The Trainer callback that stops training on every rank at the same step once any rank was asked:
-    the flag is all-reduced (MAX) at each step's end, so no rank leaves a collective the others are in."""
+    the flag is all-reduced (MAX) at the steps ``StopSchedule`` agrees on, so no rank leaves a collective
+    the others are in."""
     global _callback_class
     if _callback_class is None:
         import torch
@@ -171,11 +242,22 @@ def _stop_callback():
         from transformers import TrainerCallback
 
         class StopAtStep(TrainerCallback):
+            def __init__(self):
+                self.schedule = StopSchedule()
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.schedule.begin(state.global_step)
+
             def on_step_end(self, args, state, control, **kwargs):
-                flag = torch.tensor([1.0 if _stop_requested.is_set() else 0.0], device=rank_info().device)
+                if not self.schedule.due(state.global_step):
+                    return control
+                values = torch.tensor([1.0 if _stop_requested.is_set() else 0.0,
+                                       float(self.schedule.proposal(state.global_step))], device=rank_info().device)
                 if dist.is_available() and dist.is_initialized():
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag.item() > 0:
+                    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+                flag, interval = values.tolist()
+                self.schedule.agreed(state.global_step, int(interval))
+                if flag > 0:
                     _stop_requested.set()
                     control.should_training_stop = True
                 return control
