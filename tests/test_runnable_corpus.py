@@ -59,9 +59,14 @@ def test_the_copies_are_what_make_runnable_writes_and_every_edit_is_marked(tmp_p
 
 
 def environment(record: Path, folder: Path, **more) -> dict:
+    """The runs' environment: offline, recorded, and one thread of torch per process. torchrun gives each of
+    its ranks one thread (``OMP_NUM_THREADS=1``) when it starts several; the one-process baseline gets the
+    same, so a tiny model's steps do not spend most of their CPU making two threads meet (a wav2vec2 step took
+    18 times the CPU with two threads on a loaded 2-core machine)."""
     env = dict(os.environ)
     env.update(NBDDP_TEST_RECORD=str(record), NBDDP_TEST_RECORD_ROOT=str(folder), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(RECORDER), str(ROOT / "src"), env.get("PYTHONPATH", "")]))
     env.pop("RANK", None)
     env.update(more)
