@@ -197,7 +197,9 @@ def test_kaggle_writefile_torchrun_runs_once_and_trains_on_every_rank(tmp_path):
 
 #: A notebook's own process group, as a course's data-parallel practice starts one before its `%%writefile` +
 #: `!torchrun` cells (``tests/corpus/public/efficient_dl/practice.ipynb``, cells 4 and 6): forked children
-#: meeting at an env:// rendezvous of their own, on a port of their own.
+#: meeting at an env:// rendezvous of their own, on a port of their own. Before the fix, the notebook's
+#: process kept torchelastic's ``TORCHELASTIC_USE_AGENT_STORE``: every child was a client of a store nobody
+#: served, and the cell hung until the job's --timeout.
 OWN_GROUP = """\
 import os, socket
 import torch
@@ -225,14 +227,11 @@ for p in processes:
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(strict=True, reason="bug: in launched mode the notebook's process keeps torchelastic's variables "
-                   "(TORCHELASTIC_USE_AGENT_STORE: every rank a client of a store nobody serves) and nbddp's own "
-                   "process group, which forked children inherit: their init_process_group hangs until --timeout")
 def test_a_notebooks_own_process_group_runs_as_in_a_kernel(tmp_path):
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(s) for s in (OWN_GROUP, TRAIN, LAUNCH)]
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (OWN_GROUP, PREP, TRAIN, LAUNCH)]
     path = tmp_path / "own_group.ipynb"
     nbformat.write(nb, path)
     proc = _run(tmp_path, path, "--timeout", "40")

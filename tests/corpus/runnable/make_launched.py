@@ -58,12 +58,9 @@ NOTEBOOKS = {
     "writefile_torchrun_mnist": {
         "source": "efficient_dl/practice.ipynb",
         "style": "`%%writefile script.py`, then `!torchrun --nproc_per_node 2 script.py` (plain PyTorch)",
-        # cells 6-14 start `multiprocessing.Process` groups with their own env:// rendezvous: under nbddp their
-        # children hang in init_process_group (the notebook's rank keeps torchelastic's agent-store variables),
-        # a bug held by test_launched.py::test_a_notebooks_own_process_group_runs_as_in_a_kernel
-        "skip": {2: "nvidia-smi needs a GPU",
-                 **{cell: "a multiprocessing.Process group of the notebook's own hangs under nbddp (a bug, see "
-                          "make_launched.py)" for cell in (6, 8, 10, 12, 14)}},
+        # cells 4-14 start `multiprocessing.Process` groups of the notebook's own, with their own env://
+        # rendezvous: they run, in the notebook's one process, as in a kernel
+        "skip": {2: "nvidia-smi needs a GPU"},
         "edits": [
             *[(cell, "import torchvision.transforms as transforms",
                f"import offline_torchvision as transforms  {MARK} torchvision is not installed") for cell in (27, 30)],
