@@ -416,8 +416,8 @@ def test_in_a_function_what_every_rank_reads_after_or_waits_for_stays_on_every_r
     )
     (code,), changes = rewrite(src)
     # sample is returned on every rank; a barrier rank 0 would wait at alone; print alone goes to rank 0
-    assert code.startswith(src.split("                print(sample)")[0])
-    assert "                if _nbddp.on_rank0():\n                    print(sample)\n                return sample\n" in code
+    assert code.startswith(src.split("        print(sample)")[0])
+    assert "        if _nbddp.on_rank0():\n            print(sample)\n        return sample\n" in code
     said = [c[1:] for c in changes if c[0] == "rank0_functions"]
     assert (5, "stays on every rank: binds sample, which code on every rank uses") in said
     assert (6, "stays on every rank: PartialState().wait_for_everyone() needs every rank") in said
