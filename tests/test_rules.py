@@ -423,6 +423,15 @@ def test_in_a_function_what_every_rank_reads_after_or_waits_for_stays_on_every_r
     assert (6, "stays on every rank: PartialState().wait_for_everyone() needs every rank") in said
 
 
+def test_in_a_function_a_guarded_statement_is_said_at_its_own_line_when_an_earlier_one_reads_the_same():
+    (code,), changes = rewrite(
+        "def go():\n    print('x')\n    trainer = Trainer(model=m)\n    trainer.train()\n    print('x')\n\ngo()\n"
+    )
+    assert code.endswith("    trainer.train()\n    if _nbddp.on_rank0():\n        print('x')\n\ngo()\n")
+    assert [c for c in changes if c[0] == "rank0_functions"] == [
+        ("rank0_functions", 5, "runs on rank 0 only (after training, in go)")]
+
+
 def test_a_function_guarded_whole_after_training_is_not_guarded_again_inside():
     # nested rank-0 guards: under FSDP the guard is where every rank gathers, so rank 0 alone must never reach one
     (_, code), changes = rewrite(

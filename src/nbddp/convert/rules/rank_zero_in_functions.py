@@ -77,6 +77,7 @@ class RankZeroInFunctionsRule(Rule):
             body += self._guarded(run)
             if line in self._stay:
                 self.note(old, f"stays on every rank: {self._stay[line]}")
+                self.cell_lines[old] = line
             body.append(new)
         body += self._guarded(run)
         return updated.with_changes(body=body)
@@ -86,8 +87,9 @@ class RankZeroInFunctionsRule(Rule):
         if not run:
             return []
         (first_old, first), rest = run[0], [new for _, new in run[1:]]
-        name = self._guard[self._lines[first_old][0]]
-        self.note(first_old, f"runs on rank 0 only (after training, in {name})")
+        line = self._lines[first_old][0]
+        self.note(first_old, f"runs on rank 0 only (after training, in {self._guard[line]})")
+        self.cell_lines[first_old] = line
         inside = [first.with_changes(leading_lines=[]), *rest]
         block = cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=inside),
                        leading_lines=first.leading_lines)
