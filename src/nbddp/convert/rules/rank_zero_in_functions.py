@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 from ..cst_helpers import cst, fixed_expression
 from ..engine.rule import Rule
 from .rank_zero import MAIN_PROCESS_EXPR
 
-#: The blocks a walk goes through to reach a function's body.
-_BLOCKS = (cst.Module, cst.IndentedBlock, cst.BaseCompoundStatement, cst.Else, cst.ExceptHandler,
-           cst.ExceptStarHandler, cst.Finally, cst.MatchCase)
+
+@functools.cache
+def _blocks() -> tuple[type, ...]:
+    """The nodes a walk goes through to reach a function's body (named at the first use: importing the rule
+    loads no libcst)."""
+    return (cst.Module, cst.IndentedBlock, cst.BaseCompoundStatement, cst.Else, cst.ExceptHandler,
+            cst.ExceptStarHandler, cst.Finally, cst.MatchCase)
 
 
 class RankZeroInFunctionsRule(Rule):
@@ -58,7 +64,7 @@ class RankZeroInFunctionsRule(Rule):
             return False
         if node in self._lines:
             return node in self._leads
-        return isinstance(node, _BLOCKS)  # a block, or a statement an earlier rule made
+        return isinstance(node, _blocks())  # a block, or a statement an earlier rule made
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
         for old, new in zip(original.body, updated.body):  # the walk rebuilt them: later rules find them still
