@@ -423,6 +423,30 @@ def test_in_a_function_what_every_rank_reads_after_or_waits_for_stays_on_every_r
     assert (6, "stays on every rank: PartialState().wait_for_everyone() needs every rank") in said
 
 
+def test_in_a_function_a_statement_that_returns_stays_on_every_rank():
+    # guarded, rank 0 would return while rank 1 went on to trainer.evaluate() alone and waited there for good
+    src = dedent(
+        """\
+        def train(push):
+            trainer = Trainer(model=m)
+            trainer.train()
+            if push:
+                trainer.push_to_hub()
+                return trainer
+            print("done")
+            metrics = trainer.evaluate()
+            return metrics
+
+        train(False)
+        """
+    )
+    (code,), changes = rewrite(src)
+    assert "    if push:\n        trainer.push_to_hub()\n        return trainer\n" in code
+    assert "    if _nbddp.on_rank0():\n        print(\"done\")\n    metrics = trainer.evaluate()\n" in code
+    said = [c[1:] for c in changes if c[0] == "rank0_functions"]
+    assert (4, "stays on every rank: it returns from train, which every rank must do alike") in said
+
+
 def test_in_a_function_a_guarded_statement_is_said_at_its_own_line_when_an_earlier_one_reads_the_same():
     (code,), changes = rewrite(
         "def go():\n    print('x')\n    trainer = Trainer(model=m)\n    trainer.train()\n    print('x')\n\ngo()\n"

@@ -127,6 +127,8 @@ def _plan_body(body: list[ast.stmt], name: str, cell: CellCode, facts: JobFacts)
             wait = next((c for c in calls[k] if is_collective_call(c, facts) or last_name(c.func) in _WAITS), None)
             if wait is not None:
                 facts.all_ranks_inside[place] = f"{_func_code(cell, wait)}() needs every rank"
+            elif _leaves(groups[k]):
+                facts.all_ranks_inside[place] = f"it returns from {name}, which every rank must do alike"
             elif binds & needed:
                 facts.all_ranks_inside[place] = f"binds {', '.join(sorted(binds & needed))}, which code on every rank uses"
             else:
@@ -135,6 +137,19 @@ def _plan_body(body: list[ast.stmt], name: str, cell: CellCode, facts: JobFacts)
                 continue
         needed |= reads
     return guarded
+
+
+def _leaves(group: list[ast.stmt]) -> bool:
+    """Statements that return from (or yield out of) the function they sit in: guarded, rank 0 alone would take
+    that way out while the other ranks ran on to the body's next collective, and waited there."""
+    todo = list(group)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (*DEFS, ast.Lambda)):  # a nested function's return is its own
+            todo.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def _names(group: list[ast.stmt]) -> tuple[set[str], set[str]]:
