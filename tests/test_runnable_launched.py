@@ -30,6 +30,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from conftest import DEFAULT_PORT_GROUP
 from test_runnable_corpus import ATOMIC, PER_PROCESS, ROOT, RUNNABLE, STEP, environment, run
 
 sys.path.insert(0, str(RUNNABLE))
@@ -145,9 +146,17 @@ def weights(proc: dict) -> list:
     return [(o["steps"], o["hash"]) for o in proc["optimizers"] if o["steps"]]
 
 
+def _default_port(name: str) -> list:
+    """A notebook that binds torchrun's default port 29500 itself (a script's fixed ``MASTER_PORT``, or a
+    plain ``!torchrun`` in the one-process run) shares a worker with the other tests of that port: run at the
+    same time, one would find it taken (``DEFAULT_PORT_GROUP``)."""
+    text = (LAUNCHED / f"{name}.ipynb").read_text()
+    return [pytest.mark.xdist_group(DEFAULT_PORT_GROUP)] if "29500" in text or MANIFEST[name].get("kernel_nproc") else []
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(900)  # one process, then two ranks launched from one, each importing transformers and TRL
-@pytest.mark.parametrize("name", sorted(MANIFEST))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_default_port(n)) for n in sorted(MANIFEST)])
 def test_launched_notebook_runs_once_and_its_command_on_every_rank(tmp_path, name):
     entry = MANIFEST[name]
     timeout = entry.get("timeout", TIMEOUT_S)
