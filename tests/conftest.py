@@ -11,6 +11,9 @@ pytest_plugins = ["lanes", "pytester", "shared_jobs"]
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
+#: The xdist group of the tests that bind torchrun's default port 29500 (or hold it on purpose): one worker runs
+#: them one after another, so none finds the port taken by another.
+DEFAULT_PORT_GROUP = "default-port-29500"
 
 #: The test files whose tests run longest (each a minute or more of launches on a 2-core machine), started first:
 #: pytest-xdist hands tests out in collection order, so a long test collected last leaves one worker running it

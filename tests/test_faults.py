@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, no_rank_processes
+from conftest import DEFAULT_PORT_GROUP, ROOT, no_rank_processes
 from nbddp.display.view import QuietView
 from nbddp.job import run_job
 from nbddp.options import RunOptions
@@ -197,6 +197,7 @@ def _hold_port(port: int):
     return sock
 
 
+@pytest.mark.xdist_group(DEFAULT_PORT_GROUP)
 def test_two_jobs_at_once_with_the_default_port_taken(tmp_path, notebook, reaper):
     nb = notebook([IMPORTS, "t = torch.ones(1)\ndist.all_reduce(t)\nprint('port', os.environ['MASTER_PORT'], 'sum', int(t.item()), flush=True)"])
     runs = tmp_path / "runs"

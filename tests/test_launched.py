@@ -195,6 +195,51 @@ def test_kaggle_writefile_torchrun_runs_once_and_trains_on_every_rank(tmp_path):
     assert "Timed out" not in out
 
 
+#: A notebook's own process group, as a course's data-parallel practice starts one before its `%%writefile` +
+#: `!torchrun` cells (``tests/corpus/public/efficient_dl/practice.ipynb``, cells 4 and 6): forked children
+#: meeting at an env:// rendezvous of their own, on a port of their own. Before the fix, the notebook's
+#: process kept torchelastic's ``TORCHELASTIC_USE_AGENT_STORE``: every child was a client of a store nobody
+#: served, and the cell hung until the job's --timeout.
+OWN_GROUP = """\
+import os, socket
+import torch
+import torch.distributed as dist
+from torch.multiprocessing import Process
+
+def init_process(rank, size, port):
+    os.environ['MASTER_ADDR'] = '127.0.0.1'
+    os.environ['MASTER_PORT'] = str(port)
+    dist.init_process_group('gloo', rank=rank, world_size=size)
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    with open(f"group-{rank}.txt", "w") as fh:
+        fh.write(str(int(tensor.item())))
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+processes = [Process(target=init_process, args=(rank, 2, port)) for rank in range(2)]
+for p in processes:
+    p.start()
+for p in processes:
+    p.join()
+"""
+
+
+@pytest.mark.e2e
+def test_a_notebooks_own_process_group_runs_as_in_a_kernel(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (OWN_GROUP, PREP, TRAIN, LAUNCH)]
+    path = tmp_path / "own_group.ipynb"
+    nbformat.write(nb, path)
+    proc = _run(tmp_path, path, "--timeout", "40")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert [(tmp_path / f"group-{r}.txt").read_text() for r in (0, 1)] == ["2", "2"]
+
+
 @pytest.mark.e2e
 def test_a_failed_launched_rank_is_said_at_its_writefile_cell_and_line(tmp_path):
     nb = _notebook(tmp_path)

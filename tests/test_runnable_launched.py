@@ -30,6 +30,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from conftest import DEFAULT_PORT_GROUP
 from test_runnable_corpus import ATOMIC, PER_PROCESS, ROOT, RUNNABLE, STEP, environment, run
 
 sys.path.insert(0, str(RUNNABLE))
@@ -117,10 +118,11 @@ def launched_environment(record: Path, folder: Path, **more) -> dict:
     return env | {"PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])}
 
 
-def nbddp_run(tmp_path: Path, folder: Path, entry: dict, label: str, *more: str) -> tuple[int, str, float]:
+def nbddp_run(tmp_path: Path, folder: Path, entry: dict, label: str, *more: str,
+              timeout: int = TIMEOUT_S) -> tuple[int, str, float]:
     import subprocess
 
-    env = launched_environment(tmp_path / f"rec-{label}", folder, NBDDP_TIMEOUT=str(TIMEOUT_S))
+    env = launched_environment(tmp_path / f"rec-{label}", folder, NBDDP_TIMEOUT=str(timeout))
     log = tmp_path / f"{label}.log"
     started = time.monotonic()
     with open(log, "w") as fh:
@@ -130,60 +132,96 @@ def nbddp_run(tmp_path: Path, folder: Path, entry: dict, label: str, *more: str)
     return done.returncode, log.read_text(), time.monotonic() - started
 
 
+def launched_by(procs: list[dict], command: str) -> list[dict]:
+    """The training processes running ``command``'s script."""
+    return sorted((p for p in trainers(procs) if p["argv"] and p["argv"][0].endswith(command)),
+                  key=lambda p: p["label"])
+
+
+def trained_on(proc: dict, size: int) -> list[int]:
+    return [i for q in proc["passes"] if q["steps"] and q["size"] == size for i in q["indices"]]
+
+
+def weights(proc: dict) -> list:
+    return [(o["steps"], o["hash"]) for o in proc["optimizers"] if o["steps"]]
+
+
+def _default_port(name: str) -> list:
+    """A notebook that binds torchrun's default port 29500 itself (a script's fixed ``MASTER_PORT``, or a
+    plain ``!torchrun`` in the one-process run) shares a worker with the other tests of that port: run at the
+    same time, one would find it taken (``DEFAULT_PORT_GROUP``)."""
+    text = (LAUNCHED / f"{name}.ipynb").read_text()
+    return [pytest.mark.xdist_group(DEFAULT_PORT_GROUP)] if "29500" in text or MANIFEST[name].get("kernel_nproc") else []
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(900)  # one process, then two ranks launched from one, each importing transformers and TRL
-@pytest.mark.parametrize("name", sorted(MANIFEST))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_default_port(n)) for n in sorted(MANIFEST)])
 def test_launched_notebook_runs_once_and_its_command_on_every_rank(tmp_path, name):
     entry = MANIFEST[name]
+    timeout = entry.get("timeout", TIMEOUT_S)
+    kernel_nproc = entry.get("kernel_nproc", 1)  # the processes the command starts in a kernel, as written
+    commands = entry["command"] if isinstance(entry["command"], list) else [entry["command"]]
     folders = prepared(tmp_path, entry, "single", "ranks")
     run([sys.executable, str(RUNNABLE / "run_cells.py"), str(folders["single"] / entry["file"])],
         launched_environment(tmp_path / "rec-single", folders["single"], NBDDP_TEST_RECORD_AS="single"),
         tmp_path / "single.log")
-    code, out, _ = nbddp_run(tmp_path, folders["ranks"], entry, "ranks")
+    code, out, _ = nbddp_run(tmp_path, folders["ranks"], entry, "ranks", timeout=timeout)
     assert code == 0, out[-4000:]
     one, two = processes(tmp_path / "rec-single"), processes(tmp_path / "rec-ranks")
-
-    # one process: the command trained once, on the whole data set, and wrote the trained model
-    (alone,) = trainers(one)
-    sizes = {p["size"] for p in alone["passes"] if p["steps"]}
-    assert len(sizes) == 1, sizes
-    (size,) = sizes
-    assert sorted(i for p in alone["passes"] if p["steps"] for i in p["indices"]) == list(range(size))
-    # two ranks: the launched training's ranks 0 and 1 each saw WORLD_SIZE 2, exactly once
-    ranks = trainers(two)
-    assert sorted((p["label"], p["world"], p["inner"]) for p in ranks) == [("0", "2", True), ("1", "2", True)]
-    assert not [p for p in two if p["world"] == "2" and p not in ranks]
-    # ... and shared the data the one process trained on: each rank read a share of equal length, between them
-    # every sample (the Trainer's sharding tops the last batches up from the start, so a few may come twice)
-    a, b = ([i for q in p["passes"] if q["steps"] and q["size"] == size for i in q["indices"]]
-            for p in sorted(ranks, key=lambda p: p["label"]))
-    assert len(a) == len(b) < size and set(a + b) == set(range(size)), (sorted(a), sorted(b))
-    hashes = [[(o["steps"], o["hash"]) for o in p["optimizers"] if o["steps"]] for p in ranks]
-    assert hashes[0] and hashes[0] == hashes[1]
-    # the command ran longer than NBDDP_TIMEOUT, from the notebook's one process, and no barrier tore it down
-    (stand_in,) = [p for p in two if p["argv"][0].endswith("nbddp/launched.py") and entry["command"] in p["argv"]]
-    took = stand_in["ended"] - stand_in["began"]
-    assert (stand_in["label"], stand_in["world"]) == ("0", "1") and took > TIMEOUT_S, took
-    assert "Timed out" not in out
-    # the prep cell ran once: its files written by one process, the notebook's, which saw no other rank
+    assert len(trainers(two)) == 2 * len(commands) and len(trainers(one)) == kernel_nproc * len(commands)
+    for command in commands:
+        check_command(entry, command, kernel_nproc, timeout, out, one, two)
+    # the prep cells ran once: their files written by one process, the notebook's, which saw no other rank
     for prep in entry["prep"]:
         (writer,) = writers(two, prep)
         assert (writer["label"], writer["world"], writer["inner"]) == ("0", "1", False)
         assert len(writers(one, prep)) == 1
-    # the trained model written once, by the launched rank 0, as the one process wrote it; rank 1 writes only
-    # what the script itself writes from every rank (the manifest says where)
+    if "post" in entry:  # the post cell's command ran once, and wrote what it wrote in one process
+        (post,) = writers(two, entry["post"])
+        (post_one,) = writers(one, entry["post"])
+        assert post["label"] == "launched" and outputs(post) == outputs(post_one) and outputs(post)
+
+
+def check_command(entry: dict, command: str, kernel_nproc: int, timeout: int, out: str, one: list, two: list) -> None:
+    # as written, in a kernel: the command trained ``kernel_nproc`` processes, between them on the whole data set
+    alone = launched_by(one, command)
+    assert len(alone) == kernel_nproc, [p["argv"] for p in trainers(one)]
+    sizes = {p["size"] for a in alone for p in a["passes"] if p["steps"]}
+    assert len(sizes) == 1, sizes
+    (size,) = sizes
+    assert sorted(set(i for a in alone for i in trained_on(a, size))) == list(range(size))
+    # two ranks: the launched training's ranks 0 and 1 each saw WORLD_SIZE 2, exactly once
+    ranks = launched_by(two, command)
+    assert [(p["label"], p["world"], p["inner"]) for p in ranks] == [("0", "2", True), ("1", "2", True)]
+    assert not [p for p in two if p["world"] == "2" and p not in trainers(two)]
+    # ... and shared the data the one process trained on: each rank read a share of equal length, between them
+    # every sample (the Trainer's sharding tops the last batches up from the start, so a few may come twice);
+    # where the kernel ran two processes too, each rank read its kernel twin's share and ended with its weights
+    a, b = (trained_on(p, size) for p in ranks)
+    assert len(a) == len(b) < size and set(a + b) == set(range(size)), (sorted(a), sorted(b))
+    assert weights(ranks[0]) and weights(ranks[0]) == weights(ranks[1])
+    if kernel_nproc == 2:  # (the kernel's processes are recorded by pid, not rank)
+        assert sorted(trained_on(p, size) for p in alone) == sorted([a, b])
+        assert [weights(p) for p in alone] == [weights(ranks[0])] * 2
+    # the command ran longer than NBDDP_TIMEOUT, from the notebook's one process, and no barrier tore it down
+    (stand_in,) = [p for p in two if p["argv"][0].endswith("nbddp/launched.py") and command in p["argv"]]
+    took = stand_in["ended"] - stand_in["began"]
+    assert (stand_in["label"], stand_in["world"]) == ("0", "1") and took > timeout, took
+    assert "Timed out" not in out
+    # what the launched ranks wrote, each as its twin in the kernel wrote it; where the kernel ran one process,
+    # the trained model written once, by the launched rank 0, and rank 1 writes only what the script itself
+    # writes from every rank (the manifest says where)
     by_rank = {p["label"]: outputs(p) for p in ranks}
-    assert by_rank["0"] == outputs(alone), by_rank["0"] ^ outputs(alone)
-    assert by_rank["0"] and all(f.startswith(entry["trained"] + "/") for f in by_rank["0"]), by_rank["0"]
-    assert all(Path(f).name in entry["every_rank_writes"] for f in by_rank["1"]), by_rank["1"]
-    # the post cell's command ran once, and wrote what it wrote in one process
-    (post,) = writers(two, entry["post"])
-    (post_one,) = writers(one, entry["post"])
-    assert post["label"] == "launched" and outputs(post) == outputs(post_one) and outputs(post)
-    print(f"\n{name}: 1 process trained on {size} samples, steps {[o['steps'] for o in alone['optimizers'] if o['steps']]}; "
-          f"launched ranks {len(a)}+{len(b)} samples, WORLD_SIZE {[p['world'] for p in ranks]}, in sync; "
-          f"command {took:.0f}s > NBDDP_TIMEOUT {TIMEOUT_S}s; prep, training and post files written once "
-          f"(rank 1: {sorted(by_rank['1'])})")
+    if kernel_nproc == 2:
+        assert sorted(map(sorted, by_rank.values())) == sorted(sorted(outputs(p)) for p in alone)
+    else:
+        assert by_rank["0"] == outputs(alone[0]), by_rank["0"] ^ outputs(alone[0])
+        assert by_rank["0"] and all(f.startswith(entry["trained"] + "/") for f in by_rank["0"]), by_rank["0"]
+        assert all(Path(f).name in entry["every_rank_writes"] for f in by_rank["1"]), by_rank["1"]
+    print(f"\n{command}: kernel {kernel_nproc} process(es) on {size} samples; launched ranks {len(a)}+{len(b)} "
+          f"samples, WORLD_SIZE {[p['world'] for p in ranks]}, in sync; command {took:.0f}s > NBDDP_TIMEOUT "
+          f"{timeout}s; rank 1 wrote {sorted(by_rank['1'])}")
 
 
 @pytest.mark.e2e

@@ -50,6 +50,8 @@ def setup() -> RankInfo:
         timeout = timedelta(seconds=DEFAULT_TIMEOUT_S if seconds is None else seconds)
         dist.init_process_group(backend=info.backend, timeout=timeout)
         _record_stacks_on_termination()  # again: joining an NCCL group replaces the SIGABRT handler
+    if rank_settings.launched_nproc and info.world_size == 1:
+        _leave_the_agent_store()
     remember(info)
     seed = seed_everything()
     _install("after the group")
@@ -59,6 +61,15 @@ def setup() -> RankInfo:
         print(get_multi_gpu_config(info, seed).summary(), flush=True)
     _install("after the summary")
     return info
+
+
+def _leave_the_agent_store() -> None:
+    """Launched mode: the notebook's one process runs as its kernel would. torchelastic tells its ranks to
+    use the agent's store (``TORCHELASTIC_USE_AGENT_STORE``), so that every rank of an env:// rendezvous is a
+    client of it; a process group the notebook makes itself (forked children meeting on a port of their own,
+    as a course's practice notebook does before its ``!torchrun`` cells) would then wait for a store nobody
+    serves. This one-process job has no group of its own to join, so the variable goes."""
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
 
 
 @dataclass(frozen=True)

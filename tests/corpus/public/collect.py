@@ -45,6 +45,7 @@ REPOS = {
     "Aisuko/generative-ai": ("generative_ai", "Apache-2.0", "8e1aa00ce79b0ec15e2234301d6d75283b391fbf"),
     "philschmid/deep-learning-pytorch-huggingface": ("philschmid", "MIT", "59b37973074de90004d10e5ff636f98160c9743a"),
     "NVIDIA/NeMo": ("nemo", "Apache-2.0", "ec0b6240c44380ec8552ac8b7c9a0dd41adcffda"),
+    "mryab/efficient-dl-systems": ("efficient_dl", "MIT", "e632aa89ca9e6638d52e1b686095e7442faffbb0"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -160,6 +161,9 @@ PATHS = {
     ],
     # issue 28: `%%bash` + `torchrun --nproc_per_node=1 …` (NeMo's LoRA tutorial)
     "NVIDIA/NeMo": ["tutorials/llm/llama-3/llama3-lora-nemofw.ipynb"],
+    # issue 28: the Kaggle 2×T4 recipe, `%%writefile script.py` then `!torchrun --nproc_per_node 2 script.py`
+    # (a course's data-parallel practice: a hand-written all-reduce loop, then DDP, each launched so)
+    "mryab/efficient-dl-systems": ["week03_data_parallel/practice.ipynb"],
 }
 #: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
 PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]

@@ -51,6 +51,32 @@ NOTEBOOKS = {
         # rank 0 inside a function that trains as at a notebook's top level (rules/rank_zero_in_functions.py)
         "every_rank_writes": [],
     },
+    # issue 28: the Kaggle 2×T4 recipe, `%%writefile script.py` then `!torchrun --nproc_per_node 2 script.py`,
+    # twice (a hand-written gradient all-reduce over gloo, then DDP), after cells that start processes of their
+    # own (`multiprocessing.Process` groups with their own rendezvous, `!python` scripts doing the same)
+    "writefile_torchrun_mnist": {
+        "source": "efficient_dl/practice.ipynb",
+        "style": "`%%writefile script.py`, then `!torchrun --nproc_per_node 2 script.py` (plain PyTorch)",
+        # cells 4-14 start `multiprocessing.Process` groups of the notebook's own, with their own env://
+        # rendezvous: they run, in the notebook's one process, as in a kernel
+        "skip": {2: "nvidia-smi needs a GPU"},
+        "edits": [
+            *[(cell, "import torchvision.transforms as transforms",
+               f"import offline_torchvision as transforms  {MARK} torchvision is not installed") for cell in (27, 30)],
+            *[(cell, "from torchvision.datasets import MNIST",
+               f"from offline_torchvision import MNIST  {MARK} torchvision is not installed; MNIST downloads (64 "
+               "images, tiny.py)") for cell in (27, 30)],
+            (30, "device = torch.device('cuda', rank)", f"device = torch.device('cpu')  {MARK} no GPU"),
+            (30, "model = DistributedDataParallel(model, device_ids=[rank], output_device=rank)",
+             f"model = DistributedDataParallel(model)  {MARK} CPU replicas: no device ids"),
+        ],
+        "tiny": ["offline_torchvision"],
+        # both commands, each launched with 2 processes in a kernel as under nbddp
+        "command": ["custom_allreduce_training.py", "ddp_example.py"],
+        "kernel_nproc": 2,
+        "prep": ["custom_allreduce_training.py", "ddp_example.py"],
+        "timeout": 5,
+    },
 }
 
 
@@ -61,8 +87,8 @@ def write_all(folder: Path = HERE) -> list[Path]:
         path = folder / f"{name}.ipynb"
         nbformat.write(runnable(spec), str(path))
         written.append(path)
-    keys = ("style", "tiny", "command", "prep", "trained", "post", "every_rank_writes")
-    manifest = [{"file": f"{name}.ipynb", "original": spec["source"], **{k: spec[k] for k in keys}}
+    keys = ("style", "tiny", "command", "kernel_nproc", "prep", "trained", "post", "every_rank_writes", "timeout")
+    manifest = [{"file": f"{name}.ipynb", "original": spec["source"], **{k: spec[k] for k in keys if k in spec}}
                 for name, spec in NOTEBOOKS.items()]
     (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return written

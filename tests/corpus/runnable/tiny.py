@@ -407,7 +407,8 @@ def breast_cancer(folder: Path, n: int = 32) -> None:
 TORCHVISION = '''"""Stands in for the few parts of ``torchvision`` a notebook uses (torchvision is not installed, and its
 data sets download): ``datasets.FashionMNIST`` gives 640 training or 128 test images with FashionMNIST's
 shapes (1x28x28 floats in [0, 1], labels 0-9) whose label is the brightest of ten horizontal bands, so a small
-model learns it; ``ToTensor`` and ``Lambda`` are what transforms of such tensors need."""
+model learns it; ``datasets.MNIST`` (or ``MNIST``) the same with 64 training images, MNIST's shapes; ``ToTensor``,
+``Lambda``, ``Compose`` and ``Normalize`` are what transforms of such tensors need."""
 
 import types
 
@@ -427,10 +428,30 @@ class Lambda:
         return self.fn(x)
 
 
+class Compose:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __call__(self, x):
+        for transform in self.transforms:
+            x = transform(x)
+        return x
+
+
+class Normalize:
+    def __init__(self, mean, std):
+        self.mean, self.std = torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1)
+
+    def __call__(self, x):
+        return (x - self.mean) / self.std
+
+
 class FashionMNIST(torch.utils.data.Dataset):
+    SIZES = (640, 128)
+
     def __init__(self, root, train=True, download=False, transform=None, target_transform=None):
         g = torch.Generator().manual_seed(0 if train else 1)
-        n = 640 if train else 128
+        n = self.SIZES[0] if train else self.SIZES[1]
         self.targets = torch.arange(n) % 10
         self.data = torch.rand(n, 1, 28, 28, generator=g) * 0.5
         for i, label in enumerate(self.targets.tolist()):
@@ -446,7 +467,11 @@ class FashionMNIST(torch.utils.data.Dataset):
         return x, (self.target_transform(y) if self.target_transform else y)
 
 
-datasets = types.SimpleNamespace(FashionMNIST=FashionMNIST)
+class MNIST(FashionMNIST):
+    SIZES = (64, 32)
+
+
+datasets = types.SimpleNamespace(FashionMNIST=FashionMNIST, MNIST=MNIST)
 '''
 
 
