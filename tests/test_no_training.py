@@ -15,7 +15,7 @@ import pytest
 from nbddp import cli, job
 from nbddp.cells import Cell, load_notebook
 from nbddp.convert import convert_notebook
-from nbddp.convert.launches import find_launches
+from nbddp.convert.launches import find_launches, leading_launch
 from nbddp.convert.script import convert_cells
 from nbddp.errors import NbddpError
 from nbddp.options import RUN_OPTIONS, RunOptions, dest
@@ -39,6 +39,17 @@ def test_a_shell_launch_is_found_with_the_cell_that_wrote_its_script():
     [launch] = find_launches(KAGGLE)
     assert (launch.cell, launch.line, launch.written_by) == (3, 1, 2)
     assert "cell 3, line 1: !torchrun --nproc_per_node=2 train.py" in str(launch)
+
+
+def test_the_launch_named_is_one_that_starts_processes_where_the_notebook_has_one():
+    # a course's practice notebook runs demo scripts with `!python` (cells 17, 25) before its two
+    # `!torchrun --nproc_per_node 2` trainings (cells 28, 31): the message names the first of those
+    script = convert_notebook(PUBLIC / "efficient_dl" / "practice.ipynb")
+    assert [launch.cell for launch in script.launches] == [17, 25, 28, 31]
+    assert str(leading_launch(script.launches)).startswith("cell 28, line 1: !torchrun --nproc_per_node 2 ")
+    assert any("launches (cell 28, line 1: !torchrun" in w for w in script.warnings), script.warnings
+    # with none that starts processes, the first
+    assert leading_launch(find_launches(cells("!python prep.py\n", "!python train.py\n"))).cell == 1
 
 
 @pytest.mark.parametrize("source, line", [

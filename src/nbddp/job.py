@@ -14,6 +14,7 @@ from . import launch as _launch
 from . import outputs
 from .cells import Cell
 from .convert import Script, convert_cells, convert_notebook
+from .convert.launches import leading_launch
 from .display.view import JobView, PrintView
 from .errors import NbddpError
 from .launch import RankFailure, RunResult, Sink
@@ -77,9 +78,9 @@ def run_job(source: JobSource, options: RunOptions | None = None, view: JobView 
     if mode == "launched":  # the notebook once, in one process; the command it launches on every GPU
         if keep is not None:
             raise NbddpError("--keep keeps a job whose cells train on every rank; this notebook starts its training "
-                             f"from a shell line ({job.script.launches[0]}): run it without --keep")
+                             f"from a shell line ({leading_launch(job.script.launches)}): run it without --keep")
         launched, nproc = nproc or _launch.default_nproc(), 1
-        view.sink("stderr", f"nbddp: the notebook starts its training from a shell line ({job.script.launches[0]}): "
+        view.sink("stderr", f"nbddp: the notebook starts its training from a shell line ({leading_launch(job.script.launches)}): "
                             f"its cells run once, in one process, and the command it launches on {launched} processes\n")
     else:
         nproc, env = strategy_launch(job.script, job.cwd, options.strategy, nproc, env, view.sink)

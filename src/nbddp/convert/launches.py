@@ -69,6 +69,18 @@ def find_launches(cells: list[Cell] | tuple[Cell, ...]) -> tuple[Launch, ...]:
     return tuple(found)
 
 
+#: A command that starts N processes itself: the likeliest training of a notebook with several commands.
+_STARTS_PROCESSES = re.compile(
+    r"(?<![\w.-])(torchrun|accelerate\s+launch|deepspeed|-m\s+torch\.distributed\.(?:run|launch))(?![\w-])"
+)
+
+
+def leading_launch(launches: tuple[Launch, ...]) -> Launch:
+    """The launch a message names: the first that starts N processes (a notebook may run demo or preparation
+    scripts with ``!python`` before its ``!torchrun`` training), else the first."""
+    return next((launch for launch in launches if _STARTS_PROCESSES.search(launch.text)), launches[0])
+
+
 def _written_scripts(cells) -> dict[str, tuple[int, int]]:
     """``{file name: (cell, cell line of the file's line 1)}`` of the ``.py`` files ``%%writefile`` cells
     write (the last writer of each)."""

@@ -20,7 +20,7 @@ from .facts import JobFacts, gather_facts
 from .facts.output_targets import OutputTarget, output_targets
 from .facts.shape import JobShape, ShapeUnread, shape_of
 from .frameworks import check_frameworks
-from .launches import Launch, find_launches, seems_to_train
+from .launches import Launch, find_launches, leading_launch, seems_to_train
 from .lines import align
 from .rules import RULES
 
@@ -142,7 +142,7 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
     facts = gather_facts(codes)
     launches = find_launches(cells) if facts.last_training is None else ()
     if launches:
-        warnings.append(f"no training call found in the code; its training is a command it launches ({launches[0]}): "
+        warnings.append(f"no training call found in the code; its training is a command it launches ({leading_launch(launches)}): "
                         "nbddp run runs the notebook once and that command on every GPU")
     elif facts.last_training is None:
         warnings.append("no training call found (trainer.train(), unsloth_train(…)): nbddp run refuses it unless "

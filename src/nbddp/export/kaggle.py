@@ -31,6 +31,7 @@ from pathlib import Path
 from .._version import __version__
 from ..cells import read_notebook
 from ..convert import convert_cells
+from ..convert.launches import leading_launch
 from ..errors import NbddpError
 from ..runtime.io import atomic_write_text
 from ..choose_strategy import settle
@@ -199,7 +200,7 @@ def _check_mode(script, every_rank: bool) -> None:
 
     if decide_mode(script, every_rank) == "launched":
         raise NbddpError(
-            f"{script.source_map.origin}: the notebook starts its training from a shell line ({script.launches[0]}); "
+            f"{script.source_map.origin}: the notebook starts its training from a shell line ({leading_launch(script.launches)}); "
             "an exported Kaggle script runs every cell on every GPU, so that command would start once per GPU. "
             "Run it with `nbddp run` or `%%ddp_train` (its cells once, the command on every GPU), or put the "
             "training in the notebook's cells to export it"
