@@ -135,6 +135,70 @@ DIRECT = CELLS[:1] + [
 ]
 
 
+def _lines(script, rule):
+    return [(c.cell, c.line) for c in script.changes if c.rule == rule]
+
+
+def test_a_part_the_training_calls_itself_is_what_ddp_wraps_and_its_calls_go_through_the_wrapper():
+    script = convert(DIRECT + ["with torch.no_grad():\n    check = sam_model.mask_decoder(sam_model.image_encoder(x))\n"])
+    text = script.text
+    assert "sam_model = Seg()\nsam_model_mask_decoder_ddp = _nbddp.ddp(sam_model.mask_decoder)\n" in text
+    assert "loss = loss_fn(sam_model_mask_decoder_ddp(emb), yb)" in text
+    assert "emb = sam_model.image_encoder(xb)" in text  # the frozen part is not the optimizer's: called as written
+    assert "_nbddp.ddp(sam_model)" not in text and "_nbddp.unwrap(sam_model)" not in text
+    # saves read the model's own keys; rank 0's forward after training stays plain (a DDP forward would wait)
+    assert 'torch.save(sam_model.state_dict(), "model.pt")' in text
+    assert "check = sam_model.mask_decoder(sam_model.image_encoder(x))" in text
+    assert _lines(script, "ddp_wrap") == [(2, 6), (5, 5)], script.changes
+    wrap = next(c.message for c in script.changes if c.rule == "ddp_wrap")
+    assert "sam_model.mask_decoder wrapped in DistributedDataParallel as sam_model_mask_decoder_ddp" in wrap
+    assert "never sam_model(…)" in wrap and "state dict" in wrap and "find_unused_parameters=True" in wrap
+
+
+def test_the_part_called_in_functions_the_training_calls_goes_through_the_wrapper():
+    cells = list(DIRECT)
+    cells[4] = textwrap.dedent("""\
+        def decode(emb):
+            return sam_model.mask_decoder(emb)
+        def step(xb, yb):
+            with torch.no_grad():
+                emb = sam_model.image_encoder(xb)
+            loss = loss_fn(decode(emb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        def preview(xb):
+            return sam_model.mask_decoder(sam_model.image_encoder(xb))
+        for epoch in range(3):
+            for xb, yb in train_dataloader:
+                step(xb, yb)
+        """)
+    text = convert(cells).text
+    assert "return sam_model_mask_decoder_ddp(emb)" in text
+    assert "return sam_model.mask_decoder(sam_model.image_encoder(xb))" in text  # not called by the training
+
+
+@pytest.mark.parametrize("step", [
+    "loss = loss_fn(sam_model(xb), yb) + loss_fn(sam_model.mask_decoder(emb), yb)",  # the model called too
+    "loss = train_step(sam_model, emb, yb)",  # handed on: what the function calls is not known by name
+    "loss = loss_fn(sam_model.mask_decoder[1](sam_model.mask_decoder(emb)), yb)",  # inside the part, past it
+], ids=["model-called", "handed-on", "inside-the-part"])
+def test_where_the_training_may_run_the_part_past_its_wrapper_the_model_is_wrapped_whole(step):
+    cells = list(DIRECT)
+    cells[4] = cells[4].replace("loss = loss_fn(sam_model.mask_decoder(emb), yb)", step)
+    assert step in cells[4]
+    text = convert(cells).text
+    assert "sam_model = _nbddp.ddp(sam_model)" in text and "sam_model_mask_decoder_ddp" not in text
+
+
+def test_the_wrappers_name_is_one_the_notebook_does_not_use():
+    cells = list(DIRECT)
+    cells[2] += "sam_model_mask_decoder_ddp = None\n"
+    text = convert(cells).text
+    assert "sam_model_mask_decoder_ddp_ = _nbddp.ddp(sam_model.mask_decoder)" in text
+    assert "loss_fn(sam_model_mask_decoder_ddp_(emb), yb)" in text
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_parts_called_directly_train_in_sync_on_two_ranks(tmp_path):
