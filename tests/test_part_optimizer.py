@@ -4,6 +4,7 @@ never the model (SAM's own scripts), the part is what DDP wraps. On two gloo ran
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -227,3 +228,32 @@ def test_parts_called_directly_train_in_sync_on_two_ranks(tmp_path):
     for name in ("model.pt", "decoder.pt"):  # the wrap left the model's own keys alone
         saved = [torch.load(folder.parent / name) for folder in (single, ranks)]
         assert list(saved[0]) == list(saved[1]), name
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_parts_called_past_a_whole_model_wrapper_stop_the_job_at_the_first_step_never_train_apart(tmp_path):
+    """The model handed to a step function, which calls its parts: nbddp cannot see by name what runs, so it
+    wraps the model whole, and that wrapper never runs; the replica check must not trust it (before it, the
+    copies drifted silently)."""
+    cells = list(DIRECT)
+    cells[4] = textwrap.dedent("""\
+        def step(m, xb, yb):
+            with torch.no_grad():
+                emb = m.image_encoder(xb)
+            return loss_fn(m.mask_decoder(emb), yb)
+        for epoch in range(3):
+            for xb, yb in train_dataloader:
+                loss = step(sam_model, xb, yb)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        """)
+    assert "sam_model = _nbddp.ddp(sam_model)" in convert(cells).text
+    path = write_notebook(_folder(tmp_path / "handed"), cells)
+    done = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", str(path), "--nproc", "2",
+                           "--runs-dir", str(tmp_path / "runs"), "--timeout", "200"],
+                          capture_output=True, text=True, timeout=280)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert "diverged after optimizer step 1 (cell 5, line 10)" in out and "calls its parts directly" in out, out[-3000:]
