@@ -200,6 +200,17 @@ def test_the_wrappers_name_is_one_the_notebook_does_not_use():
     assert "loss_fn(sam_model_mask_decoder_ddp_(emb), yb)" in text
 
 
+def test_a_public_sam_notebook_in_its_own_style_gets_its_mask_decoder_wrapped():
+    """Encord's SAM fine-tuning (``tests/corpus/public``), which main's wrap of the whole model stopped at step 1."""
+    from nbddp.convert import convert_notebook
+
+    script = convert_notebook(ROOT / "tests/corpus/public/encord/Encord_Notebooks_How_To_Fine_Tuning_SAM.ipynb")
+    assert "sam_model.to(device)\nsam_model_mask_decoder_ddp = _nbddp.ddp(sam_model.mask_decoder)\n" in script.text
+    assert "low_res_masks, iou_predictions = sam_model_mask_decoder_ddp(" in script.text
+    assert "_nbddp.ddp(sam_model)" not in script.text
+    assert _lines(script, "ddp_wrap") == [(30, 3), (37, 31)]
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_parts_called_directly_train_in_sync_on_two_ranks(tmp_path):

@@ -45,6 +45,7 @@ REPOS = {
     "Aisuko/generative-ai": ("generative_ai", "Apache-2.0", "8e1aa00ce79b0ec15e2234301d6d75283b391fbf"),
     "philschmid/deep-learning-pytorch-huggingface": ("philschmid", "MIT", "59b37973074de90004d10e5ff636f98160c9743a"),
     "NVIDIA/NeMo": ("nemo", "Apache-2.0", "ec0b6240c44380ec8552ac8b7c9a0dd41adcffda"),
+    "encord-team/encord-notebooks": ("encord", "Apache-2.0", "4bca849e7dff72b07ce8eba388ef78979847d74b"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -160,6 +161,9 @@ PATHS = {
     ],
     # issue 28: `%%bash` + `torchrun --nproc_per_node=1 …` (NeMo's LoRA tutorial)
     "NVIDIA/NeMo": ["tutorials/llm/llama-3/llama3-lora-nemofw.ipynb"],
+    # issue 28: SAM fine-tuned in its own repository's style: the optimizer over the mask decoder, the
+    # training calling sam_model.image_encoder/prompt_encoder/mask_decoder and never sam_model(…)
+    "encord-team/encord-notebooks": ["notebooks/Encord_Notebooks_How_To_Fine_Tuning_SAM.ipynb"],
 }
 #: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
 PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]
