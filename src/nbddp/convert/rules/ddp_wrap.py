@@ -25,6 +25,7 @@ class DDPWrapRule(Rule):
 
     name = "ddp_wrap"
     on_statements = True
+    _routes = False  # the walk is in a statement whose calls of a wrapped part go through its wrapper
     walks_inside = True  # it looks for the statements inside blocks that the facts chose
 
     @classmethod
@@ -71,7 +72,7 @@ class DDPWrapRule(Rule):
         return super().on_visit(node)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if not getattr(self, "_routes", False):
+        if not self._routes:
             return updated
         called = dotted_name(updated.func) or ""
         model, _, part = called.partition(".")
