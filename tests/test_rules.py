@@ -351,6 +351,130 @@ def test_shell_commands_after_training_stay_on_every_rank():
     assert code == "trainer = Trainer()\ntrainer.train()\n_nbddp.shell('ls outputs')\nif _nbddp.on_rank0():\n    print(1)\n"
 
 
+def test_in_a_function_that_trains_saves_after_training_run_on_rank_zero_and_evaluate_on_every_rank():
+    # run_sft.py's train_function: the Trainer saves on rank 0 itself, the tokenizer's save ran on every rank
+    src = dedent(
+        """\
+        def train_function(args):
+            trainer = SFTTrainer(model=m, args=args)
+            print('starting')
+            trainer.train()
+            trainer.save_model(args.output_dir)
+            tokenizer.save_pretrained(args.output_dir)
+            metrics = trainer.evaluate()
+            print(metrics)
+            print(trainer.evaluate(small))
+            return metrics
+
+        train_function(a)
+        """
+    )
+    (code,), changes = rewrite(src)
+    assert code == dedent(
+        """\
+        def train_function(args):
+            trainer = SFTTrainer(model=m, args=args)
+            print('starting')
+            trainer.train()
+            if _nbddp.on_rank0():
+                trainer.save_model(args.output_dir)
+                tokenizer.save_pretrained(args.output_dir)
+            metrics = trainer.evaluate()
+            if _nbddp.on_rank0():
+                print(metrics)
+            print(trainer.evaluate(small))
+            return metrics
+
+        train_function(a)
+        """
+    )
+    said = [c for c in changes if c[0] == "rank0_functions"]
+    assert said == [
+        ("rank0_functions", 5, "runs on rank 0 only (after training, in train_function)"),
+        ("rank0_functions", 8, "runs on rank 0 only (after training, in train_function)"),
+        ("rank0_functions", 9, "stays on every rank: trainer.evaluate() needs every rank"),
+    ]
+
+
+def test_in_a_function_what_every_rank_reads_after_or_waits_for_stays_on_every_rank():
+    src = dedent(
+        """\
+        class Runner:
+            def run(self, args):
+                trainer = Trainer(model=self.model, args=args)
+                trainer.train()
+                sample = self.model.generate(**inputs)
+                if args.save:
+                    trainer.save_model('o')
+                    PartialState().wait_for_everyone()
+                print(sample)
+                return sample
+
+        trainer = Trainer(model=m)
+        trainer.train()
+        """
+    )
+    (code,), changes = rewrite(src)
+    # sample is returned on every rank; a barrier rank 0 would wait at alone; print alone goes to rank 0
+    assert code.startswith(src.split("        print(sample)")[0])
+    assert "        if _nbddp.on_rank0():\n            print(sample)\n        return sample\n" in code
+    said = [c[1:] for c in changes if c[0] == "rank0_functions"]
+    assert (5, "stays on every rank: binds sample, which code on every rank uses") in said
+    assert (6, "stays on every rank: PartialState().wait_for_everyone() needs every rank") in said
+
+
+def test_in_a_function_a_statement_that_returns_stays_on_every_rank():
+    # guarded, rank 0 would return while rank 1 went on to trainer.evaluate() alone and waited there for good
+    src = dedent(
+        """\
+        def train(push):
+            trainer = Trainer(model=m)
+            trainer.train()
+            if push:
+                trainer.push_to_hub()
+                return trainer
+            print("done")
+            metrics = trainer.evaluate()
+            return metrics
+
+        train(False)
+        """
+    )
+    (code,), changes = rewrite(src)
+    assert "    if push:\n        trainer.push_to_hub()\n        return trainer\n" in code
+    assert "    if _nbddp.on_rank0():\n        print(\"done\")\n    metrics = trainer.evaluate()\n" in code
+    said = [c[1:] for c in changes if c[0] == "rank0_functions"]
+    assert (4, "stays on every rank: it returns from train, which every rank must do alike") in said
+
+
+def test_in_a_function_a_guarded_statement_is_said_at_its_own_line_when_an_earlier_one_reads_the_same():
+    (code,), changes = rewrite(
+        "def go():\n    print('x')\n    trainer = Trainer(model=m)\n    trainer.train()\n    print('x')\n\ngo()\n"
+    )
+    assert code.endswith("    trainer.train()\n    if _nbddp.on_rank0():\n        print('x')\n\ngo()\n")
+    assert [c for c in changes if c[0] == "rank0_functions"] == [
+        ("rank0_functions", 5, "runs on rank 0 only (after training, in go)")]
+
+
+def test_a_function_guarded_whole_after_training_is_not_guarded_again_inside():
+    # nested rank-0 guards: under FSDP the guard is where every rank gathers, so rank 0 alone must never reach one
+    (_, code), changes = rewrite(
+        "trainer = Trainer(model=m)\n",
+        "trainer.train()\ndef later():\n    trainer.train()\n    model.save_pretrained('o')\n",
+    )
+    assert code == "trainer.train()\nif _nbddp.on_rank0():\n    def later():\n        trainer.train()\n        model.save_pretrained('o')\n"
+    assert not [c for c in changes if c[0] == "rank0_functions"]
+
+
+def test_plain_loop_functions_are_left_to_the_loop_output_rule():
+    (code,), changes = rewrite(
+        "def fit():\n    for x, y in train_loader:\n        loss_fn(model(x), y).backward()\n"
+        "    model.save_pretrained('o')\n\nfit()\n"
+    )
+    assert "    model.save_pretrained('o')\n" in code and "on_rank0" not in code
+    assert not [c for c in changes if c[0] == "rank0_functions"]
+
+
 # ------------------------------------------------------------------------------------------- if False
 
 

@@ -10,8 +10,8 @@ each process read, stepped and wrote. In launched mode (``nbddp.launched``) the 
 one process, and its command on every rank: the launched training's two ranks each see ``WORLD_SIZE`` 2,
 exactly once, and share the data the one process trained on; the command runs longer than ``NBDDP_TIMEOUT``
 and no barrier tears it down; the prep and post cells run once and every file is written once, less those the
-launched script itself writes from every rank (``every_rank_writes`` in the manifest: run_sft.py saves its
-tokenizer after training inside a function, where nbddp's converter does not move saves to rank 0).
+launched script itself writes from every rank (``every_rank_writes`` in the manifest; none for run_sft.py, whose
+tokenizer save after training inside ``train_function`` the converter leaves to rank 0).
 
 Before launched mode (``--every-rank``, still there for training nbddp does not see), every cell ran on
 both ranks: rank 0 ran the command while rank 1 waited in a barrier, torn down at ``NBDDP_TIMEOUT``.

@@ -47,10 +47,9 @@ NOTEBOOKS = {
         "prep": ["train_dataset.json"],
         "trained": "runs/llama-3-1-8b-math-orca-qlora-10k-ep1",
         "post": "merged-weights",
-        # run_sft.py's train_function saves the tokenizer after training on every rank, as under the author's
-        # own launch; nbddp's converter moves such saves to rank 0 in a notebook's top-level code only
-        "every_rank_writes": ["tokenizer_config.json", "chat_template.jinja", "tokenizer.json",
-                              "special_tokens_map.json"],
+        # none: run_sft.py's train_function saves the tokenizer after training, which the converter leaves to
+        # rank 0 inside a function that trains as at a notebook's top level (rules/rank_zero_in_functions.py)
+        "every_rank_writes": [],
     },
 }
 

@@ -53,7 +53,7 @@ class Chunk:
             line: names for (position, line), names in facts.ddp_wrap_inside.items()
             if position == cell.position and self.first <= line < self.end
         }
-        self._lines: dict[cst.CSTNode, int] | None = None
+        self._lines: dict[cst.CSTNode, tuple[int, int]] | None = None
         #: the calls to an imported training helper (``JobFacts.helper_trainings``), as parsed; the walks add
         #: each as they rebuild it (``rewrite._Walk``), so a later step's rule finds it still
         self.helper_trainings: set[cst.CSTNode] = self._calls_at({
@@ -158,12 +158,17 @@ class Chunk:
 
     def wrap_inside(self, node: cst.CSTNode) -> list[str] | None:
         """The models DDP wraps right after a statement inside a block (``JobFacts.ddp_wrap_inside``)."""
-        if self._lines is None:  # positions cost a pass over the chunk: only where the facts put a wrap
+        lines = self.statement_lines().get(node)
+        return self.wraps_inside.get(lines[0]) if lines is not None else None
+
+    def statement_lines(self) -> dict[cst.CSTNode, tuple[int, int]]:
+        """The first and last line in the cell of each statement as parsed: how the facts name a statement
+        inside a block (by its line). Positions cost a pass over the chunk: only where the facts chose one."""
+        if self._lines is None:
             positions = MetadataWrapper(self.parsed, unsafe_skip_copy=True).resolve(PositionProvider)
-            self._lines = {n: p.start.line + self.first - 1 for n, p in positions.items()
-                           if isinstance(n, cst.BaseStatement)}
-        line = self._lines.get(node)
-        return self.wraps_inside.get(line) if line is not None else None
+            self._lines = {n: (p.start.line + self.first - 1, p.end.line + self.first - 1)
+                           for n, p in positions.items() if isinstance(n, cst.BaseStatement)}
+        return self._lines
 
 
 #: A stand-in's line as libcst writes it back, at whatever indentation a rule gave it.

@@ -155,7 +155,10 @@ def _changes(cell: CellCode, chunks: list[Chunk], ran: list[list[Rule]]) -> list
     out = []
     for i in range(len(ran[0]) if ran else 0):
         for k, rules in enumerate(ran):
-            for (_, _, msg), line in zip(rules[i].changes, located.get((k, i), ())):
+            for (node, _, msg), line in zip(rules[i].changes, located.get((k, i), ())):
+                if node in rules[i].cell_lines:
+                    out.append((rules[i].name, rules[i].cell_lines[node], chunks[k].restore(msg)))
+                    continue
                 j = back[line - 1] if back is not None and 0 < line <= len(back) else line - 1
                 out.append((rules[i].name, (j if j is not None else line - 1) + 1, chunks[k].restore(msg)))
     return out

@@ -91,6 +91,9 @@ class Rule:
         self.facts, self.chunk = facts, chunk
         #: (node, index of the top-level statement holding it, message)
         self.changes: list[tuple[cst.CSTNode, int | None, str]] = []
+        #: noted nodes whose line in the cleaned cell the rule knows (statements the facts chose by line):
+        #: said at that line rather than found by their text, which an earlier statement may repeat
+        self.cell_lines: dict[cst.CSTNode, int] = {}
         self._top: dict[cst.CSTNode, int] = {}
         self._current: int | None = None
 

@@ -26,7 +26,7 @@ from .loaders import plan_helper_training_loaders, plan_loaders
 from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
 from .parts import plan_part_wraps
-from .rank0 import plan_after_training, plan_data_prep, plan_shared_saves, plan_tail_unwraps
+from .rank0 import plan_after_training, plan_data_prep, plan_function_bodies, plan_shared_saves, plan_tail_unwraps
 from .scan import scan
 from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
 
@@ -51,6 +51,7 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:
         _plan_around_training(top, trains, facts)
+    plan_function_bodies(top, facts)
     return facts
 
 

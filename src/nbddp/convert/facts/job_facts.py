@@ -79,6 +79,14 @@ class JobFacts:
     tail_unwraps: dict[Statement, list[str]] = field(default_factory=dict)
     #: statements after training that stay on every rank, with the reason (said in --explain)
     all_ranks: dict[Statement, str] = field(default_factory=dict)
+    #: in the body of a function or method that trains (not a plain loop's: ``LoopOutputRule`` prints and saves
+    #: there): (cell position, line) of each statement after its training call that saves, pushes, generates,
+    #: prints or plots, run on rank 0 only → the function's name
+    rank0_inside: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: such statements that stay on every rank (a collective in them, or a name every-rank code reads) → why
+    all_ranks_inside: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: top-level statements holding a statement of ``rank0_inside`` or ``all_ranks_inside``
+    rank0_holders: set[Statement] = field(default_factory=set)
     #: names the notebook's top-level code binds (not functions' or classes' own names)
     module_names: set[str] = field(default_factory=set)
     #: top-level dataset preparation run under ``main_process_first``

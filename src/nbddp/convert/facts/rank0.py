@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING
 
-from ..ast_helpers import DEFS, dotted_name, is_dead_if, last_name
-from .training import is_collective_call
+from ..ast_helpers import DEFS, compound_bodies, dotted_name, first_line, is_compound, is_dead_if, last_name
+from ..code import group_lines
+from .models import calls_in
+from .training import is_collective_call, is_training_call
 
 if TYPE_CHECKING:
     from ..code import CellCode, Statement
@@ -59,6 +61,119 @@ def plan_after_training(top: list[Statement], first: int, last: int, facts: JobF
         if k > last:
             facts.all_ranks[stmt] = reason
         needed |= stmt.reads
+
+
+#: Calls that wait for every rank, whatever object they are called on (``training_args.distributed_state.
+#: wait_for_everyone()``): inside a function the facts cannot tell that object, so such a statement stays on every rank.
+_WAITS = frozenset(
+    "wait_for_everyone barrier monitored_barrier all_reduce all_gather all_gather_object broadcast "
+    "broadcast_object_list reduce_scatter gather_for_metrics".split()
+)
+
+
+def plan_function_bodies(top: list[Statement], facts: JobFacts) -> None:
+    """In the body of each function or method that trains (``run_sft.py``'s ``train_function``: load, train,
+    save), the statements after its first training call that save, push, generate, print or plot run on rank 0
+    only, as between two training calls at the top level: every rank runs the function, the rest of its body
+    included. The same exceptions: a statement with a collective in it (or a call that waits for every rank,
+    ``_WAITS``), and one binding a name that a later statement of the body run on every rank reads (or a name
+    it declares ``global``), stays on every rank.
+
+    Not in a function a top-level rank-0 statement holds (rank 0 alone would reach the guard, where every rank
+    gathers under FSDP), nor in a rank-0 statement of a body; not for a plain loop, whose prints and
+    ``torch.save`` in training functions ``LoopOutputRule`` leaves to rank 0, and whose model rank 0 alone
+    cannot run once sharded."""
+    if facts.plain_loop:
+        return
+    for stmt in top:
+        if stmt in facts.rank0:
+            continue
+        planned = len(facts.rank0_inside) + len(facts.all_ranks_inside)
+        for node in stmt.nodes:
+            _plan_functions_in(node, stmt.cell, facts)
+        if len(facts.rank0_inside) + len(facts.all_ranks_inside) > planned:
+            facts.rank0_holders.add(stmt)
+
+
+def _plan_functions_in(node: ast.stmt, cell: CellCode, facts: JobFacts) -> None:
+    """Plan each function in ``node`` (itself, a method of a class, a function in a block), outside ``if False:``
+    and outside the statements a body's plan sends to rank 0."""
+    if not is_compound(node) or is_dead_if(node):
+        return
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _on_lines_of_its_own(node.body, cell):
+        guarded = _plan_body(node.body, node.name, cell, facts)
+        inner = [n for n in node.body if (cell.position, first_line(n)) not in guarded]
+    else:
+        inner = [n for body in compound_bodies(node) for n in body]
+    for n in inner:
+        _plan_functions_in(n, cell, facts)
+
+
+def _plan_body(body: list[ast.stmt], name: str, cell: CellCode, facts: JobFacts) -> set[tuple[int, int]]:
+    """A function's body: what runs on rank 0 after its training call (``plan_after_training``'s reading
+    between two trainings, backwards); the places guarded."""
+    groups = group_lines(body, cell)
+    calls = [sorted(calls_in(g), key=lambda c: (c.lineno, c.col_offset)) for g in groups]
+    first = next((k for k, found in enumerate(calls) if any(is_training_call(c, facts) for c in found)), None)
+    if first is None:
+        return set()
+    needed = {n for node in body for sub in ast.walk(node) if isinstance(sub, (ast.Global, ast.Nonlocal))
+              for n in sub.names}
+    guarded = set()
+    for k in range(len(groups) - 1, first, -1):
+        binds, reads = _names(groups[k])
+        place = (cell.position, first_line(groups[k][0]))
+        if any(_is_rank0_action(c) for c in calls[k]):
+            wait = next((c for c in calls[k] if is_collective_call(c, facts) or last_name(c.func) in _WAITS), None)
+            if wait is not None:
+                facts.all_ranks_inside[place] = f"{_func_code(cell, wait)}() needs every rank"
+            elif _leaves(groups[k]):
+                facts.all_ranks_inside[place] = f"it returns from {name}, which every rank must do alike"
+            elif binds & needed:
+                facts.all_ranks_inside[place] = f"binds {', '.join(sorted(binds & needed))}, which code on every rank uses"
+            else:
+                facts.rank0_inside[place] = name
+                guarded.add(place)
+                continue
+        needed |= reads
+    return guarded
+
+
+def _leaves(group: list[ast.stmt]) -> bool:
+    """Statements that return from (or yield out of) the function they sit in: guarded, rank 0 alone would take
+    that way out while the other ranks ran on to the body's next collective, and waited there."""
+    todo = list(group)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (*DEFS, ast.Lambda)):  # a nested function's return is its own
+            todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def _names(group: list[ast.stmt]) -> tuple[set[str], set[str]]:
+    """The names statements bind and those they read (a name deleted or updated in place is read too)."""
+    binds, reads = set(), set()
+    for node in group:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name):
+                (binds if isinstance(sub.ctx, ast.Store) else reads).add(sub.id)
+            elif isinstance(sub, ast.AugAssign) and isinstance(sub.target, ast.Name):
+                reads.add(sub.target.id)
+            elif isinstance(sub, (*DEFS, ast.ExceptHandler)) and sub.name:
+                binds.add(sub.name)
+            elif isinstance(sub, ast.alias) and sub.name != "*":
+                binds.add(sub.asname or sub.name.split(".")[0])
+            elif isinstance(sub, (ast.MatchAs, ast.MatchStar)) and sub.name:
+                binds.add(sub.name)
+    return binds, reads
+
+
+def _on_lines_of_its_own(body: list[ast.stmt], cell: CellCode) -> bool:
+    """A body below its header (``def f(): return 1`` has none to put a block in)."""
+    line = cell.lines[body[0].lineno - 1]
+    return len(line.encode()) - len(line.lstrip().encode()) == body[0].col_offset
 
 
 def plan_tail_unwraps(after: list[Statement], facts: JobFacts) -> None:

@@ -19,6 +19,7 @@ from .launcher import LauncherRule
 from .loop_output import LoopOutputRule
 from .main_process_first import MainProcessFirstRule
 from .rank_zero import RankZeroRule
+from .rank_zero_in_functions import RankZeroInFunctionsRule
 from .sampler import DistributedSamplerRule
 from .set_epoch import SetEpochRule
 from .trainer_config import TrainerConfigRule
@@ -28,6 +29,7 @@ from .unwrap import UnwrapRule
 RULES: tuple[type[Rule], ...] = (
     MainProcessFirstRule,
     RankZeroRule,
+    RankZeroInFunctionsRule,
     DDPWrapRule,
     DeviceMapRule,
     DeviceRule,
