@@ -297,8 +297,9 @@ def _bypassed_fix(model: str | None) -> str:
     name = model or "model"
     return (f"{name} is in a DistributedDataParallel wrapper, but the training calls its parts directly "
             f"({name}.part(…)) and never {name}(…) itself, so the wrapper never runs and no gradient is averaged. "
-            f"Fix: call {name}(…) in the training step, or wrap the part the optimizer trains and call that "
-            f"({name}.part = _nbddp.ddp({name}.part)).")
+            f"Fix: call {name}(…) in the training step, or call the part the optimizer trains by its name in the "
+            f"training's own code ({name}.part(…), {name} not handed to a function), where nbddp wraps that part "
+            f"instead; by hand: part_ddp = _nbddp.ddp(_nbddp.unwrap({name}).part), then part_ddp(…) in the step.")
 
 
 def _owner(params: list) -> tuple[str | None, list[str]]:

@@ -46,6 +46,7 @@ REPOS = {
     "philschmid/deep-learning-pytorch-huggingface": ("philschmid", "MIT", "59b37973074de90004d10e5ff636f98160c9743a"),
     "NVIDIA/NeMo": ("nemo", "Apache-2.0", "ec0b6240c44380ec8552ac8b7c9a0dd41adcffda"),
     "mryab/efficient-dl-systems": ("efficient_dl", "MIT", "e632aa89ca9e6638d52e1b686095e7442faffbb0"),
+    "encord-team/encord-notebooks": ("encord", "Apache-2.0", "4bca849e7dff72b07ce8eba388ef78979847d74b"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -164,6 +165,9 @@ PATHS = {
     # issue 28: the Kaggle 2×T4 recipe, `%%writefile script.py` then `!torchrun --nproc_per_node 2 script.py`
     # (a course's data-parallel practice: a hand-written all-reduce loop, then DDP, each launched so)
     "mryab/efficient-dl-systems": ["week03_data_parallel/practice.ipynb"],
+    # issue 28: SAM fine-tuned in its own repository's style: the optimizer over the mask decoder, the
+    # training calling sam_model.image_encoder/prompt_encoder/mask_decoder and never sam_model(…)
+    "encord-team/encord-notebooks": ["notebooks/Encord_Notebooks_How_To_Fine_Tuning_SAM.ipynb"],
 }
 #: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
 PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]

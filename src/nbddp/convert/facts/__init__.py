@@ -4,7 +4,8 @@
 notebook: which names hold trainers, which statements and functions train (``training.py``), which statements
 after training run on rank 0 only and which must stay on every rank (collectives, and what they read), which
 dataset preparation goes under ``main_process_first`` (``rank0.py``), and, for a plain PyTorch loop, which
-models DDP wraps and where (``models.py``), where the notebook needs them whole (``model_uses.py``) and which
+models DDP wraps and where (``models.py``; the part it wraps where the training calls a part and never
+the model, ``parts.py``), where the notebook needs them whole (``model_uses.py``) and which
 loaders get a ``DistributedSampler`` (``loaders.py``).
 The answers are a ``JobFacts``; its statement sets hold the cells' ``Statement``s (``code.py``), and the
 rules act on exactly the statements chosen here.
@@ -24,6 +25,7 @@ from .job_facts import JobFacts, Seen
 from .loaders import plan_helper_training_loaders, plan_loaders
 from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
+from .parts import plan_part_wraps
 from .rank0 import plan_after_training, plan_data_prep, plan_function_bodies, plan_shared_saves, plan_tail_unwraps
 from .scan import scan
 from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
@@ -64,6 +66,8 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
         plan_helper_training_loaders(top, facts)
         facts.loops = {s for s in top if any(is_training_call(c, facts) for c in s.plain_calls)}
         if facts.ddp_models:
+            if facts.trained_parts:
+                plan_part_wraps(top, facts)
             plan_ddp_wraps(top, first, facts)
             plan_model_uses(top, facts)
             plan_tail_unwraps(top[last + 1 :], facts)

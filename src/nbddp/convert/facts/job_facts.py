@@ -19,8 +19,15 @@ class JobFacts:
     #: plain PyTorch: names whose parameters an optimizer gets (the models DDP wraps)
     ddp_models: set[str] = field(default_factory=set)
     #: plain PyTorch: a model of ``ddp_models`` → the parts of it an optimizer gets (``mask_decoder`` for
-    #: ``Adam(model.mask_decoder.parameters())``): the model is wrapped whole, and ``--explain`` says why
+    #: ``Adam(model.mask_decoder.parameters())``): the model is wrapped whole, and ``--explain`` says why,
+    #: unless the training calls the parts themselves (``part_wraps``)
     trained_parts: dict[str, set[str]] = field(default_factory=dict)
+    #: plain PyTorch: a model of ``trained_parts`` whose training calls those parts and never the model
+    #: (``sam_model.mask_decoder(emb)``) → each part DDP wraps instead → its wrapper's name (``parts.py``)
+    part_wraps: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: the top-level statements whose calls of a part of ``part_wraps`` go through its wrapper: the training
+    #: statements and the definitions of the functions they call
+    part_routes: set[Statement] = field(default_factory=set)
     #: plain PyTorch: names bound to an optimizer (``optimizer = torch.optim.Adam(model.parameters())``)
     optimizers: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
@@ -99,6 +106,12 @@ class JobFacts:
     model_saves: set[tuple[int, int, int]] = field(default_factory=set)
     whole_model_saves: list[tuple[int, int]] = field(default_factory=list)
     rank0_forwards: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def wrapped_whole(self) -> set[str]:
+        """The models of ``ddp_models`` that DDP wraps whole (not those whose parts it wraps, ``part_wraps``):
+        the names saving, loading and rank-0 code unwrap."""
+        return self.ddp_models - self.part_wraps.keys()
 
     @property
     def last_training(self) -> Statement | None:

@@ -185,7 +185,7 @@ def plan_tail_unwraps(after: list[Statement], facts: JobFacts) -> None:
     models[best]`` may give a wrapper again). A block is a run of consecutive rank-0 statements of one cell,
     as ``RankZeroRule`` guards them.
     """
-    pending = facts.ddp_models & facts.module_names
+    pending = facts.wrapped_whole & facts.module_names
     models = set(pending)
     opening = {run[0] for run in rank0_runs(after, facts.tail)}
     for stmt in after:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..cst_helpers import cst
+from ..cst_helpers import cst, dotted_name
 from ..engine.rule import Rule
 
 class DDPWrapRule(Rule):
@@ -14,12 +14,18 @@ class DDPWrapRule(Rule):
     the model (``model = Net().to(device)``, ``model.to(device)``) before the first training statement; the
     same inside a function or loop that builds a model and trains it (k-fold loops). Optimizers keep working:
     DDP shares the module's parameters.
+
+    Where the optimizer trains a part and the training calls that part itself, never the model (SAM's
+    ``sam_model.mask_decoder(emb)``), a wrapper around the model would never run: the part is wrapped instead,
+    under a name of its own (``sam_model_mask_decoder_ddp = _nbddp.ddp(sam_model.mask_decoder)``), and the
+    training's calls of the part go through it. The model keeps the plain part, so its state dict is unchanged.
     """
 
     # -- where it has work: Python's ast, before libcst reads anything
 
     name = "ddp_wrap"
     on_statements = True
+    _routes = False  # the walk is in a statement whose calls of a wrapped part go through its wrapper
     walks_inside = True  # it looks for the statements inside blocks that the facts chose
 
     @classmethod
@@ -28,14 +34,26 @@ class DDPWrapRule(Rule):
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return stmt in facts.ddp_wrap_after or stmt in facts.ddp_wraps_inside
+        return stmt in facts.ddp_wrap_after or stmt in facts.ddp_wraps_inside or stmt in facts.part_routes
 
     # -- what it does: libcst
 
     def _wrap(self, stmt: cst.BaseStatement, names: list[str]) -> list[cst.BaseStatement]:
-        self.note(stmt, f"{', '.join(names)} wrapped in DistributedDataParallel (gradients averaged over ranks)"
-                        + "".join(self._part_note(n) for n in names))
-        return [cst.parse_statement(f"{n} = _nbddp.ddp({n})\n") for n in names]
+        whole = [n for n in names if n not in self.facts.part_wraps]
+        out = [cst.parse_statement(f"{n} = _nbddp.ddp({n})\n") for n in whole]
+        if whole:
+            self.note(stmt, f"{', '.join(whole)} wrapped in DistributedDataParallel (gradients averaged over ranks)"
+                            + "".join(self._part_note(n) for n in whole))
+        for name in (n for n in names if n in self.facts.part_wraps):
+            for part, wrapper in self.facts.part_wraps[name].items():
+                out.append(cst.parse_statement(f"{wrapper} = _nbddp.ddp({name}.{part})\n"))
+                self.note(stmt, f"{name}.{part} wrapped in DistributedDataParallel as {wrapper} (gradients averaged "
+                                f"over ranks): its optimizer trains {name}.{part} and the training calls it itself, "
+                                f"never {name}(…), so a wrapper around {name} would never run; those calls go "
+                                f"through {wrapper}, and {name} keeps its plain part and its state dict's keys; DDP "
+                                f"looks for the parameters a step leaves out (find_unused_parameters=True: a head "
+                                f"the loss does not read, as SAM's IoU head)")
+        return out
 
     def _part_note(self, name: str) -> str:
         """Why a model is wrapped whole where its optimizer trains one part (SAM's ``mask_decoder``)."""
@@ -45,6 +63,24 @@ class DDPWrapRule(Rule):
         what = ", ".join(f"{name}.{p}" for p in parts)
         return (f"; whole, though its optimizer trains only {what}: the forward runs through the whole model, "
                 f"and DDP looks for the parameters a step leaves out (find_unused_parameters=True)")
+
+    # -- the training's calls of a wrapped part go through its wrapper
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if node in self._top:
+            self._routes = self.statement(node) in self.facts.part_routes
+        return super().on_visit(node)
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if not self._routes:
+            return updated
+        called = dotted_name(updated.func) or ""
+        model, _, part = called.partition(".")
+        wrapper = self.facts.part_wraps.get(model, {}).get(part)
+        if wrapper is None:
+            return updated
+        self.note(original, f"{called}(…) → {wrapper}(…): through its DDP wrapper")
+        return updated.with_changes(func=cst.Name(wrapper))
 
     def _wrap_block(self, original: list[cst.BaseStatement], updated: list[cst.BaseStatement], planned) -> list:
         out: list[cst.BaseStatement] = []

@@ -29,11 +29,11 @@ class UnwrapRule(Rule):
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
-        return facts.plain_loop and bool(facts.ddp_models) and super().wanted(cell, facts)
+        return facts.plain_loop and bool(facts.wrapped_whole) and super().wanted(cell, facts)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        models = facts.ddp_models
+        models = facts.wrapped_whole
         for call in ast_helpers.calls(nodes):
             func = call.func
             if isinstance(func, ast.Attribute) and func.attr in ("state_dict", "load_state_dict"):
@@ -49,7 +49,7 @@ class UnwrapRule(Rule):
         return cst.parse_expression(f"_nbddp.unwrap({name.value})")
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        models = self.facts.ddp_models
+        models = self.facts.wrapped_whole
         func = updated.func
         if is_attribute(func, "state_dict", "load_state_dict") and is_name(func.value) and func.value.value in models:
             self.note(original, f"{func.value.value}.{func.attr.value}: the module inside DDP")
@@ -68,6 +68,6 @@ class UnwrapRule(Rule):
         for index, arg in enumerate(call.args):
             first = index == 0 and arg.keyword is None and not arg.star
             named = arg.keyword is not None and arg.keyword.value == "obj"
-            if (first or named) and is_name(arg.value) and arg.value.value in self.facts.ddp_models:
+            if (first or named) and is_name(arg.value) and arg.value.value in self.facts.wrapped_whole:
                 return index, arg.value.value
         return None
