@@ -133,8 +133,11 @@ def nbddp_run(tmp_path: Path, folder: Path, entry: dict, label: str, *more: str,
 
 
 def launched_by(procs: list[dict], command: str) -> list[dict]:
-    """The training processes running ``command``'s script."""
-    return sorted((p for p in trainers(procs) if p["argv"] and p["argv"][0].endswith(command)),
+    """The training processes running ``command``'s script: as written, or as nbddp converted it (``python
+    train.py`` of a training script runs ``converted-train.py`` on every rank)."""
+    converted = "converted-" + Path(command).name
+    return sorted((p for p in trainers(procs) if p["argv"] and (p["argv"][0].endswith(command)
+                                                                   or Path(p["argv"][0]).name == converted)),
                   key=lambda p: p["label"])
 
 
