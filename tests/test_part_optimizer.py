@@ -87,11 +87,10 @@ def test_an_optimizer_over_a_part_reached_by_index_or_attribute_chain_wraps_the_
     assert "model = _nbddp.ddp(model)" in convert(cells).text
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(600)
-def test_two_ranks_train_the_part_in_sync_and_share_the_data(tmp_path):
-    single, ranks = (write_notebook(_folder(tmp_path / d), [textwrap.dedent(c) for c in CELLS])
-                     for d in ("single", "ranks"))
+def _one_process_and_two_ranks(tmp_path, single, ranks):
+    """Run the notebook as one process and with ``nbddp run --nproc 2``; check that the one process saw every
+    sample in each of 3 epochs, the two ranks shared them and stepped in sync (12 steps each). Returns the
+    records of the one process and of ranks 0 and 1."""
     run([sys.executable, str(RUNNABLE / "run_cells.py"), str(single)],
         environment(tmp_path / "rec-single", single.parent, NBDDP_TEST_RECORD_AS="single"), tmp_path / "single.log")
     run([sys.executable, "-m", "nbddp.cli", "run", str(ranks), "--nproc", "2", "--runs-dir", str(tmp_path / "runs"),
@@ -106,6 +105,15 @@ def test_two_ranks_train_the_part_in_sync_and_share_the_data(tmp_path):
     stepped = [(o["steps"], o["hash"]) for o in r0["optimizers"] if o["steps"]]
     assert stepped and stepped == [(o["steps"], o["hash"]) for o in r1["optimizers"] if o["steps"]]
     assert stepped[0][0] == 12  # 3 epochs of 32 samples per rank in batches of 8
+    return one, r0, r1
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_two_ranks_train_the_part_in_sync_and_share_the_data(tmp_path):
+    single, ranks = (write_notebook(_folder(tmp_path / d), [textwrap.dedent(c) for c in CELLS])
+                     for d in ("single", "ranks"))
+    one, r0, r1 = _one_process_and_two_ranks(tmp_path, single, ranks)
     assert files(r0) == files(one) == {"decoder.pt"} and not files(r1)
 
 
@@ -219,20 +227,7 @@ def test_parts_called_directly_train_in_sync_on_two_ranks(tmp_path):
     state dicts have the plain model's keys (before, the replica guard stopped the job at step 1)."""
     single, ranks = (write_notebook(_folder(tmp_path / d), [textwrap.dedent(c) for c in DIRECT])
                      for d in ("single", "ranks"))
-    run([sys.executable, str(RUNNABLE / "run_cells.py"), str(single)],
-        environment(tmp_path / "rec-single", single.parent, NBDDP_TEST_RECORD_AS="single"), tmp_path / "single.log")
-    run([sys.executable, "-m", "nbddp.cli", "run", str(ranks), "--nproc", "2", "--runs-dir", str(tmp_path / "runs"),
-         "--timeout", "300"], environment(tmp_path / "rec-ranks", ranks.parent), tmp_path / "ranks.log")
-    one, two = records(tmp_path / "rec-single")["single"], records(tmp_path / "rec-ranks")
-    r0, r1 = two["0"], two["1"]
-    epochs = [sorted(p["indices"]) for p in one["passes"] if p["size"] == 64 and p["steps"]]
-    assert epochs == [list(range(64))] * 3
-    a = [p["indices"] for p in r0["passes"] if p["size"] == 64 and p["steps"]]
-    b = [p["indices"] for p in r1["passes"] if p["size"] == 64 and p["steps"]]
-    assert len(a) == len(b) == 3 and all(sorted(x + y) == list(range(64)) for x, y in zip(a, b))
-    stepped = [(o["steps"], o["hash"]) for o in r0["optimizers"] if o["steps"]]
-    assert stepped and stepped == [(o["steps"], o["hash"]) for o in r1["optimizers"] if o["steps"]]
-    assert stepped[0][0] == 12  # 3 epochs of 32 samples per rank in batches of 8
+    one, r0, r1 = _one_process_and_two_ranks(tmp_path, single, ranks)
     assert files(r0) == files(one) == {"model.pt", "decoder.pt"} and not files(r1)
     import torch
 

@@ -231,29 +231,30 @@ def _python(args: list[str], nproc: int) -> int:
     while flags < len(args) and args[flags] in ("-u", "-B", "-O", "-OO", "-E", "-s", "-I"):
         flags += 1  # flags that take no value: `python -u train.py` is still the script's run
     script = args[flags] if flags < len(args) and args[flags].endswith(".py") else None
-    if script and Path(script).is_file() and _trains(Path(script)):
-        return _converted(Path(script), args[flags + 1:], nproc)
+    converted = _training_script(Path(script)) if script and Path(script).is_file() else None
+    if converted is not None:
+        return _run_converted(Path(script), converted, args[flags + 1:], nproc)
     return run([real, *args], training=False)
 
 
-def _trains(path: Path) -> bool:
+def _training_script(path: Path):
+    """The script converted, where the converter finds it trains (else None: it runs as written). Converted
+    once: the same ``Script`` is written and run."""
     from .cells import script_cells
     from .convert.script import convert_cells
 
     try:
-        return convert_cells(script_cells(path)).trains
+        script = convert_cells(script_cells(path))
     except Exception:  # a script the converter cannot read runs as written
-        return False
+        return None
+    return script if script.trains else None
 
 
-def _converted(path: Path, args: list[str], nproc: int) -> int:
+def _run_converted(path: Path, script, args: list[str], nproc: int) -> int:
     """A plain training script run the way nbddp runs a notebook: converted, on every GPU."""
-    from .cells import script_cells
-    from .convert.script import convert_cells
-
     log_dir = _next_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
-    converted = convert_cells(script_cells(path)).write(log_dir / f"converted-{path.name}")
+    converted = script.write(log_dir / f"converted-{path.name}")
     _say(f"nbddp: {path} trains: it runs converted on {nproc} processes ({converted})")
     argv, _ = torchrun_argv([str(converted), *args], nproc, log_dir / "logs")
     return run(argv)
