@@ -1,5 +1,6 @@
 """torchrun's agent (``nbddp.agent``) ends without tearing its interpreter down once every rank ended well: a
-second or more of each job on the 2-core machine. Its exit handlers still run; a rank's exit is untouched."""
+second or more of each job on the 2-core machine. Its exit handlers still run; a rank runs its own, the agent's
+never, whether it started fresh or was forked from the agent (``nbddp.forked_ranks``)."""
 
 import os
 import subprocess
@@ -31,12 +32,13 @@ _torn_down = _TornDown()
 '''
 
 
-def test_the_agent_runs_its_exit_handlers_but_skips_the_teardown_and_the_rank_exits_as_python_does(tmp_path):
+@pytest.mark.parametrize("forked", [False, True], ids=["fresh rank", "forked rank"])
+def test_the_agent_runs_its_exit_handlers_but_skips_the_teardown_and_the_rank_exits_as_python_does(tmp_path, forked):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(MARKER)
     (tmp_path / "job.py").write_text("print('rank done', flush=True)\n")
     marks = tmp_path / "marks.txt"
-    env = {**os.environ, "MARKS": str(marks),
+    env = {**os.environ, "MARKS": str(marks), "NBDDP_FORK_RANKS": "1" if forked else "0",
            "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(SRC), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "nbddp.agent", "--standalone", "--nproc_per_node=1", f"--log-dir={tmp_path / 'logs'}",
@@ -45,8 +47,12 @@ def test_the_agent_runs_its_exit_handlers_but_skips_the_teardown_and_the_rank_ex
     )
     assert proc.returncode == 0, proc.stderr
     lines = marks.read_text().splitlines()
-    assert "rank atexit" in lines and "rank teardown" in lines  # the marker sees a teardown where there is one
-    assert "agent atexit" in lines and "agent teardown" not in lines
+    # each process runs its own exit handlers once: a forked rank none of the agent's
+    assert lines.count("rank atexit") == 1 and lines.count("agent atexit") == 1, lines
+    assert "agent teardown" not in lines
+    # a fresh rank tears its modules down, the marker sees it; a forked one ends as the agent does, having
+    # released the script's own objects (tests/test_forked_ranks.py)
+    assert ("rank teardown" in lines) is not forked
     assert "rank done" in next(tmp_path.glob("logs/*/attempt_0/0/stdout.log")).read_text()
 
 

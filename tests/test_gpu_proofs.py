@@ -33,9 +33,9 @@ def test_on_one_gpu_the_two_gpu_checks_skip_without_running(tmp_path):
 
 @pytest.mark.e2e
 def test_without_a_gpu_every_check_skips(tmp_path):
-    done = run_all(tmp_path, 0, "quickstart magic ckpt t4-fp16 templates each-template unsloth")
+    done = run_all(tmp_path, 0, "quickstart magic ckpt t4-fp16 templates each-template forked unsloth")
     assert done.returncode == 0 and "== GPU proofs (0 GPU(s))" in done.stdout
-    assert done.stdout.count("SKIP ") == 2 * 7 and "PASS" not in done.stdout and "FAIL" not in done.stdout
+    assert done.stdout.count("SKIP ") == 2 * 8 and "PASS" not in done.stdout and "FAIL" not in done.stdout
 
 
 @pytest.mark.e2e

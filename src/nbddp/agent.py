@@ -14,6 +14,9 @@ all) and adds two things torchrun leaves out:
   the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``); torchrun's handler then stops every
   rank as it does on Ctrl-C.
 
+Each rank is forked from this process once it has imported torch (``forked_ranks``), not started as a
+fresh interpreter that imports torch again.
+
 Once torchrun's ``main`` has returned (every rank ended well), the agent also ends without tearing down its
 interpreter (``exit_without_teardown``): freeing torch's modules one by one took 0.4–0.5 s of CPU, more than a
 second of wall time on the 2-core machine, after the job's work was done (``benchmarks/results/job_overhead.md``).
@@ -100,6 +103,9 @@ def exit_without_teardown(code: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent(int(os.environ.get("NBDDP_LAUNCHER_PID", "0") or 0))
+    from . import forked_ranks
+
+    forked_ranks.install()  # first: it imports torch, and notes what that import leaves for a rank
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 

@@ -10,6 +10,7 @@
 #   t4-fp16      precision as on a T4: bf16 refused, fp16 with a GradScaler, the quickstart trains, loss falls
 #   templates    tests/gpu/prove_templates_and_export.py: QLoRA 4-bit template via papermill + Kaggle export
 #   each-template  tests/gpu/prove_each_template.py: every template via `nbddp run` and `%ddp_train` in a kernel
+#   forked       tests/gpu/check_forked_ranks.py: ranks forked from torchrun's process join NCCL and use their GPU
 #   unsloth      tests/gpu/prove_unsloth.py: Unsloth's Kaggle Alpaca notebook via `nbddp run` and `%%ddp_train`
 #                (SKIP without Unsloth: on the device machine, tar -xJf .gpu/site.tar.xz -C /tmp first)
 set -u
@@ -18,7 +19,7 @@ LOGS=${LOGS:-gpu-logs}; mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 NBDDP_CACHE=${NBDDP_CACHE:-/tmp/nbddp-cache}
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}
 # GPUs each check needs: DDP across GPUs (ckpt), the 2-GPU template and export proofs; the rest run on one
-declare -A NEEDS=([quickstart]=1 [magic]=1 [ckpt]=2 [t4-fp16]=1 [templates]=2 [each-template]=2 [unsloth]=1)
+declare -A NEEDS=([quickstart]=1 [magic]=1 [ckpt]=2 [t4-fp16]=1 [templates]=2 [each-template]=2 [forked]=1 [unsloth]=1)
 declare -a RESULTS
 check() {  # name, command...
   local name=$1; shift
@@ -48,7 +49,8 @@ each_template() {
   python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
   python3 tests/gpu/prove_each_template.py
 }
+forked() { python3 tests/gpu/check_forked_ranks.py --nproc "$NGPU"; }
 unsloth() { python3 tests/gpu/prove_unsloth.py --nproc "$NGPU"; }
-for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates each-template unsloth}; do check "$c" "${c//-/_}"; done
+for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates each-template forked unsloth}; do check "$c" "${c//-/_}"; done
 printf '%s\n' "== GPU proofs ($NGPU GPU(s))" "${RESULTS[@]}"
 ! printf '%s\n' "${RESULTS[@]}" | grep -q '^FAIL'

@@ -1,0 +1,349 @@
+"""Ranks forked from torchrun's process, which imported torch once, in place of a fresh ``python -u script``.
+
+Every rank of a job used to start a new interpreter and import torch again (2.4 CPU s here), then
+``torch._dynamo`` at its first optimizer step (1.8 CPU s): on a 2-core machine, a third of a small job's CPU.
+torchrun's process (``nbddp.agent``) has imported torch already. So the agent imports what every rank imports
+(``PRELOAD``) once, and starts each rank with ``fork()`` where torchrun would ``Popen`` it: the rank begins with
+those modules in memory, shared copy-on-write.
+
+What the rank sees is what ``python -u script`` gives it (``run_rank``): a session of its own (torchrun stops
+ranks by process group), torchrun's log files as stdout and stderr, unbuffered, the environment torchrun made
+for it, ``sys.argv`` and ``sys.path[0]`` of the script, default signal handlers, the warnings filters and root
+logger as they were before torchrun ran, torch's thread count from ``OMP_NUM_THREADS``, ``sitecustomize`` run
+again with the rank's environment, and ``__main__`` the script (``.pth`` files ran once, in the agent). At its end, as Python's own exit does:
+non-daemon threads joined, exit handlers run, the script's objects released (open files flushed), then
+``os._exit`` — never back into torchrun's code, whose ``finally`` blocks belong to the agent.
+
+Where a fork would not give that, torchrun's ``Popen`` runs as before: not Linux; a command that is not
+``python -u <script>`` (``--no-python``, ``-m``); CUDA's driver initialized in the agent (a forked child cannot use
+it); a torch whose handler has no ``_popen``; or ``NBDDP_FORK_RANKS=0``. Only libraries whose import reads
+nothing the notebook could set first are preloaded: torch itself, not transformers (which must come after
+Unsloth and after nbddp's save shim).
+
+Runs in torchrun's process (imported by ``nbddp.agent``); the ranks' own code is ``runtime``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+#: What every rank imports anyway, imported once in the agent before any rank starts.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "nbddp.runtime")
+
+#: What ``cuDeviceGetCount`` answers before ``cuInit``.
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+#: The switch: ``NBDDP_FORK_RANKS=0`` starts every rank as a fresh interpreter, as torchrun does.
+SWITCH = "NBDDP_FORK_RANKS"
+
+
+class ForkedRank:
+    """What torchrun reads of a ``Popen`` (``pid``, ``poll``, ``wait``, ``returncode``) for a forked child."""
+
+    def __init__(self, pid: int, args: tuple):
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._reap(os.WNOHANG)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            while self.returncode is None:
+                self._reap(0)
+            return self.returncode
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def _reap(self, flags: int) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, flags)
+        except ChildProcessError:  # reaped elsewhere: as Popen says then
+            self.returncode = 0
+            return
+        if pid == self.pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+
+class _Before:
+    """The interpreter's state a fresh rank would start from, taken before torchrun changes it."""
+
+    def __init__(self, exit_handlers: list[tuple]):
+        import logging
+        import warnings
+
+        root = logging.getLogger()
+        self.filters = list(warnings.filters)
+        self.root_handlers = list(root.handlers)
+        self.root_level = root.level
+        self.excepthook = sys.excepthook
+        self.exit_handlers = exit_handlers
+
+
+_before: _Before | None = None
+#: In a rank, the agent's ``sitecustomize``/``usercustomize``, held so that nothing of theirs is finalized there.
+_agents_customizations: list = []
+
+
+def enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get(SWITCH, "1").strip().lower() not in (
+        "0", "false", "off", "no")
+
+
+def install() -> bool:
+    """In the agent, before anything imports torch: preload ``PRELOAD`` and make torchrun fork its ranks.
+    False (and torchrun unchanged) where that cannot be done."""
+    global _before
+    if not enabled():
+        return False
+    exit_handlers = _preload(PRELOAD)
+    _before = _Before(exit_handlers)  # as a rank that imported them would be, before torchrun changes it
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    except ImportError:
+        return False
+    handler = subprocess_handler.SubprocessHandler
+    if not callable(getattr(handler, "_popen", None)):
+        return False
+    popen = handler._popen
+
+    def _popen(self, args, env):
+        script_args = _script_args(args)
+        if script_args is None or cuda_driver_initialized():
+            return popen(self, args, env)
+        return fork_rank(script_args, env, self._stdout, self._stderr, args)
+
+    handler._popen = _popen
+    return True
+
+
+def _preload(names) -> list[tuple]:
+    """Import ``names``; the exit handlers their imports registered (a rank must have those, and only those,
+    of the agent's)."""
+    import atexit
+    import importlib
+
+    registered: list[tuple] = []
+    register = atexit.register
+
+    def recording(func, *args, **kwargs):
+        if recording.on:
+            registered.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    recording.on = True
+    atexit.register = recording
+    try:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # a broken optional part: the rank meets it itself, as before
+                pass
+    finally:
+        recording.on = False
+        atexit.register = register
+    return registered
+
+
+def _script_args(args: tuple) -> list[str] | None:
+    """``[script, *args]`` of ``(python, -u, script, *args)``; None for any other command."""
+    if len(args) >= 3 and args[0] == sys.executable and args[1] == "-u" and not str(args[2]).startswith("-"):
+        return [str(a) for a in args[2:]]
+    return None
+
+
+def cuda_driver_initialized() -> bool:
+    """Whether CUDA's driver was initialized in this process (``cuInit``): a forked child cannot use CUDA
+    after that. Asked without initializing it: ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3)
+    before ``cuInit``. A driver never loaded was never initialized; one that cannot be asked counts as
+    initialized."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            if not any("libcuda.so" in line for line in maps):
+                return False
+        import ctypes
+
+        count = ctypes.c_int(0)
+        return ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
+    except (OSError, AttributeError):
+        return True
+
+
+def fork_rank(script_args: list[str], env: dict[str, str], stdout, stderr, args: tuple) -> ForkedRank:
+    """Fork one rank running ``script_args`` with ``env``, its output in the files torchrun opened."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    pid = os.fork()
+    if pid == 0:  # the rank: never returns into torchrun's code
+        code = 1
+        try:
+            os.setsid()
+            for fd, file in ((1, stdout), (2, stderr)):
+                if file is not None:
+                    os.dup2(file.fileno(), fd)
+            code = run_rank(script_args, env)
+        except BaseException:  # noqa: BLE001 - whatever happens, this process ends here
+            try:
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.flush()
+            except BaseException:  # noqa: BLE001
+                pass
+        finally:
+            if code < 0:
+                import signal
+
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code & 0xFF)
+    return ForkedRank(pid, args)
+
+
+def run_rank(script_args: list[str], env: dict[str, str]) -> int:
+    """Run the script as ``python -u`` would in this fresh child; its exit code."""
+    _as_a_fresh_interpreter(script_args, env)
+    import runpy
+
+    code = 0
+    namespace = None
+    try:
+        namespace = runpy.run_path(script_args[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -2  # Python ends by SIGINT itself then (``fork_rank`` re-raises it)
+    except BaseException:  # noqa: BLE001 - an uncaught error: reported as Python reports it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    finally:
+        sys.last_type = sys.last_value = sys.last_traceback = None
+    return _finish(code, namespace)
+
+
+def _as_a_fresh_interpreter(script_args: list[str], env: dict[str, str]) -> None:
+    import io
+    import logging
+    import signal
+    import warnings
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = list(script_args)
+    sys.path[0] = os.path.dirname(os.path.abspath(script_args[0]))
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        setattr(sys, name, io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False), encoding=getattr(old, "encoding", None) or "utf-8",
+            errors="backslashreplace" if name == "stderr" else getattr(old, "errors", None),
+            line_buffering=False, write_through=True))
+    _torch_threads(env)
+    if _before is not None:
+        warnings.filters[:] = _before.filters
+        warnings._filters_mutated()
+        root = logging.getLogger()
+        root.handlers[:] = _before.root_handlers
+        root.setLevel(_before.root_level)
+        sys.excepthook = _before.excepthook
+        _only_these_exit_handlers(_before.exit_handlers)
+    _customize_again()
+
+
+def _only_these_exit_handlers(handlers: list[tuple]) -> None:
+    """The agent's exit handlers are not the rank's: keep those the preloaded modules registered."""
+    import atexit
+
+    atexit._clear()
+    for func, args, kwargs in handlers:
+        atexit.register(func, *args, **kwargs)
+
+
+def _customize_again() -> None:
+    """Run ``sitecustomize`` and ``usercustomize`` again, now with the rank's environment, as a fresh
+    interpreter runs them at its start (a customization that reads ``RANK`` sees it)."""
+    import importlib
+
+    for name in ("sitecustomize", "usercustomize"):
+        if getattr(sys.modules.get(name), "__file__", None):
+            _agents_customizations.append(sys.modules.pop(name))  # kept: its objects are the agent's
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # as site.py says it at a fresh start
+                print(f"Error in {name}; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+
+
+def _torch_threads(env: dict[str, str]) -> None:
+    """torch sizes its thread pool once per process; the agent's was sized before torchrun set
+    ``OMP_NUM_THREADS`` for the ranks, which a fresh rank's torch would have read."""
+    torch = sys.modules.get("torch")
+    try:
+        threads = int(env.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return
+    if torch is not None and threads > 0:
+        torch.set_num_threads(threads)
+
+
+def _exit_code(code) -> int:
+    """``sys.exit(code)`` as the interpreter turns it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int, namespace: dict | None) -> int:
+    """What Python does at exit, less the teardown of its modules: threads joined, exit handlers run, the
+    script's objects released (files it left open are flushed and closed), output flushed."""
+    import atexit
+    import gc
+    import threading
+
+    try:
+        threading._shutdown()
+    except BaseException:  # noqa: BLE001 - a thread's error is its own; exit goes on as Python's does
+        pass
+    atexit._run_exitfuncs()
+    if namespace is not None:
+        namespace.clear()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    return code

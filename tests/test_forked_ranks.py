@@ -1,0 +1,107 @@
+"""Ranks forked from torchrun's process (``nbddp.forked_ranks``) see what a fresh ``python -u script`` sees.
+
+One script, run by ``nbddp.agent`` on two gloo ranks with forking on and off, reports from each rank what the
+script can observe of its start (argv, path, session, signals, threads, environment, ``__main__``, the test
+``sitecustomize`` run with the rank's environment) and ends as Python ends (a file it left open flushed, an exit
+handler run, ``sys.exit(3)`` on rank 1 and an uncaught error's traceback in the log). Both runs must report
+the same, and only the forked one may have the agent's command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nbddp import forked_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = r'''
+import atexit, json, os, signal, sys, threading, time
+import torch
+import torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+out = os.environ["REPORT_DIR"]
+dist.init_process_group("gloo")
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+argv = open("/proc/self/cmdline", "rb").read().split(b"\0")
+report = {
+    "argv": sys.argv, "path0": sys.path[0], "name": __name__, "main_is_me": sys.modules["__main__"].__dict__ is globals(),
+    "session_leader": os.getsid(0) == os.getpid(), "group_leader": os.getpgid(0) == os.getpid(),
+    "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
+    "threads": torch.get_num_threads(), "world": os.environ["WORLD_SIZE"], "sum": t.item(),
+    "customized_as": os.environ.get("CUSTOMIZED_AS"), "python_threads": threading.active_count(),
+    "stdout_write_through": getattr(sys.stdout, "write_through", None),
+}
+dist.destroy_process_group()
+json.dump({"forked": b"nbddp.agent" in argv, **report}, open(os.path.join(out, f"report{rank}.json"), "w"))
+left_open = open(os.path.join(out, f"left-open{rank}.txt"), "w")
+left_open.write("written, never closed")
+atexit.register(lambda: open(os.path.join(out, f"atexit{rank}.txt"), "w").write("ran"))
+print(f"rank {rank} says hello")
+if rank == 1:
+    sys.exit(3)
+raise RuntimeError("rank 0 fails on purpose")
+'''
+
+#: A sitecustomize as tests and users have them: it acts on what the environment says at start-up.
+SITECUSTOMIZE = 'import os\nif os.environ.get("RANK"):\n    os.environ["CUSTOMIZED_AS"] = "rank " + os.environ["RANK"]\n'
+
+
+def run(tmp_path: Path, fork: bool) -> tuple[subprocess.CompletedProcess, Path, dict, dict]:
+    work = tmp_path / ("forked" if fork else "fresh")
+    (work / "site").mkdir(parents=True)
+    (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    script = work / "rank_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "REPORT_DIR": str(work), forked_ranks.SWITCH: "1" if fork else "0",
+           "NBDDP_FAILURES": str(work / "failures.json"),
+           "PYTHONPATH": os.pathsep.join([str(work / "site"), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "nbddp.agent", "--standalone", "--nproc_per_node=2",
+                           f"--log-dir={work / 'logs'}", "--redirects=3", "--max-restarts=0", str(script), "an-arg"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    reports = {r: json.loads((work / f"report{r}.json").read_text()) for r in (0, 1)}
+    failures = json.loads((work / "failures.json").read_text())
+    return done, work, reports, failures
+
+
+@pytest.mark.e2e
+def test_a_forked_rank_starts_and_ends_as_a_fresh_interpreter_does(tmp_path):
+    fresh_run, forked_run = run(tmp_path, fork=False), run(tmp_path, fork=True)
+    for (done, work, reports, failures), forked in ((fresh_run, False), (forked_run, True)):
+        assert done.returncode != 0  # the ranks failed on purpose
+        for rank in (0, 1):
+            report = reports[rank]
+            assert report.pop("forked") is forked
+            assert report["argv"] == [str(work / "rank_script.py"), "an-arg"]
+            assert report["path0"] == str(work) and report["name"] == "__main__" and report["main_is_me"]
+            assert report["session_leader"] and report["group_leader"]  # torchrun stops ranks by process group
+            assert report["threads"] == 1 and report["sum"] == 3.0 and report["world"] == "2"
+            assert report["customized_as"] == f"rank {rank}"
+            assert (work / f"left-open{rank}.txt").read_text() == "written, never closed"
+            assert (work / f"atexit{rank}.txt").read_text() == "ran"
+            stdout = next((work / "logs").glob(f"*/attempt_0/{rank}/stdout.log")).read_text()
+            assert stdout == f"rank {rank} says hello\n"
+        stderr0 = next((work / "logs").glob("*/attempt_0/0/stderr.log")).read_text()
+        assert "RuntimeError: rank 0 fails on purpose" in stderr0 and "Traceback" in stderr0
+        exits = {f["rank"]: f["exitcode"] for f in failures["failures"]}
+        assert exits == {0: 1, 1: 3}, failures
+    def alike(reports):  # less "forked" (popped) and the paths (each run's own folder, checked above)
+        return {r: {k: v for k, v in report.items() if k not in ("argv", "path0")} for r, report in reports.items()}
+
+    assert alike(fresh_run[2]) == alike(forked_run[2])
+
+
+def test_only_a_python_script_command_is_forked():
+    python = sys.executable
+    assert forked_ranks._script_args((python, "-u", "train.py", "--lr", "1")) == ["train.py", "--lr", "1"]
+    assert forked_ranks._script_args((python, "-u", "-m", "pkg.train")) is None  # torchrun --module
+    assert forked_ranks._script_args(("bash", "run.sh")) is None  # torchrun --no-python
+    assert forked_ranks._script_args(("/other/python", "-u", "train.py")) is None
