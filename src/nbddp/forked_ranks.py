@@ -14,7 +14,8 @@ again with the rank's environment, and ``__main__`` the script (``.pth`` files r
 non-daemon threads joined, exit handlers run, the script's objects released (open files flushed), then
 ``os._exit`` — never back into torchrun's code, whose ``finally`` blocks belong to the agent.
 
-Where a fork would not give that, torchrun's ``Popen`` runs as before: not Linux; a command that is not
+Where a fork would not give that, torchrun's ``Popen`` runs as before: not Linux; a machine with GPUs (torchrun's
+agent initializes CUDA there before the ranks start); a command that is not
 ``python -u <script>`` (``--no-python``, ``-m``); CUDA's driver initialized in the agent (a forked child cannot use
 it); a torch whose handler has no ``_popen``; or ``NBDDP_FORK_RANKS=0``. Only libraries whose import reads
 nothing the notebook could set first are preloaded: torch itself, not transformers (which must come after
@@ -109,9 +110,17 @@ _before: _Before | None = None
 _agents_customizations: list = []
 
 
+#: Device files of a machine with GPUs (NVIDIA, ROCm, WSL's GPU bridge).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
 def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get(SWITCH, "1").strip().lower() not in (
-        "0", "false", "off", "no")
+    """Linux, no GPU device file, and not switched off. torchrun's agent initializes CUDA on a machine with
+    GPUs before it starts the ranks (seen on H100 and H200 hosts), and a forked child cannot use CUDA after
+    that: there the ranks start fresh, and the agent imports nothing more than torchrun does."""
+    if not sys.platform.startswith("linux") or any(os.path.exists(p) for p in GPU_DEVICE_FILES):
+        return False
+    return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def install() -> bool:

@@ -1,9 +1,10 @@
-"""Ranks forked from torchrun's process (``nbddp.forked_ranks``) use their GPUs as fresh ones would.
+"""On a machine with GPUs, ``nbddp.forked_ranks`` stays out of the way: torchrun's agent initializes CUDA there
+before it starts the ranks, so a forked rank could not use its GPU.
 
-On a machine with GPUs: what the agent preloads leaves CUDA's driver unloaded (a forked child could not use it
-otherwise); then ``python -m nbddp.agent`` starts one rank per GPU, each of which checks it was forked (its
-command line is the agent's), sets its device, joins an NCCL group and all-reduces. Also says whether the usual
-notebook libraries load CUDA's driver at import (what preloading them in the agent would meet). Exit 0 on PASS.
+``python -m nbddp.agent`` starts one rank per GPU; each says whether it was forked (its command line would be
+the agent's), sets its device, joins an NCCL group and all-reduces. PASS: every rank started fresh and used its
+GPU. Also printed, for the record: after which import CUDA's driver is loaded and initialized in a process
+(torch, what ``PRELOAD`` adds, the usual notebook libraries). Exit 0 on PASS.
 
     python3 tests/gpu/check_forked_ranks.py [--nproc N]
 """
@@ -68,9 +69,8 @@ def main() -> int:
                               env=env, capture_output=True, text=True, timeout=300)
     print(done.stdout[-3000:], done.stderr[-3000:])
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line]
-    ok = (probe.returncode == 0 and "after nbddp.runtime libcuda mapped True initialized True" not in probe.stdout
-          and "initialized" in probe.stdout and done.returncode == 0
-          and len(results) == nproc and all(r["forked"] and r["sum"] == nproc * (nproc + 1) / 2 for r in results))
+    ok = (probe.returncode == 0 and done.returncode == 0 and len(results) == nproc
+          and all(not r["forked"] and r["sum"] == nproc * (nproc + 1) / 2 for r in results))
     print("PASS" if ok else "FAIL", results)
     return 0 if ok else 1
 

@@ -10,7 +10,7 @@
 #   t4-fp16      precision as on a T4: bf16 refused, fp16 with a GradScaler, the quickstart trains, loss falls
 #   templates    tests/gpu/prove_templates_and_export.py: QLoRA 4-bit template via papermill + Kaggle export
 #   each-template  tests/gpu/prove_each_template.py: every template via `nbddp run` and `%ddp_train` in a kernel
-#   forked       tests/gpu/check_forked_ranks.py: ranks forked from torchrun's process join NCCL and use their GPU
+#   forked       tests/gpu/check_forked_ranks.py: with GPUs, ranks start fresh (not forked), join NCCL, use their GPU
 #   unsloth      tests/gpu/prove_unsloth.py: Unsloth's Kaggle Alpaca notebook via `nbddp run` and `%%ddp_train`
 #                (SKIP without Unsloth: on the device machine, tar -xJf .gpu/site.tar.xz -C /tmp first)
 set -u
