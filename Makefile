@@ -23,9 +23,9 @@ test: test-fast test-e2e  ## the full test suite, as CI runs it
 
 # Bytecode for nbddp written once before the tests: every launch starts Python processes that import it, and
 # where PYTHONDONTWRITEBYTECODE is set (as on CI) each would compile it again.
-test-fast: $(STAMP)  ## the tests that start no process (a few minutes)
+test-fast: $(STAMP)  ## the tests that start no process (a few minutes), on two workers
 	$(PY) -m compileall -q src
-	$(PY) -m pytest -q -m 'not e2e and not browser and not colab'
+	$(PY) -m pytest -q -n 2 -m 'not e2e and not browser and not colab'
 
 test-e2e: $(STAMP)  ## the tests that start processes: torchrun on 2 gloo ranks, kernels, the nbddp CLI
 	$(PY) -m compileall -q src

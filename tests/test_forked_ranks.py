@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import forked_ranks
+from nbddp.agent import forked_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,3 +105,28 @@ def test_only_a_python_script_command_is_forked():
     assert forked_ranks._script_args((python, "-u", "-m", "pkg.train")) is None  # torchrun --module
     assert forked_ranks._script_args(("bash", "run.sh")) is None  # torchrun --no-python
     assert forked_ranks._script_args(("/other/python", "-u", "train.py")) is None
+
+
+@pytest.mark.parametrize("code, preloaded", [
+    ("import torch\nfrom transformers import Trainer\n", ("torch._dynamo", "torch._inductor.compile_fx")),
+    ("import torch\nmodel = torch.nn.Linear(2, 2)\n", ("torch._dynamo",)),  # no bitsandbytes to pull inductor in
+    ("import os\nos.environ['WANDB_DISABLED'] = 'true'\nimport peft\n", ("torch._dynamo", "torch._inductor.compile_fx")),
+    # a TORCH* setting a later import of torch's parts reads, in whatever spelling: nothing of LATER
+    ("import os\nos.environ['TORCH_COMPILE_DISABLE'] = '1'\nimport peft\n", ()),
+    ("import os\nos.environ.update(TORCHDYNAMO_DISABLE='1')\n", ()),
+    ("import os\nos.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', '/tmp/x')\n", ()),
+    ("import os\nos.putenv('PYTORCH_X', '1')\n", ()),
+    ("import os\nos.environ |= {'A': '1'}\n", ()),  # keys not written out count as possibly TORCH*
+    ("import os\nkey = 'A'\nos.environ[key] = '1'\n", ()),
+    ("def broken(:\n", ()),
+])
+def test_only_torch_parts_whose_settings_the_script_leaves_alone_are_preloaded(tmp_path, code, preloaded):
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    assert forked_ranks.preload_for(str(script)) == preloaded
+    assert forked_ranks.preload_for(str(tmp_path / "missing.py")) == ()
+
+
+def test_the_agent_finds_the_script_as_torchrun_parses_its_command_line():
+    argv = ["--standalone", "--nproc_per_node=2", "--log-dir=/runs/logs", "--redirects=3", "/work/script.py", "--lr", "1"]
+    assert forked_ranks._training_script(argv) == "/work/script.py"

@@ -33,7 +33,7 @@ dist.destroy_process_group()
 """
 PROBE = """
 import importlib, sys
-from nbddp import forked_ranks as f
+from nbddp.agent import forked_ranks as f
 def say(what):
     maps = open("/proc/self/maps").read()
     print("after", what, "libcuda mapped", "libcuda.so" in maps, "initialized", f.cuda_driver_initialized())

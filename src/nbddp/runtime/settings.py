@@ -33,9 +33,9 @@ TO_RANK: tuple[Setting, ...] = (
             "the job's run directory, which the notebook may not delete"),
     Setting("NBDDP_METRICS", "path", "", "launch/planning.py", "runtime/metrics.py, runtime/rich.py",
             "rank 0's metrics.jsonl, streamed back by the launcher"),
-    Setting("NBDDP_FAILURES", "path", "", "launch/planning.py", "agent.py",
+    Setting("NBDDP_FAILURES", "path", "", "launch/planning.py", "agent/",
             "where the agent writes which ranks exited how (failures.json)"),
-    Setting("NBDDP_LAUNCHER_PID", "int", "0", "launch/planning.py", "agent.py",
+    Setting("NBDDP_LAUNCHER_PID", "int", "0", "launch/planning.py", "agent/",
             "the launcher's pid: the agent dies with it"),
     Setting("NBDDP_TIMEOUT", "int", "", "launch/planning.py, doctor.py", "runtime/lifecycle.py, runtime/probe.py",
             "seconds each collective may wait (the process group's timeout)"),
@@ -94,6 +94,8 @@ LAUNCHER_SIDE: tuple[Setting, ...] = (
             "each GPU's memory, capped, for the strategy's choice"),
     Setting("NBDDP_GPU_COUNT", "int", "", "a person, tests", "preflight.py",
             "the GPUs to count, instead of asking NVML"),
+    Setting("NBDDP_FORK_RANKS", "flag", "1", "a person, tests", "agent/forked_ranks.py",
+            "ranks forked from torchrun's process, which imported torch once (0: each starts fresh)"),
 )
 
 #: Every setting by name (``NBDDP_SHIM_<NAME>`` stands for the whole family).

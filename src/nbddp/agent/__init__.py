@@ -65,7 +65,7 @@ def die_with_parent(launcher_pid: int | None) -> bool:
 def failure_record(error) -> dict:
     """``ChildFailedError`` as plain data (``records.failures_record``): every failed rank and the one torch
     elastic calls the root cause."""
-    from .runtime import records
+    from ..runtime import records
 
     root, _ = error.get_first_failure()
     exits = (
@@ -114,15 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     except ChildFailedError as exc:
         path = os.environ.get("NBDDP_FAILURES")
         if path:
-            from .runtime.io import atomic_write_text
+            from ..runtime.io import atomic_write_text
 
             try:
                 atomic_write_text(path, json.dumps(failure_record(exc), indent=1))
             except OSError:
                 pass  # the record is a help, torchrun's own report below still stands
         raise
-
-
-if __name__ == "__main__":
-    main()
-    exit_without_teardown(0)  # every rank ended well; a failure raised above and exits as torchrun does

@@ -17,9 +17,13 @@ non-daemon threads joined, exit handlers run, the script's objects released (ope
 Where a fork would not give that, torchrun's ``Popen`` runs as before: not Linux; a machine with GPUs (torchrun's
 agent initializes CUDA there before the ranks start); a command that is not
 ``python -u <script>`` (``--no-python``, ``-m``); CUDA's driver initialized in the agent (a forked child cannot use
-it); a torch whose handler has no ``_popen``; or ``NBDDP_FORK_RANKS=0``. Only libraries whose import reads
-nothing the notebook could set first are preloaded: torch itself, not transformers (which must come after
-Unsloth and after nbddp's save shim).
+it); a torch whose handler has no ``_popen``; or ``NBDDP_FORK_RANKS=0``.
+
+Only what a rank would import reading the same settings is preloaded: what ``setup()`` imports before the
+notebook's first line (``PRELOAD``), and torch's parts the script's ranks import later, unless the script sets a
+``TORCH*`` variable that import would read (``LATER``, ``preload_for``). Never a notebook's own libraries:
+transformers or peft imported before the rank's ``setup()`` would bind functions nbddp's shims replace after
+it (the save shim's ``save_file``), and Unsloth must come before them.
 
 Runs in torchrun's process (imported by ``nbddp.agent``); the ranks' own code is ``runtime``.
 """
@@ -31,8 +35,12 @@ import subprocess
 import sys
 import time
 
-#: What every rank imports anyway, imported once in the agent before any rank starts.
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "nbddp.runtime")
+#: What a rank imports in ``setup()``, before the notebook's first line: imported once in the agent.
+PRELOAD = ("torch", "torch.distributed", "nbddp.runtime")
+#: torch's parts a rank imports later and reads ``TORCH*`` settings of at import: ``torch._dynamo`` at the first
+#: optimizer step, ``torch._inductor`` with bitsandbytes (peft, trl, transformers' Trainer). Preloaded only for
+#: a script that sets no such variable itself (``preload_for``), which a later import in a fresh rank would read.
+LATER = (("torch._dynamo", ()), ("torch._inductor.compile_fx", ("transformers", "peft", "trl", "bitsandbytes")))
 
 #: What ``cuDeviceGetCount`` answers before ``cuInit``.
 _CUDA_ERROR_NOT_INITIALIZED = 3
@@ -130,6 +138,7 @@ def install() -> bool:
     if not enabled():
         return False
     exit_handlers = _preload(PRELOAD)
+    exit_handlers += _preload(preload_for(_training_script(sys.argv[1:])))
     _before = _Before(exit_handlers)  # as a rank that imported them would be, before torchrun changes it
     try:
         from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
@@ -148,6 +157,79 @@ def install() -> bool:
 
     handler._popen = _popen
     return True
+
+
+def _training_script(torchrun_argv: list[str]) -> str | None:
+    """The script of torchrun's command line, as torchrun's own parser reads it."""
+    try:
+        from torch.distributed.run import get_args_parser
+
+        return get_args_parser().parse_args(torchrun_argv).training_script
+    except (ImportError, SystemExit, AttributeError):
+        return None
+
+
+def preload_for(script: str | None) -> tuple[str, ...]:
+    """Of ``LATER``, what this script's ranks would import with the settings the agent has: nothing where the
+    script sets a ``TORCH*`` variable (or one whose name is not written out), or cannot be read."""
+    import ast
+
+    try:
+        with open(script or "", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    imported, sets_torch = set(), False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.add(node.module.split(".")[0])
+        elif _sets_environment(node):
+            sets_torch = sets_torch or _names_torch(node)
+    if sets_torch:
+        return ()
+    return tuple(name for name, needs in LATER if not needs or imported & set(needs))
+
+
+def _sets_environment(node) -> bool:
+    """``os.environ[k] = …`` (``%env``), ``os.environ |= …``, ``os.environ.update/setdefault(…)``, ``os.putenv(…)``."""
+    import ast
+
+    if isinstance(node, (ast.Assign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any((isinstance(t, ast.Subscript) and _is_environ(t.value)) or _is_environ(t) for t in targets)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return (node.func.attr in ("update", "setdefault", "__setitem__") and _is_environ(node.func.value)) or \
+            node.func.attr == "putenv"
+    return False
+
+
+def _is_environ(node) -> bool:
+    import ast
+
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or \
+        (isinstance(node, ast.Name) and node.id == "environ")
+
+
+def _names_torch(node) -> bool:
+    """Whether a setting of the environment may name a ``TORCH*`` variable: any key not written out counts."""
+    import ast
+
+    if isinstance(node, (ast.Assign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        keys = [t.slice if isinstance(t, ast.Subscript) else None for t in targets]  # ``os.environ |= d``: unknown
+    elif node.args and not node.keywords:
+        keys = [node.args[0]]
+        if isinstance(node.args[0], ast.Dict):
+            keys = list(node.args[0].keys)
+    else:
+        keys = [ast.Constant(k.arg) if k.arg else None for k in node.keywords] or [None]
+    return any(not (isinstance(k, ast.Constant) and isinstance(k.value, str)) or _torch_name(k.value) for k in keys)
+
+
+def _torch_name(name: str) -> bool:
+    return name.upper().startswith(("TORCH", "PYTORCH"))
 
 
 def _preload(names) -> list[tuple]:
