@@ -9,7 +9,7 @@ those modules in memory, shared copy-on-write.
 What the rank sees is what ``python -u script`` gives it (``run_rank``): a session of its own (torchrun stops
 ranks by process group), torchrun's log files as stdout and stderr, unbuffered, the environment torchrun made
 for it, ``sys.argv`` and ``sys.path[0]`` of the script, default signal handlers, the warnings filters and root
-logger as they were before torchrun ran, torch's thread count from ``OMP_NUM_THREADS``, ``sitecustomize`` run
+logger as they were before torchrun ran, torch's thread count from ``OMP_NUM_THREADS``, numpy's global generator seeded afresh, ``sitecustomize`` run
 again with the rank's environment, and ``__main__`` the script (``.pth`` files ran once, in the agent). At its end, as Python's own exit does:
 non-daemon threads joined, exit handlers run, the script's objects released (open files flushed), then
 ``os._exit`` — never back into torchrun's code, whose ``finally`` blocks belong to the agent.
@@ -360,6 +360,7 @@ def _as_a_fresh_interpreter(script_args: list[str], env: dict[str, str]) -> None
             errors="backslashreplace" if name == "stderr" else getattr(old, "errors", None),
             line_buffering=False, write_through=True))
     _torch_threads(env)
+    _numpy_seeded_afresh()
     if _before is not None:
         warnings.filters[:] = _before.filters
         warnings._filters_mutated()
@@ -405,6 +406,14 @@ def _torch_threads(env: dict[str, str]) -> None:
         return
     if torch is not None and threads > 0:
         torch.set_num_threads(threads)
+
+
+def _numpy_seeded_afresh() -> None:
+    """numpy's global generator, seeded from the OS when the agent imported it, as a fresh rank's would be
+    (Python's ``random`` reseeds itself after a fork; numpy's does not)."""
+    random = sys.modules.get("numpy.random")
+    if random is not None:
+        random.seed()
 
 
 def _exit_code(code) -> int:
