@@ -25,6 +25,10 @@ notebook's first line (``PRELOAD``), and torch's parts the script's ranks import
 transformers or peft imported before the rank's ``setup()`` would bind functions nbddp's shims replace after
 it (the save shim's ``save_file``), and Unsloth must come before them.
 
+The fork happens in a process with threads (torchrun's store and log tailers), as PyTorch's DataLoader forks
+its workers from a training process with gloo's threads: the rank touches none of the agent's torch objects, and
+Python re-creates its own locks after a fork. Measured: ``benchmarks/results/forked_ranks.md``.
+
 Runs in torchrun's process (imported by ``nbddp.agent``); the ranks' own code is ``runtime``.
 """
 
@@ -352,7 +356,7 @@ def _as_a_fresh_interpreter(script_args: list[str], env: dict[str, str]) -> None
     os.environ.clear()
     os.environ.update(env)
     sys.argv = list(script_args)
-    sys.path[0] = os.path.dirname(os.path.abspath(script_args[0]))
+    sys.path[0] = os.path.dirname(os.path.realpath(script_args[0]))  # as Python does: links resolved
     for fd, name in ((1, "stdout"), (2, "stderr")):
         old = getattr(sys, name)
         setattr(sys, name, io.TextIOWrapper(
