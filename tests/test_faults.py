@@ -266,6 +266,8 @@ def test_secrets_in_the_environment_reach_the_ranks_but_no_file(tmp_path, notebo
     secret = "hf_FAKEtok3n_" + "x" * 20
     nb = notebook(["import os\ntoken = os.environ['HF_TOKEN']\nprint('token length', len(token), flush=True)\n"
                    "print('resume', os.environ.get('NBDDP_RESUME'), 'timeout', os.environ.get('NBDDP_TIMEOUT'), flush=True)\n"
+                   # both ranks have said it before either fails (a failure first has torchrun stop the other)
+                   "import torch.distributed as dist\ndist.barrier()\n"
                    "raise RuntimeError('fail on purpose, so error files are written')"])
     runs = tmp_path / "runs"
     proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", runs, "--resume", "--collective-timeout", "77",

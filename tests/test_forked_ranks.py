@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.agent import forked_ranks
+from nbddp.agent import forked_ranks, preload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,10 +129,10 @@ def test_only_a_python_script_command_is_forked():
 def test_only_torch_parts_whose_settings_the_script_leaves_alone_are_preloaded(tmp_path, code, preloaded):
     script = tmp_path / "script.py"
     script.write_text(code)
-    assert forked_ranks.preload_for(str(script)) == preloaded
-    assert forked_ranks.preload_for(str(tmp_path / "missing.py")) == ()
+    assert preload.preload_for(str(script)) == preloaded
+    assert preload.preload_for(str(tmp_path / "missing.py")) == ()
 
 
 def test_the_agent_finds_the_script_as_torchrun_parses_its_command_line():
     argv = ["--standalone", "--nproc_per_node=2", "--log-dir=/runs/logs", "--redirects=3", "/work/script.py", "--lr", "1"]
-    assert forked_ranks._training_script(argv) == "/work/script.py"
+    assert preload.training_script(argv) == "/work/script.py"

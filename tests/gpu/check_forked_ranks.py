@@ -33,13 +33,13 @@ dist.destroy_process_group()
 """
 PROBE = """
 import importlib, sys
-from nbddp.agent import forked_ranks as f
+from nbddp.agent import forked_ranks as f, preload
 def say(what):
     maps = open("/proc/self/maps").read()
     print("after", what, "libcuda mapped", "libcuda.so" in maps, "initialized", f.cuda_driver_initialized())
 import torch
 say("torch")
-for m in f.PRELOAD:
+for m in preload.PRELOAD + tuple(name for name, _ in preload.LATER):
     importlib.import_module(m)
     say(m)
 for m in sys.argv[1:]:

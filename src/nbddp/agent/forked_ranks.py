@@ -3,14 +3,14 @@
 Every rank of a job used to start a new interpreter and import torch again (2.4 CPU s here), then
 ``torch._dynamo`` at its first optimizer step (1.8 CPU s): on a 2-core machine, a third of a small job's CPU.
 torchrun's process (``nbddp.agent``) has imported torch already. So the agent imports what every rank imports
-(``PRELOAD``) once, and starts each rank with ``fork()`` where torchrun would ``Popen`` it: the rank begins with
+once (``agent/preload.py``), and starts each rank with ``fork()`` where torchrun would ``Popen`` it: the rank begins with
 those modules in memory, shared copy-on-write.
 
 What the rank sees is what ``python -u script`` gives it (``run_rank``): a session of its own (torchrun stops
 ranks by process group), torchrun's log files as stdout and stderr, unbuffered, the environment torchrun made
 for it, ``sys.argv`` and ``sys.path[0]`` of the script, default signal handlers, the warnings filters and root
-logger as they were before torchrun ran, torch's thread count from ``OMP_NUM_THREADS``, numpy's global generator seeded afresh, ``sitecustomize`` run
-again with the rank's environment, and ``__main__`` the script (``.pth`` files ran once, in the agent). At its end, as Python's own exit does:
+logger as they were before torchrun ran, torch's thread count from ``OMP_NUM_THREADS``, numpy's global generator
+seeded afresh, ``sitecustomize`` run again with the rank's environment, and ``__main__`` the script (``.pth`` files ran once, in the agent). At its end, as Python's own exit does:
 non-daemon threads joined, exit handlers run, the script's objects released (open files flushed), then
 ``os._exit`` — never back into torchrun's code, whose ``finally`` blocks belong to the agent.
 
@@ -19,11 +19,7 @@ agent initializes CUDA there before the ranks start); a command that is not
 ``python -u <script>`` (``--no-python``, ``-m``); CUDA's driver initialized in the agent (a forked child cannot use
 it); a torch whose handler has no ``_popen``; or ``NBDDP_FORK_RANKS=0``.
 
-Only what a rank would import reading the same settings is preloaded: what ``setup()`` imports before the
-notebook's first line (``PRELOAD``), and torch's parts the script's ranks import later, unless the script sets a
-``TORCH*`` variable that import would read (``LATER``, ``preload_for``). Never a notebook's own libraries:
-transformers or peft imported before the rank's ``setup()`` would bind functions nbddp's shims replace after
-it (the save shim's ``save_file``), and Unsloth must come before them.
+What the agent imports for its ranks, and why no more: ``agent/preload.py``.
 
 The fork happens in a process with threads (torchrun's store and log tailers), as PyTorch's DataLoader forks
 its workers from a training process with gloo's threads: the rank touches none of the agent's torch objects, and
@@ -39,12 +35,7 @@ import subprocess
 import sys
 import time
 
-#: What a rank imports in ``setup()``, before the notebook's first line: imported once in the agent.
-PRELOAD = ("torch", "torch.distributed", "nbddp.runtime")
-#: torch's parts a rank imports later and reads ``TORCH*`` settings of at import: ``torch._dynamo`` at the first
-#: optimizer step, ``torch._inductor`` with bitsandbytes (peft, trl, transformers' Trainer). Preloaded only for
-#: a script that sets no such variable itself (``preload_for``), which a later import in a fresh rank would read.
-LATER = (("torch._dynamo", ()), ("torch._inductor.compile_fx", ("transformers", "peft", "trl", "bitsandbytes")))
+from . import preload
 
 #: What ``cuDeviceGetCount`` answers before ``cuInit``.
 _CUDA_ERROR_NOT_INITIALIZED = 3
@@ -136,13 +127,14 @@ def enabled() -> bool:
 
 
 def install() -> bool:
-    """In the agent, before anything imports torch: preload ``PRELOAD`` and make torchrun fork its ranks.
+    """In the agent, before anything imports torch: import what the ranks will (``preload``) and make torchrun
+    fork its ranks.
     False (and torchrun unchanged) where that cannot be done."""
     global _before
     if not enabled():
         return False
-    exit_handlers = _preload(PRELOAD)
-    exit_handlers += _preload(preload_for(_training_script(sys.argv[1:])))
+    exit_handlers = preload.load(preload.PRELOAD)
+    exit_handlers += preload.load(preload.preload_for(preload.training_script(sys.argv[1:])))
     _before = _Before(exit_handlers)  # as a rank that imported them would be, before torchrun changes it
     try:
         from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
@@ -161,107 +153,6 @@ def install() -> bool:
 
     handler._popen = _popen
     return True
-
-
-def _training_script(torchrun_argv: list[str]) -> str | None:
-    """The script of torchrun's command line, as torchrun's own parser reads it."""
-    try:
-        from torch.distributed.run import get_args_parser
-
-        return get_args_parser().parse_args(torchrun_argv).training_script
-    except (ImportError, SystemExit, AttributeError):
-        return None
-
-
-def preload_for(script: str | None) -> tuple[str, ...]:
-    """Of ``LATER``, what this script's ranks would import with the settings the agent has: nothing where the
-    script sets a ``TORCH*`` variable (or one whose name is not written out), or cannot be read."""
-    import ast
-
-    try:
-        with open(script or "", encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return ()
-    imported, sets_torch = set(), False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            imported.add(node.module.split(".")[0])
-        elif _sets_environment(node):
-            sets_torch = sets_torch or _names_torch(node)
-    if sets_torch:
-        return ()
-    return tuple(name for name, needs in LATER if not needs or imported & set(needs))
-
-
-def _sets_environment(node) -> bool:
-    """``os.environ[k] = …`` (``%env``), ``os.environ |= …``, ``os.environ.update/setdefault(…)``, ``os.putenv(…)``."""
-    import ast
-
-    if isinstance(node, (ast.Assign, ast.AugAssign)):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        return any((isinstance(t, ast.Subscript) and _is_environ(t.value)) or _is_environ(t) for t in targets)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        return (node.func.attr in ("update", "setdefault", "__setitem__") and _is_environ(node.func.value)) or \
-            node.func.attr == "putenv"
-    return False
-
-
-def _is_environ(node) -> bool:
-    import ast
-
-    return (isinstance(node, ast.Attribute) and node.attr == "environ") or \
-        (isinstance(node, ast.Name) and node.id == "environ")
-
-
-def _names_torch(node) -> bool:
-    """Whether a setting of the environment may name a ``TORCH*`` variable: any key not written out counts."""
-    import ast
-
-    if isinstance(node, (ast.Assign, ast.AugAssign)):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        keys = [t.slice if isinstance(t, ast.Subscript) else None for t in targets]  # ``os.environ |= d``: unknown
-    elif node.args and not node.keywords:
-        keys = [node.args[0]]
-        if isinstance(node.args[0], ast.Dict):
-            keys = list(node.args[0].keys)
-    else:
-        keys = [ast.Constant(k.arg) if k.arg else None for k in node.keywords] or [None]
-    return any(not (isinstance(k, ast.Constant) and isinstance(k.value, str)) or _torch_name(k.value) for k in keys)
-
-
-def _torch_name(name: str) -> bool:
-    return name.upper().startswith(("TORCH", "PYTORCH"))
-
-
-def _preload(names) -> list[tuple]:
-    """Import ``names``; the exit handlers their imports registered (a rank must have those, and only those,
-    of the agent's)."""
-    import atexit
-    import importlib
-
-    registered: list[tuple] = []
-    register = atexit.register
-
-    def recording(func, *args, **kwargs):
-        if recording.on:
-            registered.append((func, args, kwargs))
-        return register(func, *args, **kwargs)
-
-    recording.on = True
-    atexit.register = recording
-    try:
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # a broken optional part: the rank meets it itself, as before
-                pass
-    finally:
-        recording.on = False
-        atexit.register = register
-    return registered
 
 
 def _script_args(args: tuple) -> list[str] | None:
