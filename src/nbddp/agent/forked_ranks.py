@@ -1,29 +1,30 @@
 """Ranks forked from torchrun's process, which imported torch once, in place of a fresh ``python -u script``.
 
-Every rank of a job used to start a new interpreter and import torch again (2.4 CPU s here), then
-``torch._dynamo`` at its first optimizer step (1.8 CPU s): on a 2-core machine, a third of a small job's CPU.
-torchrun's process (``nbddp.agent``) has imported torch already. So the agent imports what every rank imports
-once (``agent/preload.py``), and starts each rank with ``fork()`` where torchrun would ``Popen`` it: the rank begins with
+Every rank of a job used to start a new interpreter and import torch again (2.4 CPU s here), then ``torch._dynamo``
+at its first optimizer step (1.8 CPU s): on a 2-core machine, a third of a small job's CPU. torchrun's process
+(``nbddp.agent``) has imported torch already. So the agent imports what every rank imports once
+(``agent/preload.py``), and starts each rank with ``fork()`` where torchrun would ``Popen`` it: the rank begins with
 those modules in memory, shared copy-on-write.
 
-What the rank sees is what ``python -u script`` gives it (``run_rank``): a session of its own (torchrun stops
-ranks by process group), torchrun's log files as stdout and stderr, unbuffered, the environment torchrun made
-for it, ``sys.argv`` and ``sys.path[0]`` of the script, default signal handlers, the warnings filters and root
-logger as they were before torchrun ran, torch's thread count from ``OMP_NUM_THREADS``, numpy's global generator
-seeded afresh, ``sitecustomize`` run again with the rank's environment, and ``__main__`` the script (``.pth`` files ran once, in the agent). At its end, as Python's own exit does:
-non-daemon threads joined, exit handlers run, the script's objects released (open files flushed), then
-``os._exit`` — never back into torchrun's code, whose ``finally`` blocks belong to the agent.
+What the rank sees is what ``python -u script`` gives it (``run_rank``): a session of its own (torchrun stops ranks
+by process group), torchrun's log files as stdout and stderr, unbuffered, the environment torchrun made for it,
+``sys.argv`` and ``sys.path[0]`` of the script, default signal handlers, the warnings filters and root logger as
+they were before torchrun ran, torch's thread count from ``OMP_NUM_THREADS``, numpy's global generator seeded
+afresh, ``sitecustomize`` run again with the rank's environment, and ``__main__`` the script (``.pth`` files ran
+once, in the agent). At its end, as Python's own exit does: non-daemon threads joined, exit handlers run, the
+script's objects released (open files flushed), then ``os._exit`` — never back into torchrun's code, whose
+``finally`` blocks belong to the agent.
 
 Where a fork would not give that, torchrun's ``Popen`` runs as before: not Linux; a machine with GPUs (torchrun's
-agent initializes CUDA there before the ranks start); a command that is not
-``python -u <script>`` (``--no-python``, ``-m``); CUDA's driver initialized in the agent (a forked child cannot use
-it); a torch whose handler has no ``_popen``; or ``NBDDP_FORK_RANKS=0``.
+agent initializes CUDA there before the ranks start); a command that is not ``python -u <script>`` (``--no-python``,
+``-m``); CUDA's driver initialized in the agent (a forked child cannot use it); a torch whose handler has no
+``_popen``; or ``NBDDP_FORK_RANKS=0``.
 
 What the agent imports for its ranks, and why no more: ``agent/preload.py``.
 
-The fork happens in a process with threads (torchrun's store and log tailers), as PyTorch's DataLoader forks
-its workers from a training process with gloo's threads: the rank touches none of the agent's torch objects, and
-Python re-creates its own locks after a fork. Measured: ``benchmarks/results/forked_ranks.md``.
+The fork happens in a process with threads (torchrun's store and log tailers), as PyTorch's DataLoader forks its
+workers from a training process with gloo's threads: the rank touches none of the agent's torch objects, and Python
+re-creates its own locks after a fork. Measured: ``benchmarks/results/forked_ranks.md``.
 
 Runs in torchrun's process (imported by ``nbddp.agent``); the ranks' own code is ``runtime``.
 """
