@@ -120,6 +120,8 @@ def test_only_a_python_script_command_is_forked():
     # a TORCH* setting a later import of torch's parts reads, in whatever spelling: nothing of LATER
     ("import os\nos.environ['TORCH_COMPILE_DISABLE'] = '1'\nimport peft\n", ()),
     ("import os\nos.environ.update(TORCHDYNAMO_DISABLE='1')\n", ()),
+    ("import os\nos.environ.update({'A': '1'}, TORCH_LOGS='+dynamo')\n", ()),
+    ("import os\nos.environ.update({'WANDB_MODE': 'disabled'})\nimport trl\n", ("torch._dynamo", "torch._inductor.compile_fx")),
     ("import os\nos.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', '/tmp/x')\n", ()),
     ("import os\nos.putenv('PYTORCH_X', '1')\n", ()),
     ("import os\nos.environ |= {'A': '1'}\n", ()),  # keys not written out count as possibly TORCH*

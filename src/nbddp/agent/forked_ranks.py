@@ -120,11 +120,13 @@ GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 def enabled() -> bool:
     """Linux, no GPU device file, and not switched off. torchrun's agent initializes CUDA on a machine with
-    GPUs before it starts the ranks (seen on H100 and H200 hosts), and a forked child cannot use CUDA after
-    that: there the ranks start fresh, and the agent imports nothing more than torchrun does."""
+    GPUs before it starts the ranks (seen on a 2× H200 host), and a forked child cannot use CUDA after that:
+    there the ranks start fresh, and the agent imports nothing more than torchrun does."""
+    from ..runtime import settings
+
     if not sys.platform.startswith("linux") or any(os.path.exists(p) for p in GPU_DEVICE_FILES):
         return False
-    return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.parse(settings.BY_NAME[SWITCH], os.environ.get(SWITCH)) is not False
 
 
 def install() -> bool:

@@ -79,12 +79,11 @@ def _names_torch(node) -> bool:
     if isinstance(node, (ast.Assign, ast.AugAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         keys = [t.slice if isinstance(t, ast.Subscript) else None for t in targets]  # ``os.environ |= d``: unknown
-    elif node.args and not node.keywords:
-        keys = [node.args[0]]
-        if isinstance(node.args[0], ast.Dict):
-            keys = list(node.args[0].keys)
-    else:
-        keys = [ast.Constant(k.arg) if k.arg else None for k in node.keywords] or [None]
+    else:  # a call: its first argument (a dict's keys, or the name), then its keywords (``**d``: unknown)
+        first = node.args[:1]
+        keys = list(first[0].keys) if first and isinstance(first[0], ast.Dict) else list(first)
+        keys += [ast.Constant(k.arg) if k.arg else None for k in node.keywords]
+        keys = keys or [None]
     return any(not (isinstance(k, ast.Constant) and isinstance(k.value, str)) or _torch_name(k.value) for k in keys)
 
 
