@@ -134,11 +134,19 @@ def in_view(page, locator) -> bool:
 
 def height(locator, timeout_s: float = 30) -> float:
     """The element's drawn height, once it is drawn: the panel redraws its status line as each log arrives, and
-    JupyterLab skips drawing what is out of sight, so a box read at one moment can be None."""
+    JupyterLab skips drawing what is out of sight, so a box read at one moment can be None, and the element found
+    can be replaced before it is scrolled to (then it is looked up again)."""
+    from playwright.sync_api import Error as PlaywrightError
+
     deadline = time.monotonic() + timeout_s
     while True:
-        locator.scroll_into_view_if_needed()
-        box = locator.bounding_box()
+        try:
+            locator.scroll_into_view_if_needed()
+            box = locator.bounding_box()
+        except PlaywrightError as exc:
+            if "not attached" not in str(exc):
+                raise
+            box = None
         if box is not None:
             return box["height"]
         if time.monotonic() > deadline:
