@@ -32,6 +32,8 @@ import os
 import signal
 import sys
 
+from .ending import flush_standard_streams
+
 #: Linux ``prctl`` option: the signal this process gets when its parent dies.
 _PR_SET_PDEATHSIG = 1
 
@@ -93,11 +95,7 @@ def exit_without_teardown(code: int = 0) -> None:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
+    flush_standard_streams()
     os._exit(code)
 
 

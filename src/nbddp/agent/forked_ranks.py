@@ -37,6 +37,7 @@ import sys
 import time
 
 from . import preload
+from .ending import flush_standard_streams
 
 #: What ``cuDeviceGetCount`` answers before ``cuInit``.
 _CUDA_ERROR_NOT_INITIALIZED = 3
@@ -184,11 +185,7 @@ def cuda_driver_initialized() -> bool:
 
 def fork_rank(script_args: list[str], env: dict[str, str], stdout, stderr, args: tuple) -> ForkedRank:
     """Fork one rank running ``script_args`` with ``env``, its output in the files torchrun opened."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
+    flush_standard_streams()
     pid = os.fork()
     if pid == 0:  # the rank: never returns into torchrun's code
         code = 1
@@ -339,9 +336,5 @@ def _finish(code: int, namespace: dict | None) -> int:
     if namespace is not None:
         namespace.clear()
     gc.collect()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
+    flush_standard_streams()
     return code
