@@ -9,8 +9,10 @@ STAMP  := $(VENV)/.nbddp-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-compile torch==2.13.0 -e '.[dev]'
+	@# pip writes bytecode file by file on one core; compileall writes it on every core (a third of the install
+	@# on 2 cores). What does not compile on this Python (torch's test helpers for 3.12) pip skips silently too.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >$(VENV)/compileall.log 2>&1 || true
 	$(PY) -m ipykernel install --prefix $(VENV) --name python3 >/dev/null
 	touch $@
 
