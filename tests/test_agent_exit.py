@@ -1,5 +1,5 @@
-"""torchrun's agent (``nbddp.agent``) ends without tearing its interpreter down once every rank ended well: a
-second or more of each job on the 2-core machine. Its exit handlers still run; a rank runs its own, the agent's
+"""torchrun's agent (``nbddp.agent``) ends without tearing its interpreter down once every rank ended well (a
+second or more of each job on the 2-core machine), and once it has stopped them (0.7 s of each stop). Its exit handlers still run; a rank runs its own, the agent's
 never, whether it started fresh or was forked from the agent (``nbddp.forked_ranks``)."""
 
 import os
@@ -67,3 +67,41 @@ def test_a_failing_rank_still_ends_the_agent_as_torchrun_does(tmp_path):
     )
     assert proc.returncode == 1 and "ChildFailedError" in proc.stderr
     assert '"exitcode": 3' in (tmp_path / "failures.json").read_text()
+
+
+def test_a_stopped_agent_stops_its_rank_and_ends_without_teardown(tmp_path):
+    """SIGTERM (the launcher's stop, an interrupt, a timeout): torchrun stops the rank and raises its
+    ``SignalException``; the agent reports it as Python reports an uncaught error and exits 1, its exit
+    handlers run, its modules not torn down (0.7 s of a stop on a quiet machine, within the launcher's
+    5-second bound)."""
+    import signal
+    import time
+
+    import psutil
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(MARKER)
+    (tmp_path / "job.py").write_text("import os, time\nopen('started', 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    marks = tmp_path / "marks.txt"
+    env = {**os.environ, "MARKS": str(marks),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(SRC), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nbddp.agent", "--standalone", "--nproc_per_node=1", f"--log-dir={tmp_path / 'logs'}",
+         "--redirects=3", str(tmp_path / "job.py")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").is_file() or not (tmp_path / "started").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.1)
+        rank = int((tmp_path / "started").read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "SignalException" in err, err[-2000:]
+    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+    lines = marks.read_text().splitlines()
+    assert lines.count("agent atexit") == 1, lines
+    assert "agent teardown" not in lines, lines

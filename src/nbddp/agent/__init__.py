@@ -17,10 +17,13 @@ all) and adds two things torchrun leaves out:
 Each rank is forked from this process once it has imported torch (``forked_ranks``), not started as a
 fresh interpreter that imports torch again.
 
-Once torchrun's ``main`` has returned (every rank ended well), the agent also ends without tearing down its
-interpreter (``exit_without_teardown``): freeing torch's modules one by one took 0.4–0.5 s of CPU, more than a
-second of wall time on the 2-core machine, after the job's work was done (``benchmarks/results/job_overhead.md``).
-The exit handlers still run and the output is flushed; no code of the notebook runs in this process.
+Once torchrun's ``main`` has returned (every rank ended well) or raised (a rank failed, the job was stopped:
+torchrun has ended every rank by then), the agent ends without tearing down its interpreter
+(``exit_without_teardown``, from ``__main__``): freeing torch's modules one by one took 0.4–0.5 s of CPU, more
+than a second of wall time on the 2-core machine, after the job's work was done
+(``benchmarks/results/job_overhead.md``), and 0.7 s of every stop. An error is said first as Python says an
+uncaught one, with its exit status 1. The exit handlers still run and the output is flushed; no code of the
+notebook runs in this process.
 
 Runs in torchrun's process, not in the ranks: imports neither IPython, nbformat nor libcst.
 """
