@@ -52,7 +52,7 @@ def _record():
                            "ancestors": _ancestry, "self": round(own.ru_utime + own.ru_stime, 2), "children": round(waited.ru_utime + waited.ru_stime, 2),
                            "wall": round(time.time() - _began, 2), "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
                            "xdist_worker": "xdist.remote" in sys.modules})
-        fd = os.open(os.environ.get("NBDDP_LANE_CPU_LOG") or "%(log)s", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open("%(log)s", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(fd, (line + "\\n").encode())
         os.close(fd)
     except Exception:
@@ -77,8 +77,7 @@ def record_lane(pytest_args: list[str], log: Path) -> float:
     pth.write_text("import nbddp_lane_cpu_recorder\n")
     started = time.monotonic()
     try:
-        subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT,
-                       env={**os.environ, "NBDDP_LANE_CPU_LOG": str(log)}, check=False)
+        subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT, check=False)
     finally:
         pth.unlink(missing_ok=True)
         module.unlink(missing_ok=True)

@@ -6,7 +6,7 @@ from . import exit_without_teardown, main
 
 try:
     main()
-except Exception:  # noqa: BLE001 — a failed rank (ChildFailedError), a stop (torchrun's SignalException):
+except Exception:  # a failed rank (ChildFailedError), a stop (torchrun's SignalException):
     # said as Python says an uncaught error, exit status 1 as then; torchrun has stopped every rank already,
     # so the end is the same as after a job that ended well, without the teardown (0.7 s of each stop)
     sys.excepthook(*sys.exc_info())
