@@ -62,3 +62,16 @@ def no_rank_processes(marker: str) -> bool:
         if p.info["pid"] != me and marker in " ".join(p.info["cmdline"] or []):
             return False
     return True
+
+
+def _ranks_fork_here() -> bool:
+    """Whether ``nbddp.agent`` forks its ranks on this machine when the switch is on (``forked_ranks.enabled``):
+    Linux without a GPU device file. Where GPUs are, ranks start fresh by design (``tests/gpu/check_forked_ranks.py``
+    proves that there)."""
+    from nbddp.agent.forked_ranks import GPU_DEVICE_FILES
+
+    return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in GPU_DEVICE_FILES)
+
+
+#: For a test of forked ranks themselves: on a machine with GPUs the ranks it would fork start fresh.
+NEEDS_FORKED_RANKS = pytest.mark.skipif(not _ranks_fork_here(), reason="ranks start fresh on a machine with GPUs")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import nbddp
+from conftest import NEEDS_FORKED_RANKS
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +33,7 @@ _torn_down = _TornDown()
 '''
 
 
-@pytest.mark.parametrize("forked", [False, True], ids=["fresh rank", "forked rank"])
+@pytest.mark.parametrize("forked", [False, pytest.param(True, marks=NEEDS_FORKED_RANKS)], ids=["fresh rank", "forked rank"])
 def test_the_agent_runs_its_exit_handlers_but_skips_the_teardown_and_the_rank_exits_as_python_does(tmp_path, forked):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(MARKER)

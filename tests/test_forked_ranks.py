@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import NEEDS_FORKED_RANKS
 from nbddp.agent import forked_ranks, preload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +78,7 @@ def run(tmp_path: Path, fork: bool) -> tuple[subprocess.CompletedProcess, Path, 
 
 
 @pytest.mark.e2e
+@NEEDS_FORKED_RANKS
 def test_a_forked_rank_starts_and_ends_as_a_fresh_interpreter_does(tmp_path):
     fresh_run, forked_run = run(tmp_path, fork=False), run(tmp_path, fork=True)
     for (done, work, reports, failures), forked in ((fresh_run, False), (forked_run, True)):
