@@ -5,6 +5,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from nbddp.agent import forked_ranks
+
 # lanes: fails a test whose e2e mark does not match whether it started a process (tests/lanes.py);
 # shared_jobs: jobs several tests read, launched once per session
 pytest_plugins = ["lanes", "pytester", "shared_jobs"]
@@ -64,14 +66,6 @@ def no_rank_processes(marker: str) -> bool:
     return True
 
 
-def _ranks_fork_here() -> bool:
-    """Whether ``nbddp.agent`` forks its ranks on this machine when the switch is on (``forked_ranks.enabled``):
-    Linux without a GPU device file. Where GPUs are, ranks start fresh by design (``tests/gpu/check_forked_ranks.py``
-    proves that there)."""
-    from nbddp.agent.forked_ranks import GPU_DEVICE_FILES
-
-    return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in GPU_DEVICE_FILES)
-
-
-#: For a test of forked ranks themselves: on a machine with GPUs the ranks it would fork start fresh.
-NEEDS_FORKED_RANKS = pytest.mark.skipif(not _ranks_fork_here(), reason="ranks start fresh on a machine with GPUs")
+#: For a test of forked ranks themselves: where GPUs are, ranks start fresh by design, whatever the switch says
+#: (``tests/gpu/check_forked_ranks.py`` proves that there).
+NEEDS_FORKED_RANKS = pytest.mark.skipif(not forked_ranks.possible_here(), reason="ranks start fresh on a machine with GPUs")

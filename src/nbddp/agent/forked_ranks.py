@@ -120,14 +120,17 @@ GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
 def enabled() -> bool:
-    """Linux, no GPU device file, and not switched off. torchrun's agent initializes CUDA on a machine with
-    GPUs before it starts the ranks (seen on a 2× H200 host), and a forked child cannot use CUDA after that:
-    there the ranks start fresh, and the agent imports nothing more than torchrun does."""
+    """Possible on this machine (``possible_here``) and not switched off."""
     from ..runtime import settings
 
-    if not sys.platform.startswith("linux") or any(os.path.exists(p) for p in GPU_DEVICE_FILES):
-        return False
-    return settings.parse(settings.BY_NAME[SWITCH], os.environ.get(SWITCH)) is not False
+    return possible_here() and settings.parse(settings.BY_NAME[SWITCH], os.environ.get(SWITCH)) is not False
+
+
+def possible_here() -> bool:
+    """Linux, no GPU device file. torchrun's agent initializes CUDA on a machine with GPUs before it starts the
+    ranks (seen on a 2× H200 host), and a forked child cannot use CUDA after that: there the ranks start fresh,
+    and the agent imports nothing more than torchrun does."""
+    return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in GPU_DEVICE_FILES)
 
 
 def install() -> bool:
