@@ -91,9 +91,14 @@ def _torch_name(name: str) -> bool:
     return name.upper().startswith(("TORCH", "PYTORCH"))
 
 
+#: The exit handlers each module ``load`` imported registered, by name: a process forked from one that loaded
+#: them (an agent from a warm start, ``agent/warm.py``) asks again and gets the same answer without an import.
+_REGISTERED: dict[str, list[tuple]] = {}
+
+
 def load(names) -> list[tuple]:
     """Import ``names``; the exit handlers their imports registered (a rank must have those, and only those,
-    of the agent's)."""
+    of the agent's), also for those this process loaded before."""
     import atexit
     import importlib
 
@@ -101,19 +106,23 @@ def load(names) -> list[tuple]:
     register = atexit.register
 
     def recording(func, *args, **kwargs):
-        if recording.on:
-            registered.append((func, args, kwargs))
+        if recording.into is not None:
+            recording.into.append((func, args, kwargs))
         return register(func, *args, **kwargs)
 
-    recording.on = True
+    recording.into = None
     atexit.register = recording
     try:
         for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # a broken optional part: the rank meets it itself, as before
-                pass
+            if name not in _REGISTERED:
+                recording.into = _REGISTERED[name] = []
+                try:
+                    importlib.import_module(name)
+                except Exception:  # a broken optional part: the rank meets it itself, as before
+                    pass
+                recording.into = None
+            registered += _REGISTERED[name]
     finally:
-        recording.on = False
+        recording.into = None
         atexit.register = register
     return registered
