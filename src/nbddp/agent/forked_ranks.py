@@ -218,7 +218,7 @@ def fork_rank(script_args: list[str], env: dict[str, str], stdout, stderr, args:
 
 def run_rank(script_args: list[str], env: dict[str, str]) -> int:
     """Run the script as ``python -u`` would in this fresh child; its exit code."""
-    _as_a_fresh_interpreter(script_args, env)
+    as_a_fresh_interpreter(script_args, env, os.path.dirname(os.path.realpath(script_args[0])))
     import runpy
 
     code = 0
@@ -238,7 +238,10 @@ def run_rank(script_args: list[str], env: dict[str, str]) -> int:
     return _finish(code, namespace)
 
 
-def _as_a_fresh_interpreter(script_args: list[str], env: dict[str, str]) -> None:
+def as_a_fresh_interpreter(argv: list[str], env: dict[str, str], path0: str) -> None:
+    """This forked child as ``python`` started afresh with ``argv`` and ``env`` would be, ``path0`` the first
+    entry of its ``sys.path`` (a script's folder, links resolved, or the working folder under ``-m``); its
+    stdout and stderr are whatever files 1 and 2 are now."""
     import io
     import logging
     import signal
@@ -249,8 +252,8 @@ def _as_a_fresh_interpreter(script_args: list[str], env: dict[str, str]) -> None
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = list(script_args)
-    sys.path[0] = os.path.dirname(os.path.realpath(script_args[0]))  # as Python does: links resolved
+    sys.argv = list(argv)
+    sys.path[0] = path0
     for fd, name in ((1, "stdout"), (2, "stderr")):
         old = getattr(sys, name)
         setattr(sys, name, io.TextIOWrapper(
