@@ -60,7 +60,8 @@ def _record():
 atexit.register(_record)
 '''
 #: How a process is named, by a word of its command line (the first that matches).
-KINDS = (("nbddp.agent (its forked ranks apart)", "nbddp/agent"),
+KINDS = (("warm process (agent/warm.py: imports once what the agents it forks preload)", "nbddp/agent/warm.py"),
+         ("nbddp.agent (its forked ranks apart)", "nbddp/agent"),
          ("torchrun of a launched command", "torch/distributed/run.py"), ("torchrun of a launched command", "bin/torchrun"),
          ("launched-mode stand-in", "nbddp/launched.py"), ("nbddp CLI", "nbddp/cli.py"), ("kernel", "ipykernel"),
          ("one-process baseline (run_cells.py)", "run_cells.py"), ("papermill", "papermill"),

@@ -6,7 +6,8 @@ marked ``e2e``.
 test's teardown whose message says which mark to add or remove.
 
 A process counts as started when, in this pytest process, `subprocess.Popen`, a `multiprocessing` process,
-`os.system`, `os.fork` or `os.posix_spawn` ran during the test's setup, call or teardown, or during the setup of
+`os.system`, `os.fork` or `os.posix_spawn` ran, or nbddp's warm process forked a job's agent (`launch/warm_start.py`:
+a launcher's later jobs start no process of their own), during the test's setup, call or teardown, or during the setup of
 a fixture the test uses (a module-scoped fixture that launches one job for several tests makes each of them a
 launching test, though only the first one's setup started it).
 """
@@ -63,6 +64,11 @@ def _install() -> None:
         process.start)
     os.system = _record("system", lambda command: f"os.system({_describe(command)})")(os.system)
     os.fork = _record("fork", lambda: "os.fork()")(os.fork)
+    from nbddp.launch import warm_start
+
+    warm = warm_start._WarmProcess
+    warm.fork_agent = _record(  # type: ignore[method-assign]
+        "fork_agent", lambda self, plan, log: f"agent forked by the warm process ({_describe(plan.argv)})")(warm.fork_agent)
     for name in ("posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
             setattr(os, name, _record(name, lambda path, argv, *a, _name=name, **k: f"os.{_name}({_describe(argv)})")(

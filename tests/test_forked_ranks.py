@@ -5,21 +5,25 @@ script can observe of its start (argv, path, session, signals, threads, environm
 ``sitecustomize`` run with the rank's environment) and ends as Python ends (a file it left open flushed, an exit
 handler run, an uncaught error on rank 1 said in its log and its exit code; ``sys.exit(3)``:
 ``tests/test_agent_exit.py``). Both runs must report
-the same, and only the forked one may have the agent's command line.
+the same, and only the forked one may have the agent's command line. So must the same job twice more with its
+agent forked from a warm process (``launch/warm_start.py``), the one process both agents come from.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import NEEDS_FORKED_RANKS
 from nbddp.agent import forked_ranks, preload
+from nbddp.launch import LaunchPlan, warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +37,7 @@ out = os.environ["REPORT_DIR"]
 dist.init_process_group("gloo")
 t = torch.tensor([rank + 1.0])
 dist.all_reduce(t)
-argv = open("/proc/self/cmdline", "rb").read().split(b"\0")
+cmdline = open("/proc/self/cmdline", "rb").read()  # what ps shows
 report = {
     "argv": sys.argv, "path0": sys.path[0], "name": __name__, "main_is_me": sys.modules["__main__"].__dict__ is globals(),
     "session_leader": os.getsid(0) == os.getpid(), "group_leader": os.getpgid(0) == os.getpid(),
@@ -42,9 +46,10 @@ report = {
     "customized_as": os.environ.get("CUSTOMIZED_AS"), "python_threads": threading.active_count(),
     "stdout_write_through": getattr(sys.stdout, "write_through", None),
     "numpy_draw": __import__("numpy").random.randint(1 << 30),  # fresh processes draw apart, forked ones too
+    "agent_parent": __import__("psutil").Process(os.getppid()).ppid(),  # who started torchrun's process
 }
 dist.destroy_process_group()
-json.dump({"forked": b"nbddp.agent" in argv, **report}, open(os.path.join(out, f"report{rank}.json"), "w"))
+json.dump({"forked": b"nbddp.agent" in cmdline, **report}, open(os.path.join(out, f"report{rank}.json"), "w"))
 left_open = open(os.path.join(out, f"left-open{rank}.txt"), "w")
 left_open.write("written, never closed")
 atexit.register(lambda: open(os.path.join(out, f"atexit{rank}.txt"), "w").write("ran"))
@@ -60,32 +65,41 @@ if rank == 1:  # fails once rank 0 has ended well (a failure first would have to
 SITECUSTOMIZE = 'import os\nif os.environ.get("RANK"):\n    os.environ["CUSTOMIZED_AS"] = "rank " + os.environ["RANK"]\n'
 
 
-def run(tmp_path: Path, fork: bool) -> tuple[subprocess.CompletedProcess, Path, dict, dict]:
-    work = tmp_path / ("forked" if fork else "fresh")
+def run(tmp_path: Path, how: str) -> tuple[int, Path, dict, dict]:
+    """The script on two ranks: ranks started ``fresh`` or ``forked`` by an agent this process starts, or forked
+    by an agent a warm process forked (``warm``, ``warm again``); torchrun's exit code and what the ranks said."""
+    work = tmp_path / how.replace(" ", "-")
     (work / "site").mkdir(parents=True)
     (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     script = work / "rank_script.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "REPORT_DIR": str(work), forked_ranks.SWITCH: "1" if fork else "0",
+    env = {**os.environ, "REPORT_DIR": str(work), forked_ranks.SWITCH: "0" if how == "fresh" else "1",
            "NBDDP_FAILURES": str(work / "failures.json"),
-           "PYTHONPATH": os.pathsep.join([str(work / "site"), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "nbddp.agent", "--standalone", "--nproc_per_node=2",
-                           f"--log-dir={work / 'logs'}", "--redirects=3", "--max-restarts=0", str(script), "an-arg"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    shutil.copytree(work / "site", tmp_path / "site", dirs_exist_ok=True)  # one PYTHONPATH: one warm process
+    argv = (sys.executable, "-m", "nbddp.agent", "--standalone", "--nproc_per_node=2", f"--log-dir={work / 'logs'}",
+            "--redirects=3", "--max-restarts=0", str(script), "an-arg")
+    if how.startswith("warm"):
+        plan = LaunchPlan(argv=argv, env=env, cwd=tmp_path, run_dir=work, script=script, nproc=2)
+        agent = warm_start.start_agent(plan, work / "torchrun.log")
+        assert agent is not None
+        code = agent.wait(timeout=240)
+    else:
+        code = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240).returncode
     reports = {r: json.loads((work / f"report{r}.json").read_text()) for r in (0, 1)}
     failures = json.loads((work / "failures.json").read_text())
-    return done, work, reports, failures
+    return code, work, reports, failures
 
 
 @pytest.mark.e2e
 @NEEDS_FORKED_RANKS
 def test_a_forked_rank_starts_and_ends_as_a_fresh_interpreter_does(tmp_path):
-    fresh_run, forked_run = run(tmp_path, fork=False), run(tmp_path, fork=True)
-    for (done, work, reports, failures), forked in ((fresh_run, False), (forked_run, True)):
-        assert done.returncode != 0  # the ranks failed on purpose
+    runs = {how: run(tmp_path, how) for how in ("fresh", "forked", "warm", "warm again")}
+    for how, (code, work, reports, failures) in runs.items():
+        assert code != 0  # the ranks failed on purpose
         for rank in (0, 1):
             report = reports[rank]
-            assert report.pop("forked") is forked
+            assert report.pop("forked") is (how != "fresh")
             assert report["argv"] == [str(work / "rank_script.py"), "an-arg"]
             assert report["path0"] == str(work) and report["name"] == "__main__" and report["main_is_me"]
             assert report["session_leader"] and report["group_leader"]  # torchrun stops ranks by process group
@@ -99,12 +113,20 @@ def test_a_forked_rank_starts_and_ends_as_a_fresh_interpreter_does(tmp_path):
         assert "RuntimeError: rank 1 fails on purpose" in stderr1 and "Traceback" in stderr1
         exits = {f["rank"]: f["exitcode"] for f in failures["failures"]}
         assert exits == {1: 1}, failures
-    def alike(reports):  # less "forked" (popped) and the paths (each run's own folder, checked above)
-        return {r: {k: v for k, v in report.items() if k not in ("argv", "path0")} for r, report in reports.items()}
+    # torchrun's process: started by this one, or forked by one warm process for both warm runs
+    parents = {how: {r["agent_parent"] for r in reports.values()} for how, (_, _, reports, _) in runs.items()}
+    assert parents["fresh"] == parents["forked"] == {os.getpid()}
+    assert parents["warm"] == parents["warm again"] and parents["warm"] != {os.getpid()}
+    (warm,) = parents["warm"]
+    assert "nbddp.agent.warm" in " ".join(psutil.Process(warm).cmdline())
 
-    for reports in (fresh_run[2], forked_run[2]):
+    def alike(reports):  # less "forked" (popped) and the paths (each run's own folder, checked above)
+        return {r: {k: v for k, v in report.items() if k not in ("argv", "path0", "agent_parent")}
+                for r, report in reports.items()}
+
+    for _, _, reports, _ in runs.values():
         assert reports[0].pop("numpy_draw") != reports[1].pop("numpy_draw")
-    assert alike(fresh_run[2]) == alike(forked_run[2])
+    assert alike(runs["fresh"][2]) == alike(runs["forked"][2]) == alike(runs["warm"][2]) == alike(runs["warm again"][2])
 
 
 def test_only_a_python_script_command_is_forked():

@@ -17,6 +17,8 @@ from nbclient import NotebookClient
 
 from kernel import FrontEnd, errors, kernel_env, stream
 
+from nbddp.agent import forked_ranks
+
 pytestmark = pytest.mark.e2e
 
 SETUP = '''%%ddp_setup
@@ -61,6 +63,12 @@ def _kernel_family(client) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             time.sleep(0.1)
     return [kernel, *kernel.children(recursive=True)]
+
+
+def _job_processes(client) -> list[psutil.Process]:
+    """The processes under the kernel that belong to its jobs: not the warm process the kernel's launches fork
+    their agents from (``launch/warm_start.py``), which lives as long as the kernel does."""
+    return [p for p in _kernel_family(client)[1:] if "nbddp.agent.warm" not in _cmdline(p)]
 
 
 def _cmdline(p: psutil.Process) -> str:
@@ -110,7 +118,7 @@ def test_kept_job_trains_again_generates_pulls_and_stops(tmp_path):
         cells = _run(client, nb, ["%load_ext nbddp", SETUP, TRAIN, FIRST])
         assert not any(errors(c) for c in cells), [errors(c) for c in cells]
         assert "stay up" in stream(cells[2], "stdout")
-        ranks = [p for p in _kernel_family(client)[1:]]
+        ranks = _job_processes(client)
         assert len(ranks) >= 3  # torchrun and its 2 ranks, still up
 
         again, second, generate, history, pull, failing, still, status = _run(
@@ -178,19 +186,22 @@ def test_kept_job_ends_with_its_kernel(tmp_path, how):
         train = SMALL_TRAIN.replace("--keep", "--keep --idle-limit 0.2") if how == "idle limit" else SMALL_TRAIN
         cells = _run(client, nb, ["%load_ext nbddp", SMALL_SETUP, train])
         assert not any(errors(c) for c in cells), [errors(c) for c in cells]
-        family = _kernel_family(client)
-        assert len(family) >= 4
+        family = _kernel_family(client)  # the kernel, the warm process, the job's torchrun and ranks
+        job = _job_processes(client)
+        assert len(job) >= 3
         if how == "one rank fails":  # rank 0 waits in the all-reduce: the job is ended, rank 1 named
             (failed,) = _run(client, nb, [RANK1_FAILS])
             text = "\n".join(errors(failed)[0].traceback)
             assert "rank 1 failed" in text and "rank 1 fails alone" in text and "kept job was ended" in text, text
-            alive = _gone(family[1:], within_s=30)
+            alive = _gone(job, within_s=30)
             assert family[0].is_running()
         elif how == "idle limit":  # 12 s without a request: the ranks end themselves, the kernel stays
-            alive = _gone(family[1:], within_s=40)
+            alive = _gone(job, within_s=40)
             (after,) = _run(client, nb, [STILL])
             assert "the idle limit" in "\n".join(errors(after)[0].traceback)
-        else:
+        else:  # the kernel gone: its warm process too (where there is one), and the job with it
+            warm = [p for p in family if "nbddp.agent.warm" in _cmdline(p)]
+            assert len(warm) == (1 if forked_ranks.possible_here() else 0), [_cmdline(p) for p in family]
             if how == "restart":
                 run_sync(client.km.restart_kernel)(now=False)
             else:

@@ -96,12 +96,13 @@ def _convert(args) -> int:
 def _run(args) -> int:
     from .display import TerminalView, failure_report, summary
     from .job import run_job
-    from .launch import where_ranks_were
+    from .launch import warm_start, where_ranks_were
     from .options import RunOptions
 
     options = RunOptions.parse(args, args.torchrun_args)
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
-    job = run_job(args.notebook, options, view)
+    with warm_start.not_for_one_launch():  # a warm process would import what the one agent does, no less
+        job = run_job(args.notebook, options, view)
     result = job.run
     view.finish(result)  # rank 0's consequent traceback folded to one line
     for w in job.script.warnings:

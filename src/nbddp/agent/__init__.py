@@ -14,6 +14,9 @@ all) and adds two things torchrun leaves out:
   the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``); torchrun's handler then stops every
   rank as it does on Ctrl-C.
 
+A launcher that lives on after a job (a kernel) forks this process from a warm one that imported torch already
+(``agent/warm.py``, ``launch/warm_start.py``) instead of starting it afresh; it runs the same from here on.
+
 Each rank is forked from this process once it has imported torch (``forked_ranks``), not started as a
 fresh interpreter that imports torch again.
 

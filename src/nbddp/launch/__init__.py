@@ -2,7 +2,7 @@
 
 Three rooms: ``planning`` (the run directory, torchrun's command line and environment, ports, installs),
 ``supervise`` (the processes and their streams: ``launch`` runs a plan to its end and leaves no process
-behind) and ``postmortem`` (what a job left: ``RunResult``, the root failure and each rank's stack, mapped
+behind; ``warm_start`` forks its agent from a warm process of the launcher's where it can) and ``postmortem`` (what a job left: ``RunResult``, the root failure and each rank's stack, mapped
 to notebook cells). The records they read are written in the ranks and by torchrun's agent; their formats
 live in ``runtime.records``, the source map in ``runtime.sourcemap``: the launcher needs nothing from the
 converter.

@@ -27,6 +27,7 @@ import psutil
 from ..errors import LaunchError
 from ..runtime import records
 from ..runtime.sourcemap import read_source_map
+from . import warm_start
 from .planning import LaunchPlan, Sink, find_rank_log, newest_attempt, stdout_sink
 from .postmortem import RunResult, read_failure, read_stacks, where_ranks_were
 
@@ -54,13 +55,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(plan.run_dir / "torchrun.log", "wb") as agent_log:
-        try:
-            proc = subprocess.Popen(
-                plan.argv, cwd=plan.cwd, env=plan.env, stdout=agent_log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-        except OSError as exc:
-            raise LaunchError(f"cannot start torchrun: {exc}") from None
+        proc = warm_start.start_agent(plan, plan.run_dir / "torchrun.log") or _fresh_agent(plan, agent_log)
         followers = [Follower(plan.log_dir, 0, stream, sink) for stream in ("stdout", "stderr")]
         followers.append(_Notices(plan.run_dir / records.NOTICES_FILE, sink))  # from other jobs (outputs.claimed)
         metrics = MetricsReader(plan.metrics_path, on_metrics)
@@ -130,6 +125,16 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
                            "Leave it out, or have run directories made elsewhere (--runs-dir DIR, or NBDDP_RUNS)\n")
     stop.pass_on()
     return result
+
+
+def _fresh_agent(plan: LaunchPlan, log) -> subprocess.Popen:
+    try:
+        return subprocess.Popen(
+            plan.argv, cwd=plan.cwd, env=plan.env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    except OSError as exc:
+        raise LaunchError(f"cannot start torchrun: {exc}") from None
 
 
 #: Signals that stop a job the way Ctrl-C does: a scheduler's stop, a terminal closed under the launcher.

@@ -96,6 +96,8 @@ LAUNCHER_SIDE: tuple[Setting, ...] = (
             "the GPUs to count, instead of asking NVML"),
     Setting("NBDDP_FORK_RANKS", "flag", "1", "a person, tests", "agent/forked_ranks.py",
             "ranks forked from torchrun's process, which imported torch once (0: each starts fresh)"),
+    Setting("NBDDP_WARM_START", "flag", "1", "a person, tests", "launch/warm_start.py",
+            "agents forked from a warm process of a launcher that lives on, which imported torch once (0: each fresh)"),
 )
 
 #: Every setting by name (``NBDDP_SHIM_<NAME>`` stands for the whole family).
