@@ -89,3 +89,38 @@ def test_a_second_training_runs_on_every_rank_and_generation_on_rank0(tmp_path):
     printed = next(n for n in range(generate.first, generate.last + 1) if "print(" in script_lines[n - 1])
     assert smap.lookup(printed) == (generate.cell.index, 3)
     assert generate.cell.index == 4  # after every cell of the history
+
+
+def test_a_rank_gone_between_the_look_and_the_send_ends_the_request_as_a_gone_job(tmp_path, monkeypatch):
+    """The ranks end themselves (the idle limit) just after ``check_alive`` looked: the send finds the socket
+    closed. The cell says the kept job has ended, as it does when the look sees it, not an internal error."""
+    from nbddp.kept import controller
+    from nbddp.kept.controller import KeptJob, KeptJobGone
+
+    class Closed:
+        def send(self, message):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    class Channel:
+        ranks = {0: Closed(), 1: Closed()}
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    class Torchrun:  # running at the look, ended by the time the send fails
+        returncode = None
+
+        def poll(self):
+            return self.returncode
+
+        def wait(self, timeout=None):
+            self.returncode = 0
+            return 0
+
+    monkeypatch.setattr(controller, "terminate_tree", lambda process: None)
+    monkeypatch.setattr(controller.atexit, "register", lambda func: func)
+    job = KeptJob(process=Torchrun(), channel=Channel(), run_dir=tmp_path, cells=[], cwd=tmp_path)
+    with pytest.raises(KeptJobGone, match="its ranks exited .* the idle limit"):
+        job.request(("run", "x = 1"))
+    assert job.channel.closed is False  # ended by the ranks themselves: nothing left to end here

@@ -83,7 +83,10 @@ class KeptJob:
         self.check_alive()
         ranks = sorted(self.channel.ranks) if ranks is None else list(ranks)
         for r in ranks:
-            self.channel.ranks[r].send(message)
+            try:
+                self.channel.ranks[r].send(message)
+            except OSError:  # the rank ended between the look above and this send (its idle limit, say)
+                self._gone_meanwhile(r)
         answer, asked_stop, failed_at = Answer(), None, None
         while len(answer.replies) < len(ranks):
             try:
@@ -107,6 +110,15 @@ class KeptJob:
                 break
         self.last_used = time.monotonic()
         return answer
+
+    def _gone_meanwhile(self, rank: int) -> None:
+        """A rank's connection closed under a request: the job has ended, or is ended now; said as ``check_alive``
+        says it."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=GRACE_S)
+        if self.process.poll() is None:
+            self.end(f"rank {rank} closed its connection")
+        self.check_alive()
 
     def _collect(self, answer: Answer, ranks, follow) -> None:
         conns = {self.channel.ranks[r]: r for r in ranks if r not in answer.replies}
