@@ -3,7 +3,8 @@
 ``tests/corpus/runnable/`` holds copies of public notebooks (``MANIFEST.json`` names each original in
 ``tests/corpus/public/``) with the few lines that need the Hub or a GPU replaced, each marked
 ``# nbddp-offline:`` (``make_runnable.py`` writes them). Each is run twice: as written, top to bottom in one
-Python process (``run_cells.py``: the honest baseline), and by the CLI on two gloo ranks. A test-only recorder
+Python process (``run_cells.py``: the honest baseline), and on two gloo ranks through ``run_job``, the funnel of
+``nbddp run`` and ``%%ddp_train``, from this process as from a kernel (``run_here``). A test-only recorder
 (``tests/gpu/rank_record/sitecustomize.py``, the GPU proofs' too, on ``PYTHONPATH``) writes what each process
 read, its losses, the hash of each optimizer's weights after its last step, and the files it wrote. The
 two-rank run must see each training sample once per epoch in total, end with the same weights on both ranks,
@@ -79,6 +80,25 @@ def run(argv, env, log: Path) -> None:
     assert done.returncode == 0, log.read_text()[-4000:]
 
 
+def run_here(notebook: Path, env: dict, runs: Path, log: Path) -> None:
+    """``nbddp run NOTEBOOK --nproc 2 --timeout 450`` through its funnel, ``run_job``, in this process as a kernel
+    runs it: the ranks get ``env``'s settings (offline, recorded, one thread), and this process's later jobs fork
+    their agents from its warm process (``launch/warm_start.py``) instead of starting a new interpreter each.
+    Rank 0's output goes to ``log``."""
+    from nbddp.display.view import QuietView
+    from nbddp.job import run_job
+    from nbddp.options import RunOptions
+
+    with open(log, "w") as fh:
+        class Logged(QuietView):
+            def sink(self, stream: str, text: str) -> None:
+                fh.write(text)
+
+        rank_env = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        job = run_job(str(notebook), RunOptions(nproc=2, runs_dir=runs, timeout_s=450, env=rank_env), Logged())
+    assert job.run.returncode == 0, log.read_text()[-4000:]
+
+
 def records(folder: Path) -> dict[str, dict]:
     """Each label's (``single``, ``0``, ``1``) records, merged over its processes."""
     merged: dict[str, dict] = {}
@@ -133,9 +153,7 @@ def test_runnable_notebook_trains_the_same_on_two_ranks(tmp_path, name):
     single, ranks = folders["single"], folders["ranks"]
     run([sys.executable, str(RUNNABLE / "run_cells.py"), str(single / entry["file"])],
         environment(tmp_path / "rec-single", single, NBDDP_TEST_RECORD_AS="single"), tmp_path / "single.log")
-    run([sys.executable, "-m", "nbddp.cli", "run", str(ranks / entry["file"]), "--nproc", "2",
-         "--runs-dir", str(tmp_path / "runs"), "--timeout", "450"],
-        environment(tmp_path / "rec-ranks", ranks), tmp_path / "ranks.log")
+    run_here(ranks / entry["file"], environment(tmp_path / "rec-ranks", ranks), tmp_path / "runs", tmp_path / "ranks.log")
     one, two = records(tmp_path / "rec-single")["single"], records(tmp_path / "rec-ranks")
     r0, r1 = two["0"], two["1"]
 
