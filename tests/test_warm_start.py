@@ -165,3 +165,30 @@ def test_an_agent_seen_gone_is_never_said_to_be_running():
     threading.Thread(target=report_later).start()
     agent = warm_start.WarmAgent(pid, warm, ("agent",))
     assert agent.poll() == 0
+
+
+@NEEDS_FORKED_RANKS
+def test_a_forked_launcher_starts_its_own_warm_process(tmp_path, monkeypatch):
+    """A launcher forked from one that kept a warm process (``multiprocessing`` with fork) inherits the entry but
+    not its reader: it starts a warm process of its own rather than write to the parent's."""
+    started = []
+
+    class Warm:
+        gone = False
+
+        def __init__(self, env, names):
+            self.owner = os.getpid()
+            started.append(self)
+
+        def fork_agent(self, plan, log):
+            return "agent"
+
+    monkeypatch.setattr(warm_start, "_wanted", True)
+    plan = plan_for(tmp_path)
+    key = (warm_start.usable_for(plan), warm_start.startup_environment(plan.env))
+    inherited = Warm(None, None)
+    inherited.owner = os.getppid()
+    monkeypatch.setattr(warm_start, "_warm", {key: inherited})
+    monkeypatch.setattr(warm_start, "_WarmProcess", Warm)
+    assert warm_start.start_agent(plan, tmp_path / "torchrun.log") == "agent"
+    assert len(started) == 2 and warm_start._warm[key] is started[1]

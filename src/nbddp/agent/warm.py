@@ -11,6 +11,11 @@ imports the fresh agent would make are there already, with the exit handlers the
 answers for them, so the ranks keep those, as from a fresh agent). On stdout it answers each job with the agent's
 pid, and says the exit status of each agent it reaps.
 
+One difference from a fresh agent is left: the exit handlers the warm process's own start registered (its ``.pth``
+files', its ``sitecustomize``'s, with the environment of the job that started it) are the agent's too, beside
+those its ``sitecustomize`` registers again; a customization that registers one unconditionally runs it twice in
+the agent. (The ranks keep only the preloaded modules' handlers, as from a fresh agent.)
+
 It lives as long as its launcher: it ends when its stdin closes (the launcher exited) or when the launcher dies
 (``PR_SET_PDEATHSIG``, as the agent does); its agents die with it in turn, and torchrun stops their ranks.
 

@@ -67,7 +67,7 @@ def start_agent(plan, log: Path) -> "WarmAgent | None":
     key = (names, startup_environment(plan.env))
     with _lock:
         warm = _warm.get(key)
-        if warm is None or warm.gone:
+        if warm is None or warm.gone or warm.owner != os.getpid():  # a forked launcher's copy is not its own
             try:
                 warm = _warm[key] = _WarmProcess(plan.env, names)
             except OSError:
@@ -109,6 +109,7 @@ class _WarmProcess:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         self.gone = False
+        self.owner = os.getpid()
         self._answers: queue.Queue = queue.Queue()
         self._ended: dict[int, int] = {}
         self._changed = threading.Condition()
