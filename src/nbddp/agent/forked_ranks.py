@@ -119,11 +119,13 @@ _agents_customizations: list = []
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
-def enabled() -> bool:
-    """Possible on this machine (``possible_here``) and not switched off."""
+def enabled(environ=None) -> bool:
+    """Possible on this machine (``possible_here``) and not switched off in ``environ`` (this process's by
+    default; the launcher asks of a job's environment before its agent exists)."""
     from ..runtime import settings
 
-    return possible_here() and settings.parse(settings.BY_NAME[SWITCH], os.environ.get(SWITCH)) is not False
+    environ = os.environ if environ is None else environ
+    return possible_here() and settings.parse(settings.BY_NAME[SWITCH], environ.get(SWITCH)) is not False
 
 
 def possible_here() -> bool:

@@ -85,9 +85,8 @@ def usable_for(plan) -> tuple[str, ...] | None:
     from ..agent import forked_ranks, preload
     from ..runtime import settings
 
-    switched_off = settings.parse(settings.BY_NAME[SWITCH], plan.env.get(SWITCH)) is False or \
-        settings.parse(settings.BY_NAME[forked_ranks.SWITCH], plan.env.get(forked_ranks.SWITCH)) is False
-    if not _wanted or switched_off or not forked_ranks.possible_here():
+    switched_off = settings.parse(settings.BY_NAME[SWITCH], plan.env.get(SWITCH)) is False
+    if not _wanted or switched_off or not forked_ranks.enabled(plan.env):
         return None
     if threading.current_thread() is not threading.main_thread():
         return None
