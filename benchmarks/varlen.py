@@ -148,11 +148,19 @@ def ratios(rows: list[dict], set_name: str) -> dict:
             "nbddp_vs_handwritten": ratio(nbddp, hand), "nbddp_balanced_vs_unbalanced": ratio(nbddp, unbalanced)}
 
 
+def ran_unsloth_route(rows: list[dict]) -> bool:
+    """Whether the runs' "notebook under torchrun" was Unsloth's route: its name says so (``configurations``), so
+    a report made on another machine (``--report``) says what ran, not what this one has installed."""
+    names = [r["name"] for r in rows if r["name"].startswith("notebook under")]
+    return any("Unsloth" in n for n in names) if names else unsloth_route()
+
+
 def report(rows: list[dict], out: Path, device: str) -> dict:
     sets = list(dict.fromkeys(r["set"] for r in rows))
     fmt = lambda v, spec=".3f": format(v, spec) if v is not None else "—"  # noqa: E731
+    unsloth = ran_unsloth_route(rows)
     lines = [f"Device: {device}. Route of 'notebook under torchrun': "
-             f"{'Unsloth' if unsloth_route() else 'HF (Unsloth not installed)'}.", ""]
+             f"{'Unsloth' if unsloth else 'HF (Unsloth not installed)'}.", ""]
     for s in sets:
         base = {r["name"]: r["tokens_per_s"] for r in rows if r["set"] == s and r["ok"]}
         single = next((v for n, v in base.items() if n.startswith("1 GPU")), None)
@@ -174,7 +182,7 @@ def report(rows: list[dict], out: Path, device: str) -> dict:
                 f"{fmt(ratio(r['tokens_per_s'], hand) if two else None)} | {fmt(r['wait_ms'], '.2f')} | "
                 f"{r['token_spread']:.1%} | {[round(m, 1) for m in r['peak_mem_gib']]} |")
         lines.append("")
-    result = {"device": device, "route": "unsloth" if unsloth_route() else "hf",
+    result = {"device": device, "route": "unsloth" if unsloth else "hf",
               **ratios(rows, "nvlink" if "nvlink" in sets else sets[0]),
               "by_set": {s: ratios(rows, s) for s in sets}, "rows": rows}
     (out / "varlen.md").write_text("\n".join(lines))
@@ -220,6 +228,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="passes over every configuration, interleaved")
     ap.add_argument("--only", action="append", default=[], metavar="NAME", help="only configurations starting so")
     ap.add_argument("--report", action="store_true", help="run nothing: report from --out's runs")
+    ap.add_argument("--device", help="with --report on another machine: the GPUs the runs ran on")
     ap.add_argument("--cpu", action="store_true", help="train on the CPU (gloo): a smoke run, not a measurement")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and short rows (with --cpu)")
     args = ap.parse_args()
@@ -231,7 +240,7 @@ def main() -> None:
     os.environ.update(base_env)  # for this process's import of the workload (its shape, its paths)
     import varlen_workload
 
-    device = "CPU smoke run (gloo), not a GPU measurement" if args.cpu else varlen_workload.gpu_name()
+    device = "CPU smoke run (gloo), not a GPU measurement" if args.cpu else args.device or varlen_workload.gpu_name()
     if not args.report:
         subprocess.run([sys.executable, str(HERE / "varlen_workload.py"), "prepare"], check=True,
                        env={**os.environ, **base_env})

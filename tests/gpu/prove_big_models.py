@@ -114,7 +114,7 @@ def run(notebook: Path, strategy: str, cap: float) -> dict:
     (notebook.parent / f"{strategy}.log").write_text(text)
     chosen = re.search(r"nbddp: strategy (\w+)", text)
     peaks = re.search(r"PEAKS (\{.*\})", text)
-    losses = [float(x) for x in re.findall(r"'loss': '?([\d.]+)", text)]
+    losses = trainer_losses(notebook.parent / "runs") or [float(x) for x in re.findall(r"'loss': '?([\d.]+)", text)]
     return {
         "strategy": strategy, "chosen": chosen.group(1) if chosen else "ddp", "exit": proc.returncode,
         "oom": "OutOfMemoryError" in text or "CUDA out of memory" in text,
@@ -123,6 +123,16 @@ def run(notebook: Path, strategy: str, cap: float) -> dict:
         "estimate": "\n".join(l for l in text.splitlines() if l.startswith("nbddp: ") and ("memory per GPU" in l or "strategy" in l)),
         "error": next((l for l in text.splitlines() if "OutOfMemoryError" in l or "out of memory" in l), ""),
     }
+
+
+def trainer_losses(runs: Path) -> list[float]:
+    """The losses the Trainer logged in the newest run: rank 0's ``log`` events in its ``metrics.jsonl`` (the
+    terminal shows a progress line in place of the Trainer's printed log dictionaries)."""
+    newest = max(runs.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime, default=None)
+    if newest is None:
+        return []
+    events = [json.loads(line) for line in newest.read_text().splitlines() if line.strip()]
+    return [float(e["loss"]) for e in events if e.get("event") == "log" and "loss" in e]
 
 
 def verdict(r: dict) -> list[str]:
