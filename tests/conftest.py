@@ -22,7 +22,7 @@ DEFAULT_PORT_GROUP = "default-port-29500"
 #: alone while the other idles. Longest first is the classic greedy schedule (LPT); the rest keep their order.
 LONGEST_FIRST = ("test_runnable_corpus.py", "test_runnable_launched.py", "test_kept_kernel.py", "test_launched.py",
                  "test_grad_ckpt.py", "test_fsdp_saves.py", "test_loss_filter.py", "test_clean_exit.py",
-                 "test_no_checkpointing.py", "test_faults.py", "test_gpu_proofs.py", "test_magics_kernel.py",
+                 "test_no_checkpointing.py", "test_faults.py", "test_magics_kernel.py",
                  "test_strategy.py", "test_part_optimizer.py", "test_train_correctly.py")
 
 

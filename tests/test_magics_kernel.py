@@ -3,6 +3,7 @@
 import base64
 import re
 import shutil
+import sys
 
 import pytest
 
@@ -12,6 +13,8 @@ from kernel import displays, errors, execute, stream
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = ROOT / "notebooks" / "magics.ipynb"
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+import check_magics  # noqa: E402  - run_all.sh's ``magic`` check, read on this same run
 
 
 def test_the_example_notebook_trains_with_a_live_panel_and_leaves_its_result(tmp_path):
@@ -22,6 +25,8 @@ def test_the_example_notebook_trains_with_a_live_panel_and_leaves_its_result(tmp
     assert "registered for the job" in stream(setup, "stdout")
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
     assert not any(errors(cell) for cell in code), [errors(cell) for cell in code]
+    # the GPU proofs' ``magic`` check (tests/gpu/check_magics.py) passes on the notebook as it runs now
+    assert check_magics.missing(check_magics.cell_text(nb), "gloo") == []
 
     # the job: the registered cells plus the magic cell, numbered as the kernel numbers them
     out = stream(train, "stdout")

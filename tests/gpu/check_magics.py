@@ -6,7 +6,10 @@ start-up lines (the ``backend nccl`` one among them) live in the log view's fold
 check that read the streams alone failed on a run that trained and saved.
 
     python tests/gpu/check_magics.py                  # on GPUs: backend nccl
-    python tests/gpu/check_magics.py --backend gloo   # on CPU (the test suite runs it so)
+    python tests/gpu/check_magics.py --backend gloo   # on CPU
+
+The test suite reads this check (``missing``, ``cell_text``) on its own kernel run of the notebook on CPU
+(``tests/test_magics_kernel.py``), not on a second one.
 
 Exit status 0 when the notebook trained, 1 otherwise.
 """
