@@ -46,7 +46,8 @@ report = {
     "customized_as": os.environ.get("CUSTOMIZED_AS"), "python_threads": threading.active_count(),
     "stdout_write_through": getattr(sys.stdout, "write_through", None),
     "numpy_draw": __import__("numpy").random.randint(1 << 30),  # fresh processes draw apart, forked ones too
-    "agent_parent": __import__("psutil").Process(os.getppid()).ppid(),  # who started torchrun's process
+    "ancestors": [p.pid for p in __import__("psutil").Process().parents()[:3]],
+    "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task")),  # at the fork: its only thread forked
 }
 dist.destroy_process_group()
 json.dump({"forked": b"nbddp.agent" in cmdline, **report}, open(os.path.join(out, f"report{rank}.json"), "w"))
@@ -113,6 +114,13 @@ def test_a_forked_rank_starts_and_ends_as_a_fresh_interpreter_does(tmp_path):
         assert "RuntimeError: rank 1 fails on purpose" in stderr1 and "Traceback" in stderr1
         exits = {f["rank"]: f["exitcode"] for f in failures["failures"]}
         assert exits == {1: 1}, failures
+    # a forked rank's parent is the agent's forker, which has one thread (torchrun's process has several: a lock
+    # one of them held at a fork would stay held in the rank); a fresh rank's parent is torchrun's process
+    for how, (_, _, reports, _) in runs.items():
+        for report in reports.values():
+            agent = report["ancestors"][0 if how == "fresh" else 1]
+            assert report["parent_threads"] > 1 if how == "fresh" else report["parent_threads"] == 1, (how, report)
+            report["agent_parent"] = report["ancestors"][report["ancestors"].index(agent) + 1]
     # torchrun's process: started by this one, or forked by one warm process for both warm runs
     parents = {how: {r["agent_parent"] for r in reports.values()} for how, (_, _, reports, _) in runs.items()}
     assert parents["fresh"] == parents["forked"] == {os.getpid()}
@@ -121,7 +129,7 @@ def test_a_forked_rank_starts_and_ends_as_a_fresh_interpreter_does(tmp_path):
     assert "nbddp.agent.warm" in " ".join(psutil.Process(warm).cmdline())
 
     def alike(reports):  # less "forked" (popped) and the paths (each run's own folder, checked above)
-        return {r: {k: v for k, v in report.items() if k not in ("argv", "path0", "agent_parent")}
+        return {r: {k: v for k, v in report.items() if k not in ("argv", "path0", "agent_parent", "ancestors", "parent_threads")}
                 for r, report in reports.items()}
 
     for _, _, reports, _ in runs.values():

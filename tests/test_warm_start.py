@@ -141,11 +141,12 @@ def test_a_launcher_killed_mid_job_leaves_no_warm_process_agent_or_rank(tmp_path
             any(p.read_text() != "up\n" for p in (tmp_path / "logs").glob("*/attempt_0/*/stdout.log")):
         assert time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.1)
-    ranks = agent.children()
-    assert len(ranks) == 2
+    family = agent.children(recursive=True)  # the forker (agent/forker.py) and the ranks it forked
+    forkers = agent.children()
+    assert len(forkers) == 1 and len([p for p in family if p not in forkers]) == 2
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    alive = _gone([warm, agent, *ranks], within_s=15)
+    alive = _gone([warm, agent, *family], within_s=15)
     assert not alive, [(p.pid, " ".join(p.cmdline())) for p in alive]
 
 

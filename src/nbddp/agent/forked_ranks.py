@@ -22,9 +22,10 @@ agent initializes CUDA there before the ranks start); a command that is not ``py
 
 What the agent imports for its ranks, and why no more: ``agent/preload.py``.
 
-The fork happens in a process with threads (torchrun's store and log tailers), as PyTorch's DataLoader forks its
-workers from a training process with gloo's threads: the rank touches none of the agent's torch objects, and Python
-re-creates its own locks after a fork. Measured: ``benchmarks/results/forked_ranks.md``.
+The ranks are not forked from torchrun's process itself, which runs threads (its store, its rendezvous
+keep-alive, its log tailers): a lock one of them held at the fork would stay held in the rank (a rank hung so, in
+glibc's resolver). The agent forks one process for that before torchrun runs (``agent/forker.py``), and that
+process forks each rank; a rank's parent is that process. Measured: ``benchmarks/results/forked_ranks.md``.
 
 Runs in torchrun's process (imported by ``nbddp.agent``); the ranks' own code is ``runtime``.
 """
@@ -32,11 +33,9 @@ Runs in torchrun's process (imported by ``nbddp.agent``); the ranks' own code is
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 
-from . import preload
+from . import forker, preload
 from .ending import flush_standard_streams
 
 #: What ``cuDeviceGetCount`` answers before ``cuInit``.
@@ -44,55 +43,6 @@ _CUDA_ERROR_NOT_INITIALIZED = 3
 
 #: The switch: ``NBDDP_FORK_RANKS=0`` starts every rank as a fresh interpreter, as torchrun does.
 SWITCH = "NBDDP_FORK_RANKS"
-
-
-class ForkedRank:
-    """What torchrun reads of a ``Popen`` (``pid``, ``poll``, ``wait``, ``returncode``) for a forked child."""
-
-    def __init__(self, pid: int, args: tuple):
-        self.pid = pid
-        self.args = args
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._reap(os.WNOHANG)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if timeout is None:
-            while self.returncode is None:
-                self._reap(0)
-            return self.returncode
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGKILL)
-
-    def _reap(self, flags: int) -> None:
-        try:
-            pid, status = os.waitpid(self.pid, flags)
-        except ChildProcessError:  # reaped elsewhere: as Popen says then
-            self.returncode = 0
-            return
-        if pid == self.pid:
-            self.returncode = os.waitstatus_to_exitcode(status)
 
 
 class _Before:
@@ -136,8 +86,8 @@ def possible_here() -> bool:
 
 
 def install() -> bool:
-    """In the agent, before anything imports torch: import what the ranks will (``preload``) and make torchrun
-    fork its ranks.
+    """In the agent, before anything imports torch: import what the ranks will (``preload``), fork the process
+    the ranks will be forked from (``forker``) and make torchrun ask it for its ranks.
     False (and torchrun unchanged) where that cannot be done."""
     global _before
     if not enabled():
@@ -150,18 +100,37 @@ def install() -> bool:
     except ImportError:
         return False
     handler = subprocess_handler.SubprocessHandler
-    if not callable(getattr(handler, "_popen", None)):
+    if not callable(getattr(handler, "_popen", None)) or cuda_driver_initialized():
         return False
     popen = handler._popen
+    try:
+        ranks_forker = forker.start(become_rank)
+    except OSError:
+        return False
+    import atexit
+
+    atexit.register(ranks_forker.close)  # the agent's own exit waits for it: no process of the job outlives it
 
     def _popen(self, args, env):
         script_args = _script_args(args)
-        if script_args is None or cuda_driver_initialized():
+        pid = None
+        if script_args is not None:
+            pid = ranks_forker.fork((script_args, env, _working_folder()), self._stdout, self._stderr)
+        if pid is None:
             return popen(self, args, env)
-        return fork_rank(script_args, env, self._stdout, self._stderr, args)
+        return forker.ForkedRank(pid, args, ranks_forker)
 
     handler._popen = _popen
     return True
+
+
+def _working_folder() -> str | None:
+    """Where torchrun's ``Popen`` would start the rank: this process's working folder (None if it vanished: the
+    rank then stays where the forker is)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def _script_args(args: tuple) -> list[str] | None:
@@ -188,34 +157,35 @@ def cuda_driver_initialized() -> bool:
         return True
 
 
-def fork_rank(script_args: list[str], env: dict[str, str], stdout, stderr, args: tuple) -> ForkedRank:
-    """Fork one rank running ``script_args`` with ``env``, its output in the files torchrun opened."""
-    flush_standard_streams()
-    pid = os.fork()
-    if pid == 0:  # the rank: never returns into torchrun's code
-        code = 1
+def become_rank(script_args: list[str], env: dict[str, str], cwd: str | None, stdout: int | None,
+                stderr: int | None) -> None:
+    """In the child the forker just forked: run ``script_args`` with ``env`` in ``cwd``, its output in the files
+    torchrun opened (``stdout``/``stderr`` descriptors; None: the forker's own), then end the process."""
+    code = 1
+    try:
+        os.setsid()
+        if cwd is not None:
+            os.chdir(cwd)
+        for fd, target in ((1, stdout), (2, stderr)):
+            if target is not None and target != fd:
+                os.dup2(target, fd)
+                os.close(target)
+        code = run_rank(script_args, env)
+    except BaseException:  # noqa: BLE001 - whatever happens, this process ends here
         try:
-            os.setsid()
-            for fd, file in ((1, stdout), (2, stderr)):
-                if file is not None:
-                    os.dup2(file.fileno(), fd)
-            code = run_rank(script_args, env)
-        except BaseException:  # noqa: BLE001 - whatever happens, this process ends here
-            try:
-                import traceback
+            import traceback
 
-                traceback.print_exc()
-                sys.stderr.flush()
-            except BaseException:  # noqa: BLE001
-                pass
-        finally:
-            if code < 0:
-                import signal
+            traceback.print_exc()
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        if code < 0:
+            import signal
 
-                signal.signal(-code, signal.SIG_DFL)
-                os.kill(os.getpid(), -code)
-            os._exit(code & 0xFF)
-    return ForkedRank(pid, args)
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
 
 
 def run_rank(script_args: list[str], env: dict[str, str]) -> int:
@@ -231,7 +201,7 @@ def run_rank(script_args: list[str], env: dict[str, str]) -> int:
         code = _exit_code(exc.code)
     except KeyboardInterrupt:
         sys.excepthook(*sys.exc_info())
-        code = -2  # Python ends by SIGINT itself then (``fork_rank`` re-raises it)
+        code = -2  # Python ends by SIGINT itself then (``become_rank`` re-raises it)
     except BaseException:  # noqa: BLE001 - an uncaught error: reported as Python reports it
         sys.excepthook(*sys.exc_info())
         code = 1

@@ -1,0 +1,246 @@
+"""The one process a job's ranks are forked from: forked from torchrun's process before torchrun starts a thread.
+
+A process with threads may fork only a child that calls nothing but async-signal-safe functions until it execs
+(POSIX): a lock another thread held at the instant of the fork stays held in the child for ever. Forked straight
+from torchrun's process (its store, its rendezvous keep-alive and its log tailers run in threads), a rank once hung
+so at its start: 1 launch in about 100 of 8 ranks on 2 busy CPUs, and once in about 10 clean test runs. A thread of
+torchrun's held glibc's resolver lock at the fork, and the rank's first ``getaddrinfo`` (its connection to the
+store) waited on it until the job's timeout (``benchmarks/results/test_lanes.md``, sixth stop). So the agent forks
+this process once, right after its preload and before torchrun runs (its only other thread then is OpenBLAS's
+idle pool, whose ``pthread_atfork`` handlers carry it across a fork; none of it is copied); this process never
+starts a thread, and forks each rank on the agent's request.
+
+Python's ``multiprocessing`` forkserver is this idea, but does not fit: its server is a fresh interpreter (it would
+import torch again, which forking the ranks saves), and its children run a function inside multiprocessing's
+bootstrap (its own ``__main__``, stdin closed, its own exit), not a script as ``python -u`` runs it.
+
+The agent and this process talk over a ``SOCK_SEQPACKET`` socket pair (one message a datagram; file descriptors
+passed with ``SCM_RIGHTS``), pickled tuples both ways:
+
+- agent → forker: ``(request, has_stdout, has_stderr)`` with the child's stdout and stderr files, those torchrun
+  opened; the child calls ``child(*request, stdout_fd, stderr_fd)`` and never returns;
+- forker → agent: ``("forked", pid)`` or ``("failed", why)`` for each request, in order, and ``("ended", pid,
+  code)`` when it reaps a child (``code`` as ``Popen.returncode`` has it: negative for a signal).
+
+A rank's parent is this process, not torchrun's; torchrun reads its ranks only through ``ForkedRank`` and stops
+them by process group, so nothing of torchrun's sees a difference. This process ignores the signals that stop a
+job (torchrun stops the ranks, then ends, and so does this process), and ends when the agent's end of the socket
+closes: the agent waits for that at its exit (``Forker.close``), so no process of the job outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import time
+
+from .ending import flush_standard_streams
+
+#: Seconds between two looks for children that ended, while no request comes.
+REAP_S = 0.05
+#: The largest message: a rank's environment, pickled, is a few kB.
+MAX_MESSAGE = 1 << 20
+#: What stops a job: torchrun stops the ranks itself; this process ends after torchrun's.
+_IGNORED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+#: Seconds the agent waits at its exit for this process to see the socket close and end.
+CLOSE_S = 5.0
+#: The exit code of a child the forker can no longer say (the forker died before it): the child is gone.
+LOST = 1
+
+
+def start(child) -> Forker:
+    """Fork the forker now (while this process has no thread of its own running); its handle.
+    ``child(*request, stdout_fd, stderr_fd)`` is what each forked child runs; it must not return."""
+    agent_end, forker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    flush_standard_streams()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            agent_end.close()
+            serve(forker_end, child)
+        finally:
+            os._exit(1)
+    forker_end.close()
+    return Forker(agent_end, pid)
+
+
+class Forker:
+    """The agent's end: asks for children and learns how they ended."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self._sock = sock
+        self.pid = pid
+        self._ended: dict[int, int] = {}
+        self._gone = False
+
+    def fork(self, request: tuple, stdout, stderr) -> int | None:
+        """A child's pid; None where the forker could not fork it (the caller starts it otherwise)."""
+        fds = [f.fileno() for f in (stdout, stderr) if f is not None]
+        message = pickle.dumps((request, stdout is not None, stderr is not None))
+        try:
+            socket.send_fds(self._sock, [message], fds)
+        except OSError:
+            self._gone = True
+            return None
+        while (reply := self._receive(None)) is not None:
+            if reply[0] in ("forked", "failed"):
+                return reply[1] if reply[0] == "forked" else None
+        return None
+
+    def returncode(self, pid: int, timeout: float = 0.0) -> int | None:
+        """How child ``pid`` ended; None while it runs after waiting up to ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while pid not in self._ended and not self._gone:
+            if self._receive(max(0.0, deadline - time.monotonic())) is None and not self._gone:
+                return None
+        if pid in self._ended:
+            return self._ended[pid]
+        return _lost(pid)
+
+    def close(self) -> None:
+        """Close the agent's end and wait for the forker to end (killed after ``CLOSE_S``)."""
+        self._sock.close()
+        deadline = time.monotonic() + CLOSE_S
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(self.pid, os.WNOHANG)[0] == self.pid:
+                    return
+            except ChildProcessError:
+                return
+            time.sleep(0.01)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+    def _receive(self, timeout: float | None) -> tuple | None:
+        """The next message (an ended child noted); None when none came within ``timeout`` or the forker is
+        gone."""
+        if self._gone:
+            return None
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            data = self._sock.recv(MAX_MESSAGE)
+        except OSError:
+            data = b""
+        if not data:
+            self._gone = True
+            return None
+        message = pickle.loads(data)
+        if message[0] == "ended":
+            self._ended[message[1]] = message[2]
+        return message
+
+
+def _lost(pid: int) -> int | None:
+    """A child the forker can no longer speak of (it died first): running while its process is there and not
+    a zombie, else ended (``LOST``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return LOST
+    return LOST if state in (b"Z", b"X") else None
+
+
+class ForkedRank:
+    """What torchrun reads of a ``Popen`` (``pid``, ``poll``, ``wait``, ``returncode``, signals) for a child of
+    the forker."""
+
+    def __init__(self, pid: int, args: tuple, forker: Forker):
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._forker = forker
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._forker.returncode(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = REAP_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = self._forker.returncode(self.pid, min(left, REAP_S))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def serve(sock: socket.socket, child) -> None:
+    """The forker's loop: fork a child for each request, say each child's end, until the agent's end closes."""
+    for name in _IGNORED:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    children: set[int] = set()
+    while True:
+        ready, _, _ = select.select([sock], [], [], REAP_S)
+        _reap(sock, children)
+        if not ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+        except OSError:
+            data, fds = b"", []
+        if not data:  # the agent has ended: so does this process, its children as they are
+            os._exit(0)
+        _send(sock, _fork_child(sock, pickle.loads(data), fds, child, children))
+
+
+def _fork_child(sock: socket.socket, message: tuple, fds: list[int], child, children: set[int]) -> tuple:
+    request, has_stdout, has_stderr = message
+    received = iter(fds)
+    stdout = next(received) if has_stdout else None
+    stderr = next(received) if has_stderr else None
+    flush_standard_streams()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        pid, failure = None, ("failed", f"fork failed: {exc}")
+    if pid == 0:  # the child: never back into this loop
+        try:
+            sock.close()
+            child(*request, stdout, stderr)
+        finally:
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    if pid is None:
+        return failure
+    children.add(pid)
+    return ("forked", pid)
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        _send(sock, ("ended", pid, os.waitstatus_to_exitcode(status)))
+
+
+def _send(sock: socket.socket, message: tuple) -> None:
+    try:
+        sock.send(pickle.dumps(message))
+    except OSError:  # the agent has ended
+        os._exit(0)
