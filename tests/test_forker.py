@@ -49,6 +49,8 @@ except subprocess.TimeoutExpired:
 report["running"] = slow.poll()
 slow.kill()
 report["killed"] = slow.wait(timeout=30)
+report["too_large"] = the_forker.fork(("x" * (1 << 21), 0.0), out, None)  # past the socket's limit
+report["after_too_large"] = rank(5).wait(timeout=30)  # the forker goes on
 if sys.argv[2] == "forker dies":
     orphan = rank(0, 60)
     os.kill(the_forker.pid, signal.SIGKILL)
@@ -80,9 +82,10 @@ def test_children_end_as_popen_says_and_the_forker_ends_with_the_agent(tmp_path)
     assert report["forker_threads"] == 1  # forked from the agent's one running thread
     assert report["codes"] == [0, 3, -signal.SIGKILL]
     assert report["timed_out"] and report["running"] is None and report["killed"] == -signal.SIGKILL
+    assert report["too_large"] is None and report["after_too_large"] == 5  # started otherwise; the forker goes on
     parents = {line.split(" of ")[1] for line in written.splitlines()}
     assert parents == {str(report["forker"])}  # the children are the forker's, their output in the agent's file
-    assert len(written.splitlines()) == 4
+    assert len(written.splitlines()) == 5
     assert report["forker_gone"]  # close() waited for it: nothing of the job outlives the agent
 
 

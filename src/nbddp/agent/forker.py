@@ -30,6 +30,7 @@ closes: the agent waits for that at its exit (``Forker.close``), so no process o
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import select
@@ -83,8 +84,8 @@ class Forker:
         message = pickle.dumps((request, stdout is not None, stderr is not None))
         try:
             socket.send_fds(self._sock, [message], fds)
-        except OSError:
-            self._gone = True
+        except OSError as exc:  # too large a message leaves the forker as it was; anything else, it is gone
+            self._gone = self._gone or exc.errno != errno.EMSGSIZE
             return None
         while (reply := self._receive(None)) is not None:
             if reply[0] in ("forked", "failed"):
