@@ -80,8 +80,9 @@ def enabled(environ=None) -> bool:
 
 def possible_here() -> bool:
     """Linux, no GPU device file. torchrun's agent initializes CUDA on a machine with GPUs before it starts the
-    ranks (seen on a 2× H200 host), and a forked child cannot use CUDA after that: there the ranks start fresh,
-    and the agent imports nothing more than torchrun does."""
+    ranks (seen on a 2× H200 host), and a child forked from it could not use CUDA: there the ranks start fresh,
+    and the agent imports nothing more than torchrun does. (The forker is forked before that initialization;
+    ranks forked from it on GPUs have not been tried.)"""
     return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in GPU_DEVICE_FILES)
 
 
