@@ -25,6 +25,7 @@ import json, os, signal, subprocess, sys, time
 from nbddp.agent import forker
 
 def child(code, wait_s, stdout, stderr):
+    os.setsid()  # a group of its own, as a rank has
     os.dup2(stdout, 1)
     os.write(1, f"child {os.getpid()} of {os.getppid()}\n".encode())
     time.sleep(wait_s)
@@ -36,8 +37,18 @@ the_forker = forker.start(child)
 threading_now = len(os.listdir(f"/proc/{the_forker.pid}/task"))
 out = open(sys.argv[1], "w")
 def rank(code, wait_s=0.0):
-    return forker.ForkedRank(the_forker.fork((code, wait_s), out, None), ("child",), the_forker)
+    return forker.ReportedChild(the_forker.fork((code, wait_s), out, None), ("child",), the_forker)
 report = {"forker": the_forker.pid, "forker_threads": threading_now}
+quick = rank(0)
+time.sleep(0.5)  # it has exited, and the forker has said so; the agent has not read it yet
+try:
+    os.killpg(quick.pid, 0)  # as torchrun signals a rank whose poll() said it runs: its group is still there
+    report["group_until_read"] = True
+except ProcessLookupError:
+    report["group_until_read"] = False
+report["quick"] = quick.poll()
+time.sleep(0.5)  # read now: the forker reaps it
+report["group_after_read"] = os.path.exists(f"/proc/{quick.pid}")
 ends = [rank(0), rank(3), rank(-signal.SIGKILL)]
 report["codes"] = [r.wait(timeout=30) for r in ends]
 slow = rank(0, 60)
@@ -81,11 +92,14 @@ def test_children_end_as_popen_says_and_the_forker_ends_with_the_agent(tmp_path)
     report, written = run_agent(tmp_path, "as usual")
     assert report["forker_threads"] == 1  # forked from the agent's one running thread
     assert report["codes"] == [0, 3, -signal.SIGKILL]
+    # an exited child stays a zombie until the agent has read its end (torchrun's killpg after a poll() that said
+    # running would raise for a group already reaped), and no longer
+    assert report["group_until_read"] and report["quick"] == 0 and not report["group_after_read"]
     assert report["timed_out"] and report["running"] is None and report["killed"] == -signal.SIGKILL
     assert report["too_large"] is None and report["after_too_large"] == 5  # started otherwise; the forker goes on
     parents = {line.split(" of ")[1] for line in written.splitlines()}
     assert parents == {str(report["forker"])}  # the children are the forker's, their output in the agent's file
-    assert len(written.splitlines()) == 5
+    assert len(written.splitlines()) == 6
     assert report["forker_gone"]  # close() waited for it: nothing of the job outlives the agent
 
 

@@ -164,7 +164,7 @@ def test_an_agent_seen_gone_is_never_said_to_be_running():
 
     pid = os.getpid() + 10_000_000  # no such process (above the kernel's pid limit)
     threading.Thread(target=report_later).start()
-    agent = warm_start.WarmAgent(pid, warm, ("agent",))
+    agent = warm_start.ReportedChild(pid, ("agent",), warm)
     assert agent.poll() == 0
 
 

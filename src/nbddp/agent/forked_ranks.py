@@ -119,7 +119,7 @@ def install() -> bool:
             pid = ranks_forker.fork((script_args, env, _working_folder()), self._stdout, self._stderr)
         if pid is None:
             return popen(self, args, env)
-        return forker.ForkedRank(pid, args, ranks_forker)
+        return forker.ReportedChild(pid, args, ranks_forker)
 
     handler._popen = _popen
     return True

@@ -17,15 +17,20 @@ bootstrap (its own ``__main__``, stdin closed, its own exit), not a script as ``
 The agent and this process talk over a ``SOCK_SEQPACKET`` socket pair (one message a datagram; file descriptors
 passed with ``SCM_RIGHTS``), pickled tuples both ways:
 
-- agent → forker: ``(request, has_stdout, has_stderr)`` with the child's stdout and stderr files, those torchrun
-  opened; the child calls ``child(*request, stdout_fd, stderr_fd)`` and never returns;
-- forker → agent: ``("forked", pid)`` or ``("failed", why)`` for each request, in order, and ``("ended", pid,
-  code)`` when it reaps a child (``code`` as ``Popen.returncode`` has it: negative for a signal).
+- agent → forker: ``("fork", request, has_stdout, has_stderr)`` with the child's stdout and stderr files, those
+  torchrun opened (the child calls ``child(*request, stdout_fd, stderr_fd)`` and never returns), and ``("reap",
+  pid)`` once the agent has read that child's end;
+- forker → agent: ``("forked", pid)`` or ``("failed", why)`` for each fork, in order, and ``("ended", pid, code)``
+  when a child has exited (``code`` as ``Popen.returncode`` has it: negative for a signal).
 
-A rank's parent is this process, not torchrun's; torchrun reads its ranks only through ``ForkedRank`` and stops
-them by process group, so nothing of torchrun's sees a difference. This process ignores the signals that stop a
-job (torchrun stops the ranks, then ends, and so does this process), and ends when the agent's end of the socket
-closes: the agent waits for that at its exit (``Forker.close``), so no process of the job outlives it.
+A child that has exited stays a zombie until the agent has read its end and asks for it to be reaped, as it
+stayed when torchrun's process reaped its own ranks: torchrun asks a rank's ``poll`` before it signals its
+process group (``os.killpg``, which raises for a group that is gone), and a rank reaped before the agent heard
+of it would be such a group. A rank's parent is this process, not torchrun's; torchrun reads its ranks only
+through ``ReportedChild`` and stops them by process group, so nothing of torchrun's sees a difference. This
+process ignores the signals that stop a job (torchrun stops the ranks, then ends, and so does this process), and
+ends when the agent's end of the socket closes: the agent waits for that at its exit (``Forker.close``), so no
+process of the job outlives it.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ class Forker:
     def fork(self, request: tuple, stdout, stderr) -> int | None:
         """A child's pid; None where the forker could not fork it (the caller starts it otherwise)."""
         fds = [f.fileno() for f in (stdout, stderr) if f is not None]
-        message = pickle.dumps((request, stdout is not None, stderr is not None))
+        message = pickle.dumps(("fork", request, stdout is not None, stderr is not None))
         try:
             socket.send_fds(self._sock, [message], fds)
         except OSError as exc:  # too large a message leaves the forker as it was; anything else, it is gone
@@ -134,7 +139,14 @@ class Forker:
         message = pickle.loads(data)
         if message[0] == "ended":
             self._ended[message[1]] = message[2]
+            self._tell(("reap", message[1]))
         return message
+
+    def _tell(self, message: tuple) -> None:
+        try:
+            self._sock.send(pickle.dumps(message))
+        except OSError:
+            self._gone = True
 
 
 def _lost(pid: int) -> int | None:
@@ -148,19 +160,20 @@ def _lost(pid: int) -> int | None:
     return LOST if state in (b"Z", b"X") else None
 
 
-class ForkedRank:
-    """What torchrun reads of a ``Popen`` (``pid``, ``poll``, ``wait``, ``returncode``, signals) for a child of
-    the forker."""
+class ReportedChild:
+    """What a parent reads of a ``Popen`` (``pid``, ``poll``, ``wait``, ``returncode``, signals) for a process
+    whose end another process reports: ``ends.returncode(pid, timeout)`` says it, None while it runs. The
+    forker's ranks in torchrun's process; the warm process's agents in the launcher (``launch/warm_start``)."""
 
-    def __init__(self, pid: int, args: tuple, forker: Forker):
+    def __init__(self, pid: int, args: tuple, ends):
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
-        self._forker = forker
+        self._ends = ends
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._forker.returncode(self.pid)
+            self.returncode = self._ends.returncode(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -169,12 +182,15 @@ class ForkedRank:
             left = REAP_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = self._forker.returncode(self.pid, min(left, REAP_S))
+            self.returncode = self._ends.returncode(self.pid, min(left, REAP_S))
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -188,10 +204,10 @@ def serve(sock: socket.socket, child) -> None:
     for name in _IGNORED:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-    children: set[int] = set()
+    children: set[int] = set()  # forked, running as last seen
     while True:
         ready, _, _ = select.select([sock], [], [], REAP_S)
-        _reap(sock, children)
+        _say_ended(sock, children)
         if not ready:
             continue
         try:
@@ -200,7 +216,11 @@ def serve(sock: socket.socket, child) -> None:
             data, fds = b"", []
         if not data:  # the agent has ended: so does this process, its children as they are
             os._exit(0)
-        _send(sock, _fork_child(sock, pickle.loads(data), fds, child, children))
+        message = pickle.loads(data)
+        if message[0] == "reap":
+            _reap(message[1])
+        else:
+            _send(sock, _fork_child(sock, message[1:], fds, child, children))
 
 
 def _fork_child(sock: socket.socket, message: tuple, fds: list[int], child, children: set[int]) -> tuple:
@@ -227,17 +247,27 @@ def _fork_child(sock: socket.socket, message: tuple, fds: list[int], child, chil
     return ("forked", pid)
 
 
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    while children:
+def _say_ended(sock: socket.socket, children: set[int]) -> None:
+    """Tell the agent of each child that has exited, leaving it a zombie (``WNOWAIT``) until the agent asks."""
+    for pid in list(children):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            children.clear()
-            return
-        if pid == 0:
-            return
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # not a child of this process any more: its end is not known
+            children.discard(pid)
+            _send(sock, ("ended", pid, LOST))
+            continue
+        if ended is None:
+            continue
         children.discard(pid)
-        _send(sock, ("ended", pid, os.waitstatus_to_exitcode(status)))
+        code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+        _send(sock, ("ended", pid, code))
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _send(sock: socket.socket, message: tuple) -> None:

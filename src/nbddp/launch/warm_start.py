@@ -14,9 +14,9 @@ loader's, CUDA's; ``HOME``). Any other job, or one launched from a thread other 
 dies with the thread that started it), gets a fresh agent as before, as does every job where the warm process
 cannot start or answer. ``NBDDP_WARM_START=0`` turns it off.
 
-What the launcher holds is a ``WarmAgent``: ``pid``, ``poll``, ``wait``, ``returncode``, ``send_signal``,
-``terminate`` and ``kill``, as of the ``Popen`` a fresh agent would be; the agent's exit status comes from the
-warm process, which reaps it.
+What the launcher holds is a ``ReportedChild`` (``agent/forker.py``, as torchrun holds the ranks the forker
+forks): ``pid``, ``poll``, ``wait``, ``returncode``, ``send_signal``, ``terminate`` and ``kill``, as of the
+``Popen`` a fresh agent would be; the agent's exit status comes from the warm process, which reaps it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from ..agent.forker import ReportedChild
 
 #: The switch: ``NBDDP_WARM_START=0`` starts a fresh agent for every job.
 SWITCH = "NBDDP_WARM_START"
@@ -58,7 +60,7 @@ def not_for_one_launch():
         _wanted = before
 
 
-def start_agent(plan, log: Path) -> "WarmAgent | None":
+def start_agent(plan, log: Path) -> ReportedChild | None:
     """The plan's agent forked from a warm process, its output appended to ``log``; None where this job gets a
     fresh agent (``usable_for``), or the warm process could not start or answer."""
     names = usable_for(plan)
@@ -114,14 +116,14 @@ class _WarmProcess:
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True, name="nbddp-warm-start").start()
 
-    def fork_agent(self, plan, log: Path) -> "WarmAgent":
+    def fork_agent(self, plan, log: Path) -> ReportedChild:
         job = {"argv": list(plan.argv[3:]), "env": dict(plan.env), "cwd": str(plan.cwd), "log": str(log)}
         self.proc.stdin.write((json.dumps(job) + "\n").encode())
         self.proc.stdin.flush()
         answer = self._answers.get(timeout=ANSWER_S)
         if "pid" not in answer:
             raise OSError(answer.get("error", "no agent"))
-        return WarmAgent(int(answer["pid"]), self, tuple(plan.argv))
+        return ReportedChild(int(answer["pid"]), tuple(plan.argv), self)
 
     def exit_status(self, pid: int) -> int | None:
         """The agent's exit status once it ended, as ``Popen.poll`` would say it: an agent that has exited is
@@ -137,6 +139,12 @@ class _WarmProcess:
         if gone and not _running(pid):
             return -15
         return None
+
+    def returncode(self, pid: int, timeout: float = 0.0) -> int | None:
+        """``exit_status``, after waiting up to ``timeout`` seconds for the agent's end to be reported."""
+        if timeout:
+            self.wait_for(pid, timeout)
+        return self.exit_status(pid)
 
     def wait_for(self, pid: int, timeout: float | None) -> None:
         with self._changed:
@@ -176,46 +184,3 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-class WarmAgent:
-    """What the launcher reads of a ``Popen`` for an agent a warm process forked."""
-
-    def __init__(self, pid: int, warm: _WarmProcess, args: tuple):
-        self.pid = pid
-        self.args = args
-        self.returncode: int | None = None
-        self._warm = warm
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._warm.exit_status(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._warm.wait_for(self.pid, 0.1 if left is None else min(left, 0.1))
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGKILL)
