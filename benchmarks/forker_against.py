@@ -13,31 +13,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from forked_ranks import timed  # this folder's: one run's wall and CPU seconds, the tree's
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "jobs" / "exit_race.py"
 
 
-def timed(src: Path, nproc: int) -> tuple[float, float]:
+def launch(src: Path, nproc: int) -> tuple[float, float]:
     """Wall and CPU seconds of one launch of ``JOB`` on ``nproc`` ranks with nbddp from ``src``."""
-    logs = tempfile.mkdtemp()
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "nbddp.agent", "--standalone", f"--nproc_per_node={nproc}",
-                           f"--log-dir={logs}", "--redirects=3", str(JOB)], env=env, cwd=logs, capture_output=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode:
-        raise SystemExit(f"{src}, {nproc} ranks failed:\n{done.stderr.decode()[-3000:]}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    logs = Path(tempfile.mkdtemp())
+    argv = [sys.executable, "-m", "nbddp.agent", "--standalone", f"--nproc_per_node={nproc}", f"--log-dir={logs}",
+            "--redirects=3", str(JOB)]
+    return timed(argv, {**os.environ, "PYTHONPATH": str(src)}, logs)
 
 
 def main() -> None:
@@ -51,7 +43,7 @@ def main() -> None:
     for _ in range(args.repeat):
         for nproc in (2, 8):
             for name, src in trees.items():
-                runs.setdefault((nproc, name), []).append(timed(src, nproc))
+                runs.setdefault((nproc, name), []).append(launch(src, nproc))
     print(f"{os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; "
           f"{args.repeat} runs each, medians\n")
     print("| ranks | wall this tree | wall baseline | ratio | CPU s this tree | CPU s baseline | ratio |")
