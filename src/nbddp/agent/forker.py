@@ -150,14 +150,18 @@ class Forker:
 
 
 def _lost(pid: int) -> int | None:
-    """A child the forker can no longer speak of (it died first): running while its process is there and not
-    a zombie, else ended (``LOST``)."""
+    """A child the forker can no longer speak of (it died first): None while it runs, else ended (``LOST``)."""
+    return None if running(pid) else LOST
+
+
+def running(pid: int) -> bool:
+    """The process is there and not a zombie (one that has exited but not been reaped)."""
+    import psutil  # only here: a forker that died first, or a warm process's agent (``launch/warm_start``)
+
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return LOST
-    return LOST if state in (b"Z", b"X") else None
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class ReportedChild:

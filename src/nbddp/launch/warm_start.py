@@ -30,7 +30,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..agent.forker import ReportedChild
+from ..agent.forker import ReportedChild, running
 
 #: The switch: ``NBDDP_WARM_START=0`` starts a fresh agent for every job.
 SWITCH = "NBDDP_WARM_START"
@@ -131,12 +131,12 @@ class _WarmProcess:
         gone never hears it is still running. Where the warm process ended first (killed with its launcher's job,
         say), SIGTERM's, which it gave its agents, once the agent is gone."""
         with self._changed:
-            if pid not in self._ended and not self.gone and not _running(pid):
+            if pid not in self._ended and not self.gone and not running(pid):
                 self._changed.wait_for(lambda: pid in self._ended or self.gone, REPORT_S)
             if pid in self._ended:
                 return self._ended[pid]
             gone = self.gone
-        if gone and not _running(pid):
+        if gone and not running(pid):
             return -15
         return None
 
@@ -175,12 +175,3 @@ class _WarmProcess:
             self._changed.notify_all()
         self._answers.put({"error": "the warm process ended"})
         self.proc.wait()
-
-
-def _running(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
