@@ -70,7 +70,10 @@ def test_nbddp_doctor_all_reduces_across_two_gloo_processes(tmp_path):
 def test_a_probe_that_does_not_answer_in_time_fails_with_nccl_hints(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
-    probe = doctor.all_reduce_probe(nproc=2, timeout_s=1)  # the ranks cannot even start in a second
+    # ranks that hang before their all-reduce, as over a broken NCCL link (a second was once too short for
+    # ranks to start at all; forked from a warm agent they answer within it on a fast machine)
+    monkeypatch.setattr(doctor, "PROBE_SCRIPT", "import time\n\ntime.sleep(300)\n")
+    probe = doctor.all_reduce_probe(nproc=2, timeout_s=1)
     assert probe.check.status == "fail" and "no answer within 1 s" in probe.check.detail
     assert "NCCL_P2P_DISABLE=1" in probe.check.hint
     (kept,) = tmp_path.glob("nbddp-doctor-*")  # kept, with its logs, for a look

@@ -204,6 +204,10 @@ class Probe:
     check: Check
 
 
+#: The script each rank runs: the probe's ranks, as ``runtime/probe.py`` defines them.
+PROBE_SCRIPT = "from nbddp.runtime.probe import main\n\nmain()\n"
+
+
 def all_reduce_probe(nproc: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Probe:
     """Start ``runtime/probe.py`` under torchrun on every GPU (2 processes on CPU) and read what it wrote.
 
@@ -212,7 +216,7 @@ def all_reduce_probe(nproc: int | None = None, timeout_s: float = DEFAULT_TIMEOU
     """
     run_dir = Path(tempfile.mkdtemp(prefix="nbddp-doctor-"))
     script = run_dir / "probe.py"
-    script.write_text("from nbddp.runtime.probe import main\n\nmain()\n")
+    script.write_text(PROBE_SCRIPT)
     plan = launch.plan(script, run_dir, RunOptions(timeout_s=timeout_s), nproc=nproc, cwd=run_dir,
                        env={"NBDDP_TIMEOUT": str(int(timeout_s))})
     output: list[str] = []
