@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from nbddp.agent import forked_ranks
 from nbddp.cells import cells_from_sources
 from nbddp.convert.script import convert_cells
 from nbddp.errors import NbddpError
@@ -43,7 +44,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), int(os.environ["WORLD_SIZE"])
 with open(f"seen-{rank}.txt", "a") as fh:
-    fh.write(json.dumps({"world": world, "pid": os.getpid()}) + "\\n")
+    started = b"nbddp.agent" in open("/proc/self/cmdline", "rb").read()  # forked from nbddp's agent
+    fh.write(json.dumps({"world": world, "pid": os.getpid(), "forked": started}) + "\\n")
 data = torch.tensor(json.load(open("train_dataset.json")))
 model = DDP(torch.nn.Linear(1, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -112,13 +114,15 @@ def test_the_process_count_is_fitted_with_a_note_and_a_free_port(tmp_path):
     argv, note = torchrun_argv(["--nproc_per_node", "4", "train.py", "--lr", "1"], 2, tmp_path)
     assert "--nproc-per-node=2" in argv and "4" not in argv[:-3] and argv[-3:] == ["train.py", "--lr", "1"]
     assert "--standalone" in argv and "asks for --nproc-per-node 4" in note
+    assert argv[1:3] == ["-m", "nbddp.agent"]  # torchrun's main, its ranks started as nbddp's are
     assert fit_nproc(["--num_processes=2", "x.py"], "--num_processes", ("--num_processes",), 2) == (
         ["--num_processes=2", "x.py"], None)
 
 
 def test_the_launched_command_gets_none_of_the_jobs_variables():
     env = clean_env({"TORCHELASTIC_ERROR_FILE": "/r/error.json", "RANK": "0", "WORLD_SIZE": "1",
-                     "MASTER_PORT": "29500", "PATH": "/bin", "HF_HOME": "/h"})
+                     "MASTER_PORT": "29500", "PATH": "/bin", "HF_HOME": "/h",
+                     "NBDDP_FAILURES": "/r/failures.json", "NBDDP_LAUNCHER_PID": "7"})  # the job's agent's
     assert env == {"PATH": "/bin", "HF_HOME": "/h", "NBDDP_LAUNCHED_INNER": "1"}
 
 
@@ -182,6 +186,9 @@ def test_kaggle_writefile_torchrun_runs_once_and_trains_on_every_rank(tmp_path):
     for rank in (0, 1):
         seen = [json.loads(ln) for ln in (tmp_path / f"seen-{rank}.txt").read_text().splitlines()]
         assert [s["world"] for s in seen] == [2]
+        # started as nbddp's ranks are: forked where that is possible, so no rank meets Python's finalization,
+        # where gloo's worker threads can abort it after its work is done (``nbddp.launched``)
+        assert [s["forked"] for s in seen] == [forked_ranks.possible_here()]
     assert not (tmp_path / "seen-2.txt").exists()
     # prep and post cells ran once, in one process; the model was written before the post cell
     assert len((tmp_path / "prep_runs.txt").read_text().splitlines()) == 1

@@ -9,6 +9,10 @@ launchers first on that process's PATH (``write_stand_ins``): ``torchrun``, ``ac
   one per GPU by default), with a note where it asked for another, on a free port (``--standalone``), every
   rank's output kept under the run directory and rank 0's shown; without nbddp's own torchelastic and rank
   variables in its environment (``clean_env``), so the inner agent writes its own records, not the job's;
+  under nbddp's agent (torchrun's own ``main``, its ranks started as nbddp's are: ``agent/``), so a rank that
+  finished its work ends as nbddp's do: on CPU machines a forked rank never meets Python's finalization, where
+  gloo's worker threads can abort a fresh one (torch's race: 3 of 80 plain torchrun launches of a DDP script
+  on 2 busy cores ended in "terminate called without an active exception" after training);
 - runs ``python train.py`` of a training script (one the converter finds a training call in) on every GPU
   the way nbddp runs a notebook: converted, under torchrun, shims applied;
 - runs anything else (``python prepare.py``, a launcher inside the launched job) as the real tool.
@@ -39,7 +43,7 @@ INNER = "NBDDP_LAUNCHED_INNER"
 _JOB_VARIABLES = re.compile(
     r"^(TORCHELASTIC_\w+|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|"
     r"ROLE_WORLD_SIZE|ROLE_NAME|MASTER_ADDR|MASTER_PORT|TORCH_NCCL_ASYNC_ERROR_HANDLING|OMP_NUM_THREADS|"
-    r"NBDDP_RUN_DIR|NBDDP_METRICS\w*|PYTHONFAULTHANDLER)$"
+    r"NBDDP_RUN_DIR|NBDDP_METRICS\w*|NBDDP_FAILURES|NBDDP_LAUNCHER_PID|PYTHONFAULTHANDLER)$"
 )
 #: torchrun's options that say how many processes, where and with what logs: fitted or left to nbddp.
 _NPROC = ("--nproc_per_node", "--nproc-per-node")
@@ -117,7 +121,7 @@ def _first_script(args: list[str]) -> int | None:
 
 
 def torchrun_argv(args: list[str], nproc: int, log_dir: Path) -> tuple[list[str], str | None]:
-    """The real torchrun's command for ``torchrun ARGS``, fitted to the job."""
+    """torchrun's command for ``torchrun ARGS``, fitted to the job: torchrun's own ``main`` in nbddp's agent."""
     start = _first_script(args)
     opts, rest = (args[:start], args[start:]) if start is not None else (args, [])
     opts, note = fit_nproc(opts, "--nproc-per-node", _NPROC, nproc)
@@ -126,7 +130,7 @@ def torchrun_argv(args: list[str], nproc: int, log_dir: Path) -> tuple[list[str]
         opts.append("--standalone")  # a free port: never the job's own, nor another job's 29500
     if not names & {"--log-dir", "--log_dir"}:
         opts += [f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
-    return [os.environ.get("NBDDP_PYTHON", sys.executable), "-m", "torch.distributed.run", *opts, *rest], note
+    return [os.environ.get("NBDDP_PYTHON", sys.executable), "-m", "nbddp.agent", *opts, *rest], note
 
 
 def _next_log_dir() -> Path:

@@ -50,6 +50,9 @@ NOTEBOOKS = {
         # none: run_sft.py's train_function saves the tokenizer after training, which the converter leaves to
         # rank 0 inside a function that trains as at a notebook's top level (rules/rank_zero_in_functions.py)
         "every_rank_writes": [],
+        # NBDDP_TIMEOUT: shorter than the command (≈ 9 s on a fast 2-core machine, its ranks forked), which must
+        # outlast it; the launched ranks' own collectives wait at most this long for each other
+        "timeout": 5,
     },
     # issue 28: the Kaggle 2×T4 recipe, `%%writefile script.py` then `!torchrun --nproc_per_node 2 script.py`,
     # twice (a hand-written gradient all-reduce over gloo, then DDP), after cells that start processes of their
@@ -75,7 +78,8 @@ NOTEBOOKS = {
         "command": ["custom_allreduce_training.py", "ddp_example.py"],
         "kernel_nproc": 2,
         "prep": ["custom_allreduce_training.py", "ddp_example.py"],
-        "timeout": 5,
+        # the one-rank job has no collective to wait in; each command runs ≈ 3 s on a fast 2-core machine
+        "timeout": 1,
     },
 }
 

@@ -39,10 +39,21 @@ import os
 import sys
 import time
 
+
+def _is_agent() -> bool:
+    """torchrun's process (nbddp's agent, which a launched ``torchrun`` runs too): its ranks, forked from it, run
+    this file again and record; hooks it installed itself would be theirs twice."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return b"\0nbddp.agent\0" in f.read()
+    except OSError:
+        return False
+
+
 if os.environ.get("NBDDP_TEST_RECORD"):
     FOLDER, ROOT_DIR = os.environ["NBDDP_TEST_RECORD"], os.environ.get("NBDDP_TEST_RECORD_ROOT")
     LABEL = (os.environ.get("NBDDP_TEST_RECORD_AS") or os.environ.get("RANK")
-             or ("launched" if os.environ.get("NBDDP_LAUNCHED_INNER") else None))
+             or ("launched" if os.environ.get("NBDDP_LAUNCHED_INNER") and not _is_agent() else None))
     NAME, WHOLE = f"{LABEL}-{os.getpid()}.json", True
 else:
     FOLDER, ROOT_DIR = os.environ.get("NBDDP_PROOF_RECORD"), os.environ.get("NBDDP_PROOF_ROOT")
