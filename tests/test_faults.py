@@ -1,6 +1,7 @@
 """Faults on real runs (torchrun, gloo, CPU): each ends with a clear message naming the rank, no process left
 behind, nothing half-written."""
 
+import contextlib
 import json
 import os
 import signal
@@ -57,14 +58,25 @@ def nbddp_cli(*args, cwd, env=None, **kwargs):
     )
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, left=lambda: ""):
+    """``predicate()`` once it is true; after ``timeout`` an error naming ``what`` and what ``left()`` says."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}{left()}")
+
+
+def still_running(marker: str) -> str:
+    """The processes whose command line holds ``marker``: pid, state, parent and what each one is."""
+    lines = []
+    for p in processes_with(marker):
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"\n  {p.pid} {p.status()} (parent {p.ppid()}, {len(p.threads())} threads): "
+                         f"{' '.join(p.cmdline())[:160]}")
+    return "; still running:" + "".join(lines) if lines else ""
 
 
 def rank_log_says(runs: Path, rank: int, text: str) -> bool:
@@ -161,7 +173,8 @@ def test_interrupting_the_launcher_ends_every_rank_within_5_seconds(tmp_path, no
         assert len(processes_with(str(run_dir))) >= 3  # torchrun and two ranks
         proc.send_signal(signal.SIGINT)
         started = time.monotonic()
-        wait_for(lambda: not processes_with(str(run_dir)), 5, "every rank to end")  # the bound the issue sets
+        wait_for(lambda: not processes_with(str(run_dir)), 5, "every rank to end",  # the bound the issue sets
+                 lambda: still_running(str(run_dir)))
         gone_after = time.monotonic() - started
         out, err = proc.communicate(timeout=30)
     finally:
