@@ -69,12 +69,15 @@ def wait_for(predicate, timeout: float, what: str, left=lambda: ""):
     raise AssertionError(f"timed out waiting for {what}{left()}")
 
 
-def still_running(marker: str) -> str:
-    """The processes whose command line holds ``marker``: pid, state, parent and what each one is."""
+def still_running(marker: str, launcher: int | None = None) -> str:
+    """The processes whose command line holds ``marker``, and the launcher's: pid, state, where in the kernel
+    it waits (``wchan``), parent, threads and what each one is."""
     lines = []
-    for p in processes_with(marker):
-        with contextlib.suppress(psutil.Error):
-            lines.append(f"\n  {p.pid} {p.status()} (parent {p.ppid()}, {len(p.threads())} threads): "
+    found = processes_with(marker) + ([psutil.Process(launcher)] if launcher and psutil.pid_exists(launcher) else [])
+    for p in found:
+        with contextlib.suppress(psutil.Error, OSError):
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text() if Path(f"/proc/{p.pid}/wchan").exists() else "?"
+            lines.append(f"\n  {p.pid} {p.status()} in {wchan} (parent {p.ppid()}, {len(p.threads())} threads): "
                          f"{' '.join(p.cmdline())[:160]}")
     return "; still running:" + "".join(lines) if lines else ""
 
@@ -174,7 +177,7 @@ def test_interrupting_the_launcher_ends_every_rank_within_5_seconds(tmp_path, no
         proc.send_signal(signal.SIGINT)
         started = time.monotonic()
         wait_for(lambda: not processes_with(str(run_dir)), 5, "every rank to end",  # the bound the issue sets
-                 lambda: still_running(str(run_dir)))
+                 lambda: still_running(str(run_dir), proc.pid))
         gone_after = time.monotonic() - started
         out, err = proc.communicate(timeout=30)
     finally:
