@@ -50,12 +50,23 @@ def reaper(tmp_path):
 
 
 def nbddp_cli(*args, cwd, env=None, **kwargs):
-    """``nbddp …`` as a child process; argv items, no shell."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "nbddp.cli", *map(str, args)], cwd=cwd, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}, **kwargs,
-    )
+    """``nbddp …`` as a child process, as a terminal starts it; argv items, no shell.
+
+    Ctrl-C's SIGINT is at its default in the child, whatever this process has: an ignored signal is inherited
+    through ``exec`` (tests started in the background, ``make test &``, have SIGINT ignored, and a library can
+    ignore it below Python, where ``signal.getsignal`` does not see), and a Python started with SIGINT ignored
+    keeps ignoring it, as a program should. Three clean-clone runs of four saw the launcher sleep on in its loop
+    5 s after the interrupt; a handler of this process's own becomes the default in the child.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "nbddp.cli", *map(str, args)], cwd=cwd, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}, **kwargs,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def wait_for(predicate, timeout: float, what: str, left=lambda: ""):
@@ -77,8 +88,10 @@ def still_running(marker: str, launcher: int | None = None) -> str:
     for p in found:
         with contextlib.suppress(psutil.Error, OSError):
             wchan = Path(f"/proc/{p.pid}/wchan").read_text() if Path(f"/proc/{p.pid}/wchan").exists() else "?"
-            lines.append(f"\n  {p.pid} {p.status()} in {wchan} (parent {p.ppid()}, {len(p.threads())} threads): "
-                         f"{' '.join(p.cmdline())[:160]}")
+            masks = [ln for ln in Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                     if ln.startswith(("SigBlk", "SigIgn"))]  # SIGINT is bit 2 (0x2)
+            lines.append(f"\n  {p.pid} {p.status()} in {wchan} (parent {p.ppid()}, {len(p.threads())} threads, "
+                         f"{' '.join(masks)}): {' '.join(p.cmdline())[:160]}")
     return "; still running:" + "".join(lines) if lines else ""
 
 
