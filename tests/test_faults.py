@@ -89,7 +89,7 @@ def still_running(marker: str, launcher: int | None = None) -> str:
         with contextlib.suppress(psutil.Error, OSError):
             wchan = Path(f"/proc/{p.pid}/wchan").read_text() if Path(f"/proc/{p.pid}/wchan").exists() else "?"
             masks = [ln for ln in Path(f"/proc/{p.pid}/status").read_text().splitlines()
-                     if ln.startswith(("SigBlk", "SigIgn"))]  # SIGINT is bit 2 (0x2)
+                     if ln.startswith(("SigBlk", "SigIgn"))]  # SIGINT is 0x2 in these masks
             lines.append(f"\n  {p.pid} {p.status()} in {wchan} (parent {p.ppid()}, {len(p.threads())} threads, "
                          f"{' '.join(masks)}): {' '.join(p.cmdline())[:160]}")
     return "; still running:" + "".join(lines) if lines else ""
