@@ -16,32 +16,12 @@ import tempfile
 from pathlib import Path
 
 from .errors import LaunchError, NbddpError, printable
-from .gpus import visible_gpus
-
-#: Overrides the GPU count (tests of the GPU checks on a CPU machine; choosing as on another machine).
-GPU_COUNT_ENV = "NBDDP_GPU_COUNT"
-
-
-#: A GPU driver's device files (NVIDIA's control device, AMD's ROCm, WSL's GPU): without any, torch sees no GPU.
-GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
-
+from .gpus import GPU_COUNT_ENV, GPU_DEVICE_FILES, read_machine  # noqa: F401 (the names others read here)
 
 def gpu_count() -> int:
     """GPUs torch sees here (``CUDA_VISIBLE_DEVICES`` applied), without initialising CUDA; 0 without torch.
-    ``NBDDP_GPU_COUNT`` overrides it."""
-    forced = os.environ.get(GPU_COUNT_ENV, "").strip()
-    if forced.isdigit():
-        return int(forced)
-    if not any(os.path.exists(dev) for dev in GPU_DEVICE_FILES):
-        return 0  # no GPU driver here: importing torch (seconds, in every launcher) would only say 0
-    visible = visible_gpus()  # NVIDIA's driver, without importing torch
-    if visible is not None:
-        return len(visible)
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count()
+    ``NBDDP_GPU_COUNT`` overrides it (``gpus.read_machine``, the count alone)."""
+    return read_machine(memory=False).gpus
 
 
 def cpu_cores() -> int:
@@ -152,6 +132,7 @@ def check_output_file(path: str | os.PathLike | None, flag: str) -> None:
         raise NbddpError(f"{flag} {str(path)!r} is not a path this system can write ({_why(exc)})") from None
     if is_dir:
         raise NbddpError(f"{flag} {path} is a folder; give a file path, e.g. {target / 'train.py'}")
+    _a_file_or_new(target, flag)
     reason = unwritable_folder(target.parent if str(target.parent) else Path("."))
     if reason:
         raise NbddpError(f"{flag} {path} cannot be written: its folder {target.parent} {reason}")
@@ -174,6 +155,18 @@ def check_folder(path: str | os.PathLike | None, flag: str) -> None:
 
 def _why(exc: Exception) -> str:
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _a_file_or_new(target: Path, flag: str) -> None:
+    """A path to write is a regular file or none yet (a symlink: its target), never a device or a FIFO: the
+    write would replace the node with a file (``-o /dev/null`` as root: the machine's ``/dev/null``)."""
+    from .runtime.io import not_a_file
+
+    what = not_a_file(target)
+    if what:
+        shown = f"{target} (a link to {os.path.realpath(target)})" if target.is_symlink() else str(target)
+        raise NbddpError(f"{flag} {shown} is {what}, not a file: give the path of a file to write "
+                         "(to check that a notebook converts, leave -o out: the script goes to stdout)")
 
 
 def _no_nul(path: str | os.PathLike, flag: str) -> None:
