@@ -5,6 +5,8 @@ import shlex
 
 import nbformat
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nbddp.cells import cells_from_sources
 from nbddp.errors import SecretError
@@ -31,6 +33,71 @@ def test_pieces_that_are_no_token_stay_quiet():
     cells = cells_from_sources(['name = "meta-llama/" + "Llama-3.2-1B"\npath = "outputs" + "/" + str(3)\n'
                                 'msg = "hf_" + "x"'])
     assert find_secrets(cells) == []
+
+
+TOKEN = HEAD + TAIL
+
+
+@pytest.mark.parametrize("cells, cell, line", [
+    ([f'prefix = "{HEAD}"\ntok = prefix + "{TAIL}"'], 1, 2),  # a name bound in the same cell
+    ([f'prefix = "{HEAD}"', "x = 1", f'login(token=prefix + "{TAIL}")'], 3, 1),  # … in an earlier cell
+    ([f'tok = "{HEAD}"', f'tok += "{TAIL}"'], 2, 1),
+    ([f'rest = "{TAIL}"', f'tok = "{HEAD}" + rest'], 2, 1),
+    ([f'tok = "hf_{{}}".format("{TOKEN[3:]}")'], 1, 1),
+    ([f'tok = "hf_{{rest}}".format(rest="{TOKEN[3:]}")'], 1, 1),
+    ([f'tok = "hf_%s" % "{TOKEN[3:]}"'], 1, 1),
+    ([f'tok = "hf_%s%s" % ("{HEAD[3:]}", "{TAIL}")'], 1, 1),
+    ([f'p = "{TOKEN[3:]}"', 'login(token=f"hf_{p}")'], 2, 1),
+    ([f'p = "{TOKEN[3:]}"', 'login(token=f"hf_{p!s:>10}")'], 2, 1),
+    ([f'sep = ""\nhead = "{HEAD}"', f'tok = sep.join([head, "{TAIL}"])'], 2, 1),
+    ([f'a = "{HEAD}"\nb = a', f'os.environ["HF_TOKEN"] = b + "{TAIL}"'], 2, 1),  # a name copied
+])
+def test_a_token_the_code_computes_from_constants_is_found(cells, cell, line):
+    (finding,) = find_secrets(cells_from_sources(cells))
+    assert (finding.cell, finding.line, finding.kind) == (cell, line, "Hugging Face token")
+    assert TAIL not in finding.masked
+
+
+@pytest.mark.parametrize("cells", [
+    [f'prefix = "{HEAD}"', "prefix = input()", f'tok = prefix + "{TAIL}"'],  # rebound to an unknown value
+    [f'prefix = "{HEAD}"', "for prefix in names: pass", f'tok = prefix + "{TAIL}"'],
+    [f'prefix = "{HEAD}"', "del prefix", f'tok = prefix + "{TAIL}"'],
+    [f'tok = prefix + "{TAIL}"', f'prefix = "{HEAD}"'],  # bound only after the line that uses it
+])
+def test_a_name_no_longer_bound_to_the_constant_is_not_folded(cells):
+    assert find_secrets(cells_from_sources(cells)) == []
+
+
+@pytest.mark.parametrize("source", [
+    'x = "{:>999999999}".format("a")', 'x = "%999999999s" % "a"', 'x = "%*s" % (999999999, "a")',
+    'x = f"{1:999999999}"', 'x = "{0.__class__}".format("a")', 'a = "ab"\n' + "a = a + a\n" * 64,
+    'x = "a"' + ' + "a"' * 3000,
+])
+def test_folding_never_builds_a_large_value(source):
+    assert find_secrets(cells_from_sources([source])) == []  # answered at once, with nothing found
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(min_value=1, max_value=len(TOKEN) - 1),
+       shape=st.sampled_from(["plus", "augmented", "format", "percent", "f-string", "join"]),
+       across=st.booleans())
+def test_a_token_cut_anywhere_into_two_constants_is_found(cut, shape, across):
+    head, tail = TOKEN[:cut], TOKEN[cut:]
+    build = {
+        "plus": "tok = head + tail",
+        "augmented": "tok = head\ntok += tail",
+        "format": 'tok = "{}{}".format(head, tail)',
+        "percent": 'tok = "%s%s" % (head, tail)',
+        "f-string": 'tok = f"{head}{tail}"',
+        "join": 'tok = "".join([head, tail])',
+    }[shape]
+    binds = f"head = {head!r}\ntail = {tail!r}"
+    cells = [binds, build] if across else [f"{binds}\n{build}"]
+    built_at = (2, 1) if across else (1, 3)
+    built_at = (built_at[0], built_at[1] + 1) if shape == "augmented" else built_at
+    findings = find_secrets(cells_from_sources(cells))
+    assert built_at in [(f.cell, f.line) for f in findings], (cells, findings)  # a long head is a token itself too
+    assert {f.kind for f in findings} == {"Hugging Face token"}
 
 
 def notebook_with_leaks(path):

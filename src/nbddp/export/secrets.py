@@ -4,8 +4,9 @@ A Kaggle kernel's code is readable by whoever can open the kernel (by everyone o
 token pasted into a cell leaks with it. ``find_secrets`` looks at each cell's raw source, line by line, for
 the token formats of the services a fine-tune talks to (Hugging Face, Weights & Biases, Kaggle, OpenAI-style
 ``sk-…`` keys, GitHub, AWS) and for long literal values assigned to names such as ``*_token``,
-``api_key`` or ``password``. A value written in pieces (``"hf_aBc" + "DeF…"``, adjacent literals, ``"".join([…])``) is
-read from the cell's ast joined, and checked as if written whole. ``check_secrets`` turns the first finding
+``api_key`` or ``password``. A value the code computes from constants (``"hf_aBc" + "DeF…"``, adjacent
+literals, ``"".join([…])``, ``%``, ``.format``, f-strings, through names bound in any earlier cell) is folded
+from the cells' ast (``folding.py``) and checked as if written whole, at the line that builds it. ``check_secrets`` turns the first finding
 into a ``SecretError`` at its cell and line, with the way Kaggle keeps secrets out of code.
 ``find_leftovers`` names what the export does not publish but the notebook file still holds: tokens in
 markdown, in outputs, in metadata and in cells tagged ``nbddp-skip``.
@@ -22,6 +23,7 @@ from typing import Iterator
 from ..cells import SKIP_TAG, Cell
 from ..errors import NbddpError, SecretError
 from ..notebook_format import nbformat
+from .folding import StringFolder
 
 _QUOTED = r"""["']([^"'\s]{16,})["']"""
 
@@ -86,12 +88,15 @@ def _scan(text: str) -> tuple[str, str] | None:
 
 
 def find_secrets(cells: list[Cell]) -> list[Finding]:
-    """Every line of every cell that holds something credential-shaped, written whole or in pieces, in cell
-    and line order."""
+    """Every line of every cell that holds something credential-shaped, written whole or computed from
+    constants (in pieces, through names bound in earlier cells), in cell and line order."""
     found = []
+    folder = StringFolder()  # one for the notebook: a name bound in a cell is known in the cells after it
     for cell in cells:
         lines = dict(enumerate(cell.source.splitlines(), start=1))
-        lines.update((n, text) for n, text in _joined_literals(cell) if not _scan(lines.get(n, "")))
+        for n, text in _built_strings(cell, folder):
+            if not _scan(lines.get(n, "")):
+                lines[n] = text
         for n, text in sorted(lines.items()):
             hit = _scan(text)
             if hit:
@@ -99,49 +104,24 @@ def find_secrets(cells: list[Cell]) -> list[Finding]:
     return found
 
 
-def _joined_literals(cell: Cell) -> Iterator[tuple[int, str]]:
-    """``(cell line, that line with the joined value in place of its pieces)`` for each string the cell builds
-    from literals: ``"a" + "b"``, adjacent literals over several lines, ``"".join(["a", "b"])``."""
+def _built_strings(cell: Cell, folder: StringFolder) -> Iterator[tuple[int, str]]:
+    """``(cell line, that line with the built value in place of the code building it)`` for each string the
+    cell computes from constants: ``"a" + "b"``, adjacent literals over several lines, ``"".join([...])``,
+    ``%``, ``.format``, f-strings, names bound to constant strings (``folding.py``)."""
     from ..convert.clean import clean_cell  # only a cell that is exported is cleaned
 
     try:
-        clean = clean_cell(cell)
+        clean = clean_cell(cell)  # IPython syntax (magics, ``!cmd``) made Python: the ast reads every cell
         tree = clean.tree or ast.parse(clean.code)
-    except (NbddpError, SyntaxError):
+        built = list(folder.built(tree))
+    except (NbddpError, SyntaxError, RecursionError):  # code nested too deep for ast: the converter says so
         return
     code = clean.code.splitlines()
-    for node in _pieced_strings(tree):
+    for node, value in built:
         line = clean.line_map[node.lineno - 1] if node.lineno <= len(clean.line_map) else None
         if line is not None:
-            yield line, f'{code[node.lineno - 1][:node.col_offset]}"{_fold(node)}"'
-
-
-def _pieced_strings(node: ast.AST) -> Iterator[ast.expr]:
-    """The outermost expressions that fold to a string made of more than one literal piece."""
-    value = _fold(node) if isinstance(node, ast.expr) else None
-    if value is not None:
-        if not isinstance(node, ast.Constant) or node.lineno != node.end_lineno:
-            yield node
-        return
-    for child in ast.iter_child_nodes(node):
-        yield from _pieced_strings(child)
-
-
-def _fold(node: ast.expr) -> str | None:
-    """The string ``node`` always evaluates to when built from literals only, else None."""
-    if isinstance(node, ast.Constant):
-        return node.value if isinstance(node.value, str) else None
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        left, right = _fold(node.left), _fold(node.right)
-        return left + right if left is not None and right is not None else None
-    if isinstance(node, ast.JoinedStr):
-        parts = [_fold(v) for v in node.values]
-        return "".join(parts) if all(p is not None for p in parts) else None
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
-            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], (ast.List, ast.Tuple))):
-        sep, parts = _fold(node.func.value), [_fold(e) for e in node.args[0].elts]
-        return sep.join(parts) if sep is not None and all(p is not None for p in parts) else None
-    return None
+            name = f"{node.target.id} = " if isinstance(node, ast.AugAssign) else ""  # ``tok += …`` read whole
+            yield line, f'{code[node.lineno - 1][:node.col_offset]}{name}"{value}"'
 
 
 def find_leftovers(path: str | os.PathLike) -> list[str]:
