@@ -159,11 +159,14 @@ UNSHARDED = [
 ]
 
 
-def test_a_training_loader_that_is_the_same_on_every_rank_is_reported_once(tmp_path, notebook):
+def test_ranks_training_on_the_same_batches_stop_at_the_forward_with_the_fix(tmp_path, notebook):
+    """The notebook's own sampler gives every rank the same batches: the replicas agree, the work repeats."""
     script, result, out = run(tmp_path, notebook(UNSHARDED))
-    assert result.ok, (out[-3000:], result.failure)
-    assert out.count("the training batches are the same on every rank (optimizer step at cell 4, line 6)") == 1
-    assert "the training batches are the same" not in result.rank_log(1).read_text()
+    assert not result.ok and result.failure is not None, out[-3000:]
+    message = result.failure.message
+    assert "SameBatches" in message and "ranks 0 and 1 trained on the same samples" in message
+    assert "cell 4, line 3" in message and "--allow-divergence" in message and "DataLoader(" in message
+    assert (result.failure.cell, result.failure.line) == (4, 3)
 
 
 def test_the_net_checks_stay_quiet_for_a_converted_loop(tmp_path, notebook):

@@ -12,7 +12,9 @@ step). When replicas differ, every rank raises the same ``ReplicasDiverged`` fro
 maps the traceback to the cell as for any error.
 
 The first check also compares the last batch a ``DataLoader`` gave before that step: the same batch on every
-rank means the training data is not sharded (each rank reads all of it); that is said once, on rank 0.
+rank means the training data is not sharded (each rank reads all of it); that is said once, on rank 0, where
+no DDP model ran: a DDP model's first training forwards are compared instead, and the same inputs on two ranks
+stop the job (``same_batches``).
 
 ``NBDDP_ALLOW_DIVERGENCE=1`` turns the net off, for notebooks whose ranks are meant to train apart. DeepSpeed
 partitions an optimizer's tensors by rank, so with DeepSpeed imported the parameter check stays off.
@@ -26,7 +28,7 @@ import sys
 import time
 import weakref
 
-from . import settings
+from . import same_batches, settings
 
 #: Environment variable that turns the checks off (intended per-rank work).
 ALLOW_ENV = "NBDDP_ALLOW_DIVERGENCE"
@@ -98,6 +100,7 @@ def _remember_managed(wrapper) -> None:
     for param in wrapper.module.parameters():
         _managed[id(param)] = (weakref.ref(param), ref)
     wrapper.register_forward_pre_hook(lambda module, args: _forward_ran.add(id(module)))
+    same_batches.watch(wrapper)  # ranks reading the same samples stop after the first steps
 
 
 def _is_managed(param) -> bool:
@@ -204,8 +207,8 @@ def check(optimizer, unmanaged: list, step: int, proposal: int) -> int:
     if not _data_checked:
         _data_checked = True
         _stop_watching_batches()
-        if not some_without_batch and batch_max == -minus_batch_min:
-            _say_data_not_sharded()
+        if not some_without_batch and batch_max == -minus_batch_min and not _forward_ran:
+            _say_data_not_sharded()  # a DDP model's first forwards are compared instead (``same_batches``)
     differ = [p for p, a, b in zip(unmanaged, high, low) if not _close(a, b)]
     if differ:
         raise ReplicasDiverged(_divergence_message(differ, len(unmanaged), step))

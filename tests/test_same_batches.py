@@ -1,0 +1,25 @@
+"""The runtime's check that the ranks train on different samples: the digests and the comparison (no ranks)."""
+
+import torch
+
+from nbddp.runtime.same_batches import digest, repeated
+
+
+def test_the_same_batch_digests_alike_and_another_batch_differently():
+    x = torch.arange(12.0).reshape(6, 2)
+    assert digest(((x,), {})) == digest(((x.clone(),), {}))
+    assert digest(((x,), {}))[0] != digest(((x[[1, 0, 2, 3, 4, 5]],), {}))[0]  # the order of rows counts
+    assert digest(((), {"input_ids": x}))[0] != digest(((), {"input_ids": x[:3]}))[0]
+
+
+def test_a_batch_of_one_row_or_of_identical_rows_holds_nothing_to_split():
+    assert digest(((torch.ones(1, 4),), {}))[1]
+    assert digest(((torch.zeros(5, 4), torch.zeros(5)), {}))[1]
+    assert not digest(((torch.zeros(5, 4), torch.arange(5.0)), {}))[1]
+
+
+def test_two_ranks_with_every_digest_equal_are_named_only_where_the_batches_could_be_split():
+    assert repeated([[1.0, 2.0, 3.0, 0.0], [1.0, 2.0, 3.0, 0.0]]) == (0, 1)
+    assert repeated([[1.0, 2.0, 3.0, 0.0], [1.0, 2.0, 4.0, 0.0]]) is None  # one batch differs: sharded
+    assert repeated([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]) is None  # one distinct row: nothing to split
+    assert repeated([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0], [2.0, 0.0]]) == (1, 3)
