@@ -164,6 +164,60 @@ def test_explicit_first_gpu_becomes_this_ranks_device(before, after):
     assert code == after
 
 
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ('device = torch.device(f"cuda:{gpu}")\n', "device = torch.device(_nbddp.device())\n"),
+        ("x = x.to(f'cuda:{args.gpu_id}')\n", "x = x.to(_nbddp.device())\n"),
+        ('device = "cuda:%d" % i\n', "device = _nbddp.device()\n"),
+        ('device = "cuda:{}".format(cfg.gpu)\n', "device = _nbddp.device()\n"),
+        ('device = "cuda:" + str(rank)\n', "device = _nbddp.device()\n"),
+        ('device = torch.device("cuda", local_rank)\n', "device = _nbddp.device()\n"),
+        ('device = torch.device("cuda:1")\n', "device = torch.device(_nbddp.device())\n"),
+        ("model.cuda(args.gpu)\n", "model.cuda(_nbddp.device())\n"),
+        ("torch.cuda.set_device(local_rank)\n", "torch.cuda.set_device(_nbddp.device())\n"),
+        # text that only mentions a GPU stays
+        ('print(f"cuda:{gpu} is busy")\n', 'print(f"cuda:{gpu} is busy")\n'),
+        ("model.cuda(non_blocking=True)\n", "model.cuda(non_blocking=True)\n"),
+    ],
+)
+def test_a_computed_gpu_index_becomes_this_ranks_device(before, after):
+    (code,), changes = rewrite(before)
+    assert code == after
+    if before != after:
+        assert [(rule, line) for rule, line, _ in changes] == [("device", 1)]
+        assert "this rank's device" in changes[0][2]
+
+
+# ------------------------------------------------------------------------------------------- DataParallel
+
+DP_LOOP = "opt = SGD(model.parameters())\nfor x, y in loader:\n    crit(model(x), y).backward()\n    opt.step()\n"
+
+
+@pytest.mark.parametrize("call, kept", [
+    ("nn.DataParallel(model, device_ids=list(range(n_gpus)))", "model, device_ids=list(range(n_gpus))"),
+    ("torch.nn.DataParallel(model)", "model"),
+    ("DataParallel(model, device_ids=[0, 1], output_device=0)", "model, device_ids=[0, 1], output_device=0"),
+    ("torch.nn.parallel.DataParallel(module=model)", "module=model"),
+])
+def test_data_parallel_becomes_ddp_over_the_ranks(call, kept):
+    cells, changes = rewrite(
+        "loader = DataLoader(ds, batch_size=8, shuffle=True)\n",
+        f"model = Net().to(device)\nif torch.cuda.device_count() > 1:\n    model = {call}\n" + DP_LOOP,
+    )
+    assert f"    model = _nbddp.data_parallel({kept})\n" in cells[1]
+    assert "DataParallel(" not in cells[1]
+    said = [(line, message) for rule, line, message in changes if rule == "data_parallel"]
+    assert len(said) == 1 and said[0][0] == 3 and "DistributedDataParallel" in said[0][1]
+
+
+def test_distributed_data_parallel_and_isinstance_checks_stay():
+    src = ("model = DistributedDataParallel(model, device_ids=[rank])\n"
+           "inner = model.module if isinstance(model, nn.DataParallel) else model\n")
+    (code,), changes = rewrite(src)
+    assert code == src and not [c for c in changes if c[0] == "data_parallel"]
+
+
 # ------------------------------------------------------------------------------------------- autocast
 
 

@@ -17,6 +17,7 @@ from .dist import (
     set_epoch,
     unwrap,
 )
+from .data_parallel import data_parallel
 from .handoff import for_accelerate
 from .lifecycle import cleanup, setup
 from .loaders import shard_loader
@@ -31,6 +32,7 @@ __all__ = [
     "barrier",
     "cd",
     "cleanup",
+    "data_parallel",
     "ddp",
     "device",
     "device_map",

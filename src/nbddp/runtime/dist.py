@@ -215,9 +215,13 @@ def _notebook_ddp():
 
 
 def unwrap(model):
-    """The module inside a ``DistributedDataParallel`` wrapper (``.module``), or the model itself."""
+    """The module inside a ``DistributedDataParallel`` wrapper (``.module``), or the model itself; a wrapper that
+    says how the notebook had its model (``_nbddp_unwrapped``: a DataParallel, ``data_parallel.py``) gives that."""
     from torch.nn.parallel import DistributedDataParallel
 
+    as_the_notebook_had_it = getattr(model, "__dict__", {}).get("_nbddp_unwrapped")
+    if as_the_notebook_had_it is not None:
+        return as_the_notebook_had_it()
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 

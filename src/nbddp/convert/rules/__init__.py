@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..engine.rule import Rule
 from .accelerate_handoff import AccelerateHandoffRule
 from .autocast import AutocastRule
+from .data_parallel import DataParallelRule
 from .ddp_wrap import DDPWrapRule
 from .device import DeviceRule
 from .device_map import DeviceMapRule
@@ -33,6 +34,7 @@ RULES: tuple[type[Rule], ...] = (
     DDPWrapRule,
     DeviceMapRule,
     DeviceRule,
+    DataParallelRule,
     AutocastRule,
     TrainerConfigRule,
     DistributedSamplerRule,

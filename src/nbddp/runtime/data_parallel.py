@@ -1,0 +1,45 @@
+"""A notebook's ``nn.DataParallel`` in a rank: DDP over the ranks, and what rank 0 gets back after training.
+
+The converter writes ``_nbddp.data_parallel(model, …)`` where the notebook calls ``nn.DataParallel(model, …)``
+(``convert/rules/data_parallel.py``). Nothing here imports IPython, nbformat or libcst.
+"""
+
+from __future__ import annotations
+
+from .rank import rank_info
+
+#: What the DDP wrapper standing for a notebook's DataParallel holds: how ``dist.unwrap`` gives it back.
+UNWRAPPED = "_nbddp_unwrapped"
+
+
+def data_parallel(module, *args, **kwargs):
+    """``nn.DataParallel(module, …)`` as a rank runs it: DistributedDataParallel over the ranks, one GPU each.
+
+    DataParallel splits each batch over every GPU the process sees, which in a rank are the other ranks'
+    GPUs too; DDP does the same work across the ranks. Its wrapper has ``.module`` and ``module.``-prefixed
+    state-dict keys, as DataParallel's. The model goes to this rank's device first (DataParallel kept it on
+    its first GPU, wherever the notebook had it). A single process (no process group: ``split``, plain
+    ``python``) gets the notebook's own DataParallel, which may use every GPU there.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .dist import ddp, device
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.nn.DataParallel(module, *args, **kwargs)
+    module.to(device())
+    wrapped = ddp(module)
+    if wrapped is not module:
+        wrapped.__dict__[UNWRAPPED] = lambda: as_the_notebook_had_it(wrapped)
+    return wrapped
+
+
+def as_the_notebook_had_it(model):
+    """Rank 0's model after training, for a DataParallel the notebook made: a one-GPU DataParallel around the
+    module DDP trained (no collective in its forward; ``.module`` and the ``module.`` keys as in the kernel)."""
+    import torch
+
+    info = rank_info()
+    ids = [torch.device(info.device).index or 0] if info.device.startswith("cuda") else None
+    return torch.nn.DataParallel(model.module, device_ids=ids)
