@@ -124,3 +124,47 @@ def test_a_rank_gone_between_the_look_and_the_send_ends_the_request_as_a_gone_jo
     with pytest.raises(KeptJobGone, match="its ranks exited .* the idle limit"):
         job.request(("run", "x = 1"))
     assert job.channel.closed is False  # ended by the ranks themselves: nothing left to end here
+
+
+def test_a_connection_that_never_answers_the_handshake_does_not_keep_the_ranks_out():
+    """Seen in a fault run: one silent connection held the accept thread, and the kept job's start stalled 90 s."""
+    import socket as socketlib
+
+    ch = Channel(1, idle_limit_s=None, handshake_s=0.5)
+    try:
+        silent = socketlib.socket(socketlib.AF_UNIX)
+        silent.connect(ch.address)  # connects, then says nothing
+        time_before = time.monotonic()
+        rank = Client(ch.address, family="AF_UNIX", authkey=ch.key)
+        rank.send(("hello", 0, 1000, "cpu"))
+        assert _wait(ch.ready, within_s=2.0)
+        assert time.monotonic() - time_before < 2.0
+        assert _wait(lambda: "no handshake" in ch.refused, within_s=3.0), ch.refused  # the silent one, let go
+        silent.close()
+        rank.close()
+    finally:
+        ch.close()
+
+
+def test_a_channel_folder_whose_kernel_is_gone_is_removed_when_the_next_channel_opens(tmp_path, monkeypatch):
+    """A kernel killed (SIGKILL) or restarted with its channel open leaves its folder, naming a process that is
+    gone, or a pid another process has since (its start time differs); the next channel removes both."""
+    import psutil
+
+    from nbddp.kept import channel as channel_module
+
+    monkeypatch.setattr(channel_module.tempfile, "tempdir", str(tmp_path))
+    dead, reused = tmp_path / "nbddp-kept-dead", tmp_path / "nbddp-kept-reused"
+    for folder, owner in ((dead, f"{2**22 + 12345} 1700000000.0"), (reused, f"{os.getpid()} 1700000000.0")):
+        folder.mkdir(mode=0o700)
+        (folder / "owner").write_text(owner)
+        (folder / "channel.sock").touch()
+    assert not psutil.pid_exists(2**22 + 12345)
+    live = Channel(1, idle_limit_s=None)  # this process' own: kept while it lives
+    try:
+        assert not dead.exists() and not reused.exists()
+        again = Channel(1, idle_limit_s=None)
+        again.close()
+        assert live.folder.exists()
+    finally:
+        live.close()

@@ -30,12 +30,16 @@ def under_torchrun() -> bool:
 
 
 def guard() -> None:
-    """In a rank started by torchrun: ``input()`` explains itself, the Hub's logins never prompt."""
+    """In a rank started by torchrun: ``input()`` explains itself, the Hub's logins never prompt; in a kept
+    job's rank, the kernel's Stop during the notebook's own training stops it at a step (``serve.listen_for_stop``)."""
     if not under_torchrun():
         return
     if not getattr(builtins.input, "_nbddp", False):
         builtins.input = _no_input
     when_imported("huggingface_hub._login", _patch_hub_logins)
+    from . import serve
+
+    serve.listen_for_stop()
 
 
 def _no_input(prompt: object = "") -> str:

@@ -9,8 +9,16 @@ every ``STOP_CHECK_S`` of training, at steps the ranks agree on). The rank ends 
 closing (a restart, a killed kernel) ends it at once; so do
 ``%ddp_stop`` and the idle limit (``NBDDP_KEEP_IDLE``, seconds without a message). Messages are tuples:
 ``("run", path, first, last)`` runs lines first..last of a converted cell's script, ``("pull", name)``,
-``("push", name, value)``, ``("status",)``, ``("stop",)``; each is answered ``("ok", value)`` or
-``("error", message, traceback)``. Nothing here imports IPython, nbformat or libcst.
+``("push", name, value)``, ``("status",)``, ``("agree",)``, ``("stop",)``; each is answered ``("ok", value)``,
+``("error", message, traceback)`` or, for a cell the kernel's Stop cut short, ``("interrupted", traceback)``.
+
+Stop (``("interrupt",)``, read by the reader thread): a training stops at the next agreed step (above); any other
+code gets a ``KeyboardInterrupt`` where it is (SIGINT to the main thread, so a ``time.sleep`` or a blocking read
+returns at once), and the rank answers and waits for the next request with its namespace intact. The kernel then
+asks every rank to ``agree`` (one all-reduce with a timeout): a collective that one rank left mid-way shows there.
+During the notebook's own cells (the ``--keep`` cell) the stop request is a file beside the socket
+(``STOP_FILE``), since the rank connects only once those cells ran: ``listen_for_stop`` installs the same step
+check then. Nothing here imports IPython, nbformat or libcst.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import contextlib
 import gc
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -30,6 +39,16 @@ from .rank import rank_info
 SOCKET_ENV, KEY_ENV, IDLE_ENV = "NBDDP_KEEP_SOCKET", "NBDDP_KEEP_KEY", "NBDDP_KEEP_IDLE"
 
 _stop_requested = threading.Event()
+#: Set while a ``run`` request's code runs: a kernel's Stop then interrupts it (``_interrupt_cell``).
+_cell_running = threading.Event()
+#: Set while a Trainer trains (``StopAtStep``): a Stop then waits for the agreed step instead.
+_training = threading.Event()
+#: The file whose presence asks the notebook's own training (the ``--keep`` cell) to stop at a step: beside
+#: the socket, in the kernel's 0700 folder. None once the rank serves (Stop then comes on the channel).
+STOP_FILE = "stop"
+_stop_file: str | None = None
+#: Seconds the ranks' agreement after a Stop may take (one all-reduce) before the kernel is told they disagree.
+AGREE_S = 5.0
 
 
 def kept() -> bool:
@@ -41,8 +60,11 @@ def serve(namespace: dict) -> None:
     """Connect to the kernel and run its requests in ``namespace`` until it says stop, goes, or stays idle."""
     from multiprocessing.connection import Client
 
+    global _stop_file
     info = rank_info()
     address = os.environ.pop(SOCKET_ENV)  # served once: a second cleanup() call leaves the group
+    _stop_file = None  # from here a Stop comes on the channel
+    signal.signal(signal.SIGINT, _interrupt_cell)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ[KEY_ENV]))
     conn.send(("hello", info.rank, os.getpid(), _device_name(info.device)))
     inbox: queue.Queue = queue.Queue()
@@ -108,8 +130,9 @@ def _send(conn, reply: tuple) -> None:
 
 
 def _read(conn, inbox: queue.Queue) -> None:
-    """Every message into ``inbox``; a stop request also raises the flag the Trainer checks; the kernel gone
-    (EOF) ends the process at once, whatever the main thread is doing: a kept rank never outlives its kernel."""
+    """Every message into ``inbox``; a stop request raises the flag the Trainer checks, or interrupts the cell
+    (``interrupt``); the kernel gone (EOF) ends the process at once, whatever the main thread is doing: a kept
+    rank never outlives its kernel."""
     while True:
         try:
             message = conn.recv()
@@ -117,9 +140,25 @@ def _read(conn, inbox: queue.Queue) -> None:
             _flush()
             os._exit(0)
         if message[0] == "interrupt":
-            _stop_requested.set()
+            interrupt()
         else:
             inbox.put(message)
+
+
+def interrupt() -> None:
+    """The kernel's Stop: a training stops at the next agreed step; other code of a cell gets a
+    ``KeyboardInterrupt`` where it is. SIGINT goes to the main thread itself, so a system call it waits in
+    (``time.sleep``, a socket read) returns at once instead of after it ends."""
+    _stop_requested.set()
+    if _cell_running.is_set() and not _training.is_set():
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def _interrupt_cell(signum, frame) -> None:
+    """The rank's SIGINT handler while it serves: a cell running outside a training is interrupted; between
+    cells, or once training takes the Stop at its step, the signal is let go."""
+    if _cell_running.is_set() and not _training.is_set():
+        raise KeyboardInterrupt
 
 
 def _handle(message: tuple, namespace: dict, info) -> tuple:
@@ -136,7 +175,11 @@ def _handle(message: tuple, namespace: dict, info) -> tuple:
             return ("ok", None)
         if kind == "status":
             return ("ok", _status(info))
+        if kind == "agree":
+            return ("ok", agree())
         return ("error", f"unknown request {kind!r}", "")
+    except KeyboardInterrupt:  # the kernel's Stop, where the cell was: not a failure
+        return ("interrupted", traceback.format_exc())
     except BaseException as exc:  # the cell's own failure, sent back whole; the rank stays up
         return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
@@ -147,7 +190,33 @@ def _run(path: str, first: int, last: int, namespace: dict) -> None:
     with open(path, encoding="utf-8") as fh:
         lines = fh.read().splitlines()
     code = "\n" * (first - 1) + "\n".join(lines[first - 1:last]) + "\n"
-    exec(compile(code, path, "exec"), namespace)
+    compiled = compile(code, path, "exec")
+    _cell_running.set()
+    try:
+        exec(compiled, namespace)
+    finally:
+        _cell_running.clear()
+        _training.clear()
+
+
+def agree(timeout_s: float = AGREE_S) -> str | None:
+    """After a Stop: one all-reduce every rank must enter, within ``timeout_s``. None when the ranks agree; else
+    why not (a rank that left a collective mid-way pairs this one with it, or never meets it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    import torch
+    from datetime import timedelta
+
+    ones = torch.ones(1, device=rank_info().device)
+    try:
+        dist.all_reduce(ones, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        return f"the ranks' check after the Stop failed ({type(exc).__name__})"
+    if int(ones.item()) != dist.get_world_size():
+        return "the ranks' check after the Stop met a collective one rank had left mid-way"
+    return None
 
 
 def _status(info) -> dict:
@@ -176,6 +245,22 @@ def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+def listen_for_stop() -> None:
+    """A kept job's rank, before the notebook's cells run: every Trainer they make stops at a step boundary,
+    all ranks together, once the kernel's Stop wrote ``STOP_FILE`` beside the socket (the ``--keep`` cell)."""
+    global _stop_file
+    if not kept():
+        return
+    _stop_file = os.path.join(os.path.dirname(os.environ[SOCKET_ENV]), STOP_FILE)
+    from .patching import when_imported
+
+    when_imported("transformers.trainer", lambda module: _install_stop_callback({}))
+
+
+def _asked_to_stop() -> bool:
+    return _stop_requested.is_set() or (_stop_file is not None and os.path.exists(_stop_file))
 
 
 def _install_stop_callback(namespace: dict) -> None:
@@ -247,11 +332,15 @@ def _stop_callback():
 
             def on_train_begin(self, args, state, control, **kwargs):
                 self.schedule.begin(state.global_step)
+                _training.set()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                _training.clear()
 
             def on_step_end(self, args, state, control, **kwargs):
                 if not self.schedule.due(state.global_step):
                     return control
-                values = torch.tensor([1.0 if _stop_requested.is_set() else 0.0,
+                values = torch.tensor([1.0 if _asked_to_stop() else 0.0,
                                        float(self.schedule.proposal(state.global_step))], device=rank_info().device)
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(values, op=dist.ReduceOp.MAX)
