@@ -742,3 +742,38 @@ def test_notebooks_that_distribute_themselves_are_left_to_it():
     src = "accelerator = Accelerator()\nmodel, opt, dl = accelerator.prepare(model, AdamW(model.parameters()), DataLoader(ds, shuffle=True))\n"
     (code,), _ = rewrite(src + "for x in dl:\n    accelerator.backward(loss(x))\n")
     assert code.startswith(src)
+
+
+# ------------------------------------------------------------------------------------------- accelerate
+
+ACCELERATE_IN_A_LAUNCHER = (
+    "from accelerate import Accelerator, notebook_launcher\n",
+    "def make_loader(df, bs, shuffle):\n    ds = MyDS(df)\n    return DataLoader(ds, batch_size=bs, shuffle=shuffle)\n",
+    dedent(
+        """\
+        def train_fn(cfg):
+            accelerator = Accelerator(mixed_precision="fp16")
+            train_loader = make_loader(train_df, 8, True)
+            valid_loader = make_loader(valid_df, 8, False)
+            model = Net()
+            optimizer = AdamW(model.parameters())
+            model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
+            for epoch in range(2):
+                for batch in train_loader:
+                    loss = crit(model(batch["x"]), batch["y"])
+                    accelerator.backward(loss)
+                    optimizer.step()
+        """
+    ),
+    "notebook_launcher(train_fn, (cfg,), num_processes=2)\n",
+)
+
+
+def test_a_helpers_loader_reaches_accelerate_without_nbddps_sampler():
+    # the LMSYS kernel's shape: loaders made by a helper, prepared inside the notebook_launcher function;
+    # with nbddp's sampler under Accelerate's own sharding each rank read a quarter of the rows
+    cells, changes = rewrite(*ACCELERATE_IN_A_LAUNCHER)
+    assert ("accelerator.prepare(model, optimizer, _nbddp.for_accelerate(train_loader), "
+            "_nbddp.for_accelerate(valid_loader))") in cells[2]
+    said = [(line, m) for rule, line, m in changes if rule == "accelerate"]
+    assert [line for line, _ in said] == [7, 7] and "train_loader" in said[0][1]
