@@ -33,7 +33,7 @@ def test_a_rerun_cell_replaces_its_registration_by_cell_id(shell, capsys):
     shell.run_cell("%%ddp_setup\nsteps = 20", store_history=True, cell_id="cell-a")  # edited, run again
     assert "steps" not in shell.user_ns and "lr" not in shell.user_ns  # registered, not run here
     capsys.readouterr()
-    result = shell.run_cell("%%ddp_train --dry-run\nprint(steps, lr)", store_history=True)
+    result = shell.run_cell("%%ddp_train --dry-run --every-rank\nprint(steps, lr)", store_history=True)
     assert result.success
     out = capsys.readouterr().out
     assert "2 cells from %%ddp_setup cells (registered) and this cell: In [4], In [3], In [5]" in out

@@ -79,7 +79,7 @@ def test_notebook_cells_a_failing_rank_and_a_whole_notebook_file(tmp_path):
     sources = [
         "%load_ext nbddp",
         "import os\nimport time",
-        "%%ddp_train --dry-run --diff --save saved.py\nprint('dry')",
+        "%%ddp_train --dry-run --every-rank --diff --save saved.py\nprint('dry')",
         FAIL,
         f"%ddp_train {other.name} --nproc 2 --every-rank --out other_result",
         "print('other ok:', other_result.ok)",
@@ -122,15 +122,15 @@ def test_history_source_doctor_and_usage_errors(tmp_path):
         "x = 1",
         "x = 1",
         "%ddp_doctor --timeout 120",
-        "%%ddp_train --dry-run\nprint(x)",
-        "%%ddp_train --dry-run --source notebook\nprint(x)",
+        "%%ddp_train --dry-run --every-rank\nprint(x)",
+        "%%ddp_train --dry-run --every-rank --source notebook\nprint(x)",
         "%%ddp_train --nproc two\nprint(x)",
         "print(get_ipython().find_cell_magic('ddp_train').__doc__)",  # what %ddp_train? shows
-        "%%ddp_train --dry-run --env NOEQUALS\nprint(x)",
+        "%%ddp_train --dry-run --every-rank --env NOEQUALS\nprint(x)",
         "%%ddp_setup\nhidden = 1",
         "%%ddp_setup --also-here\nshared = 2",
         "print('here:', 'hidden' in dir(), shared)\n%ddp_setup --list",
-        "%%ddp_train --dry-run\nprint(hidden + shared)",
+        "%%ddp_train --dry-run --every-rank\nprint(hidden + shared)",
         "%ddp_setup --clear",
     ]
     nb, _ = execute(tmp_path / "hist.ipynb", sources)

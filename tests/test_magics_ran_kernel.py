@@ -68,7 +68,7 @@ def test_the_history_holds_each_cell_once_fixed_and_at_its_last_version(front_en
     kernel.run("%load_ext nbddp", "load" if ids else None)
     errors = [kernel.run(source, cell_id if ids else None).error for source, cell_id in FAILED_THEN_FIXED]
     assert errors == ["ValueError: typo in the loader cell", None, None, None]
-    dry = kernel.run("%%ddp_train --dry-run\nprint(x, steps)", "train" if ids else None)
+    dry = kernel.run("%%ddp_train --dry-run --every-rank\nprint(x, steps)", "train" if ids else None)
     assert dry.error is None, dry.shown
     script = dry.script()
     assert "x = 2" in script and "raise ValueError" not in script and script.count("x = 2") == 1
@@ -85,7 +85,7 @@ def test_the_history_holds_each_cell_once_fixed_and_at_its_last_version(front_en
 def test_a_kernel_that_ran_only_the_magic_cell_says_so(front_end):
     kernel = front_end()
     kernel.run("%load_ext nbddp")
-    dry = kernel.run("%%ddp_train --dry-run\nprint('alone')")
+    dry = kernel.run("%%ddp_train --dry-run --every-rank\nprint('alone')")
     assert "nothing else ran in this kernel without raising: the job is this cell alone" in dry.shown
     assert "print('alone')" in dry.script()
 
@@ -101,7 +101,7 @@ def saved_notebook(path, cells):
 
 def test_vscode_cell_uris_name_the_notebook_and_follow_an_unsaved_edit(tmp_path, front_end):
     cells = [("%load_ext nbddp", "a", ()), ("steps = 30", "b", ()), ("lr = 0.1", "c", ()),
-             ("%%ddp_train --dry-run\nprint(steps, lr)", "d", ())]
+             ("%%ddp_train --dry-run --every-rank\nprint(steps, lr)", "d", ())]
     path = saved_notebook(tmp_path / "nb.ipynb", cells)
     kernel = front_end()  # VS Code also sets __vsc_ipynb_file__; the cell URIs alone name the notebook here
 
@@ -112,7 +112,7 @@ def test_vscode_cell_uris_name_the_notebook_and_follow_an_unsaved_edit(tmp_path,
     kernel.run("steps = 30", uri(1))  # as saved
     kernel.run("steps = 60", uri(1))  # then edited: VS Code does not save by itself
     kernel.run("lr = 0.2", uri(2))  # edited before it ever ran as saved: nothing ties it to cell 3 but resemblance
-    dry = kernel.run("%%ddp_train --dry-run\nprint(steps, lr)", uri(3))
+    dry = kernel.run("%%ddp_train --dry-run --every-rank\nprint(steps, lr)", uri(3))
     assert dry.error is None, dry.shown
     assert "steps = 60" in dry.script() and "lr = 0.1" in dry.script()
     assert "3 cells from nb.ipynb (notebook): cell 2, cell 3, cell 4" in dry.shown
@@ -144,7 +144,7 @@ def test_papermill_trains_the_parameters_it_was_given(tmp_path):
 
 
 def test_papermill_with_the_input_path_injected_takes_its_parameters_too(tmp_path):
-    saved_notebook(tmp_path / "nb.ipynb", [*PARAMETERS, ("%%ddp_train --dry-run\nprint(steps)", "train", ())])
+    saved_notebook(tmp_path / "nb.ipynb", [*PARAMETERS, ("%%ddp_train --dry-run --every-rank\nprint(steps)", "train", ())])
     out = papermill(tmp_path, "nb.ipynb", "--inject-input-path")  # PAPERMILL_INPUT_PATH: the file, as saved
     shown = text_of(out.cells[-1])
     assert "3 cells from nb.ipynb (notebook): cell 2, cell 3, cell 4" in shown, shown
@@ -162,7 +162,7 @@ def test_colab_and_kaggle_ipython_7_34_take_the_history_once_each_and_fixed(fron
     kernel.run("%load_ext nbddp", "load" if ids else None)
     errors = [kernel.run(source, cell_id if ids else None).error for source, cell_id in FAILED_THEN_FIXED]
     assert errors == ["ValueError: typo in the loader cell", None, None, None]
-    dry = kernel.run("%%ddp_train --dry-run\nprint(x, steps)", "train" if ids else None)
+    dry = kernel.run("%%ddp_train --dry-run --every-rank\nprint(x, steps)", "train" if ids else None)
     assert dry.error is None, dry.shown
     script = dry.script()
     assert "x = 2" in script and "raise ValueError" not in script
@@ -176,15 +176,15 @@ def test_colab_and_kaggle_ipython_7_34_take_the_history_once_each_and_fixed(fron
 
 def test_a_notebook_renamed_after_the_kernel_started(tmp_path, front_end):
     cells = [("%load_ext nbddp", "load", ()), ("steps = 30", "steps", ()),
-             ("%%ddp_train --dry-run\nprint(steps)", "train", ())]
+             ("%%ddp_train --dry-run --every-rank\nprint(steps)", "train", ())]
     saved_notebook(tmp_path / "nb.ipynb", cells)
     kernel = front_end(JPY_SESSION_NAME="nb.ipynb")
     kernel.run("%load_ext nbddp", "load")
     kernel.run("steps = 60", "steps")
     (tmp_path / "nb.ipynb").rename(tmp_path / "renamed.ipynb")
-    dry = kernel.run("%%ddp_train --dry-run\nprint(steps)", "train")  # the cell's id finds the file
+    dry = kernel.run("%%ddp_train --dry-run --every-rank\nprint(steps)", "train")  # the cell's id finds the file
     assert "2 cells from renamed.ipynb (notebook): cell 2, cell 3" in dry.shown and "steps = 60" in dry.script()
     assert "found by this cell's id in renamed.ipynb, not in the notebook the kernel names" in dry.shown
-    dry = kernel.run("%%ddp_train --dry-run\nprint(steps)")  # no id: the history, and why
+    dry = kernel.run("%%ddp_train --dry-run --every-rank\nprint(steps)")  # no id: the history, and why
     assert "2 cells from the kernel's history (history)" in dry.shown and "steps = 60" in dry.script()
     assert "or names one that is gone: renamed since the kernel started?" in dry.shown

@@ -33,14 +33,15 @@ def test_the_cli_and_the_magic_take_the_same_run_options_with_the_same_help():
 
 
 def test_both_are_built_from_the_table():
-    from nbddp.options import RUN_OPTIONS, dest
+    from nbddp.options import RUN_OPTIONS, SHOW_OPTIONS, dest
 
     cli, magic = _options(_cli_run_parser()), _options(NbddpMagics.ddp_train.parser)
     table = {flags[-1]: (dest((flags, kw)), kw["help"]) for flags, kw in RUN_OPTIONS}
     assert set(table) == set(SHARED_FLAGS)
     for flag, (name, help_) in table.items():
         assert cli[flag][:2] == magic[flag][:2] == (name, help_), flag
-    assert set(cli) - set(table) == set()  # the CLI's run options are the table's, no more
+    shown = {flags[-1] for flags, _ in SHOW_OPTIONS}  # --dry-run, --show-script: both front ends, not run options
+    assert set(cli) - set(table) == shown  # the CLI's run options are the table's, no more
 
 
 @pytest.mark.parametrize("parse", [

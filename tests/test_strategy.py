@@ -386,6 +386,9 @@ def test_strategy_reaches_the_job_from_the_cli_and_the_magic(monkeypatch, tmp_pa
         raise NbddpError("stop here")
 
     monkeypatch.setattr(nbddp.job, "run_job", run_job)
+    from conftest import write_notebook
+
+    write_notebook(tmp_path / "nb.ipynb", [PLAIN_LOOP])
     assert cli.main(["run", str(tmp_path / "nb.ipynb"), "--strategy", "fsdp"]) == 2
     assert asked["strategy"] == "fsdp"
     assert cli._parser().parse_args(["run", "nb.ipynb"]).strategy == "auto"

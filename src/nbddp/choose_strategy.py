@@ -20,17 +20,14 @@ torch where it is installed, which initialises nothing).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
 from .convert.facts.shape import JobShape, ShapeUnread, read_shape
 from .errors import NbddpError, printable
-from .gpus import visible_gpus
+from .gpus import cap_free, read_machine
 from .model_config import Dims, SizeUnknown, read_json
 from .options import STRATEGIES
 
@@ -188,17 +185,12 @@ def _loss_bytes(dims: Dims, shape: JobShape, tokens: int) -> int:
 
 # ---- the GPUs and the choice -----------------------------------------------------------------------------
 
-_PROBE = ("import json, torch\n"
-          "print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))")
-
-
 def gpu_free_bytes(timeout_s: float = 60.0) -> tuple[int, ...]:
-    """Free bytes on each visible GPU, asked of a child process (this one never initialises CUDA); () when
-    there is none or torch cannot say. ``NBDDP_GPU_MEMORY_GIB`` caps each GPU's share, to choose as on a
-    smaller GPU (a Kaggle T4's 15 GiB on a larger card, with the ranks capped to match)."""
-    free = _ask_gpus(timeout_s)
-    cap = os.environ.get("NBDDP_GPU_MEMORY_GIB", "").strip()
-    return tuple(min(n, int(float(cap) * GiB)) for n in free) if cap else free
+    """Free bytes on each visible GPU (``gpus.read_machine``: this process never initialises CUDA); () when
+    there is none or nothing can say. ``NBDDP_GPU_MEMORY_GIB`` caps each GPU's share, to choose as on a
+    smaller GPU (a Kaggle T4's 15 GiB on a larger card, with the ranks capped to match). A job reads the
+    machine once and hands its reading to ``decide`` instead."""
+    return cap_free(_ask_gpus(timeout_s))
 
 
 def _gpu_count() -> int:
@@ -209,16 +201,7 @@ def _gpu_count() -> int:
 
 
 def _ask_gpus(timeout_s: float) -> tuple[int, ...]:
-    if not _gpu_count():
-        return ()
-    visible = visible_gpus()  # NVIDIA's driver: a fraction of a second, where torch in a child takes seconds
-    if visible is not None:
-        return tuple(gpu.free_bytes for gpu in visible)
-    try:
-        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
-        return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
-    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-        return ()
+    return read_machine(timeout_s=timeout_s).free_bytes
 
 
 def choose(est: Estimate | None, gpu_free: tuple[int, ...], *, unsloth: bool = False, why_unknown: str = "") -> Decision:
@@ -256,14 +239,15 @@ SPLIT_NOTE = ("split runs the layers one GPU after another in a single process: 
 
 
 def decide(source: str | JobShape | ShapeUnread, cwd: str | os.PathLike | None = None, requested: str = "auto",
-           gpu_free: tuple[int, ...] | None = None) -> Decision:
+           gpu_free: tuple[int, ...] | None = None, gpu_count: int | None = None) -> Decision:
     """The strategy a job runs with: ``requested`` itself, checked, or ``auto``'s choice with its estimate.
 
     ``source``: the model's shape the converter read (``Script.shape``), or a script's text to read it from.
     What nbddp reads on the way (the script's facts, a model's config, the GPUs' memory) is read from files a
     person gives it and libraries it does not control: a slip there is not the job's fault. So any exception
     but a refusal (``NbddpError``) falls back: ``auto`` and ``ddp`` to DDP, saying why (``Decision.fallback``);
-    another strategy, which needs what failed, is refused naming the cause.
+    another strategy, which needs what failed, is refused naming the cause. ``gpu_free`` and ``gpu_count``: the
+    job's one reading of the machine (``gpus.Machine``); where not given, asked here.
     """
     if requested not in STRATEGIES:
         raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {requested!r}")
@@ -271,7 +255,7 @@ def decide(source: str | JobShape | ShapeUnread, cwd: str | os.PathLike | None =
         shape = read_shape(source) if isinstance(source, str) else source
         if isinstance(shape, ShapeUnread):
             return _fall_back(requested, shape.why)
-        return _decide(shape, cwd, requested, gpu_free)
+        return _decide(shape, cwd, requested, gpu_free, gpu_count)
     except NbddpError:
         raise
     except Exception as exc:  # broad on purpose: see the docstring
@@ -286,11 +270,11 @@ def _fall_back(requested: str, why: str) -> Decision:
                      "run with --strategy ddp, and please report this") from None
 
 
-def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | None) -> Decision:
+def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | None, gpu_count: int | None) -> Decision:
     if requested == "deepspeed" and not _installed("deepspeed"):
         raise NbddpError("--strategy deepspeed needs DeepSpeed, which is not installed here: pip install deepspeed "
                          "(or use --strategy fsdp, which shards the same way with PyTorch alone)")
-    if requested == "deepspeed" and gpu_free is None and not _gpu_count():
+    if requested == "deepspeed" and not gpu_free and not (_gpu_count() if gpu_count is None else gpu_count):
         raise NbddpError("--strategy deepspeed needs GPUs: on the CPU the Trainer turns DeepSpeed off and would "
                          "train plain DDP instead; use --strategy ddp or fsdp here")
     if requested == "fsdp" and shape.unsloth:
@@ -334,12 +318,12 @@ RANK0_FORWARD = ("rank 0 alone runs the model here (after training), but under -
 
 
 def settle(script, cwd, requested: str, gpu_free: tuple[int, ...] | None = None,
-           say: Callable[[Decision], None] | None = None) -> Decision:
+           say: Callable[[Decision], None] | None = None, gpu_count: int | None = None) -> Decision:
     """The strategy a converted ``Script`` runs with, for every front end that launches or exports one:
     ``decide`` on the converter's ``Script.shape``, the decision handed to ``say`` (the launcher shows it), then
     refused where the notebook does what the strategy cannot run (``refuse_what_it_cannot_run``): after the
     choice is said, so a refusal of ``auto``'s choice is read with it."""
-    decision = decide(script.shape, cwd, requested, gpu_free=gpu_free)
+    decision = decide(script.shape, cwd, requested, gpu_free=gpu_free, gpu_count=gpu_count)
     if say is not None:
         say(decision)
     refuse_what_it_cannot_run(decision, script)

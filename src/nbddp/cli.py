@@ -11,7 +11,7 @@ from pathlib import Path
 from . import __version__
 from .errors import NbddpError
 from .guard import guarded
-from .options import RUN_OPTIONS, TORCHRUN_EPILOG
+from .options import RUN_OPTIONS, SHOW_OPTIONS, TORCHRUN_EPILOG, split_torchrun_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="convert a notebook and train it under torchrun", epilog=TORCHRUN_EPILOG)
     r.add_argument("notebook", type=Path, help="the notebook file to train")
-    for flags, options in RUN_OPTIONS:
+    for flags, options in (*RUN_OPTIONS, *SHOW_OPTIONS):
         r.add_argument(*flags, **options)
 
     e = sub.add_parser("export", help="write a self-launching Kaggle Script kernel and its kernel-metadata.json")
@@ -46,11 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:  # everything after -- belongs to torchrun
-        at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1 :]
+    argv, extra = split_torchrun_args(list(sys.argv[1:] if argv is None else argv))  # after --: torchrun's
     args = _parser().parse_args(argv)
     args.torchrun_args = extra
     from .launch import STOP_SIGNALS, JobStopped, raise_job_stopped
@@ -95,14 +91,23 @@ def _convert(args) -> int:
 
 def _run(args) -> int:
     from .display import TerminalView, failure_report, summary
-    from .job import run_job
+    from .job import plan_job, prepare_job, run_job
     from .launch import warm_start, where_ranks_were
     from .options import RunOptions
 
     options = RunOptions.parse(args, args.torchrun_args)
+    prepared = prepare_job(args.notebook, skip_bad_cells=options.skip_bad_cells)
+    if args.show_script:
+        print(prepared.script.text)
+    if args.dry_run:  # the plan the run would follow, refused as it would be; nothing made or started
+        plan = plan_job(prepared, options)
+        for w in prepared.script.warnings:
+            print(f"nbddp: warning: {w}", file=sys.stderr)
+        print(plan.describe())
+        return 0
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
     with warm_start.not_for_one_launch():  # a warm process would import what the one agent does, no less
-        job = run_job(args.notebook, options, view)
+        job = run_job(prepared, options, view)
     result = job.run
     view.finish(result)  # rank 0's consequent traceback folded to one line
     for w in job.script.warnings:

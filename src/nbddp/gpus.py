@@ -4,18 +4,99 @@ Why not torch: the launcher only needs a count and each GPU's free memory before
 importing torch with CUDA then initialising it in a child process cost a fresh job about 15 s of its start on
 an H100 (``benchmarks/results/job_overhead_gpu.md``); ``nvidia-smi`` answers in a fraction of a second.
 ``CUDA_VISIBLE_DEVICES`` is applied as CUDA applies it: indices or UUID prefixes, read up to the first entry that
-names no GPU. Where ``nvidia-smi`` cannot answer (no NVIDIA driver tools, an AMD GPU), callers ask torch.
+names no GPU. Where ``nvidia-smi`` cannot answer (no NVIDIA driver tools, an AMD GPU), torch is asked.
+
+A job reads the machine once (``read_machine``: the GPU count and each GPU's free memory, one ``Machine``),
+and every decision of the job reads that record: the processes (``Machine.processes``), the strategy.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 MiB = 2**20
+GiB = 2**30
 QUERY = ("nvidia-smi", "--query-gpu=index,uuid,memory.free", "--format=csv,noheader,nounits")
+
+#: Overrides the GPU count (tests of the GPU checks on a CPU machine; choosing as on another machine).
+GPU_COUNT_ENV = "NBDDP_GPU_COUNT"
+#: Caps each GPU's free memory, in GiB, to choose as on a smaller GPU (a Kaggle T4's 15 GiB on a larger card).
+GPU_MEMORY_ENV = "NBDDP_GPU_MEMORY_GIB"
+#: A GPU driver's device files (NVIDIA's control device, AMD's ROCm, WSL's GPU): without any, torch sees no GPU.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+#: Free bytes per GPU asked of torch in a child process, where ``nvidia-smi`` cannot say (this one never
+#: initialises CUDA).
+_TORCH_PROBE = ("import json, torch\n"
+                "print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]))")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One reading of this machine, for one job: the GPUs torch sees (``CUDA_VISIBLE_DEVICES`` applied,
+    ``NBDDP_GPU_COUNT`` where set) and each one's free bytes (capped by ``NBDDP_GPU_MEMORY_GIB``; ``()`` where
+    there is none, where it was not asked, or where nothing could say)."""
+
+    gpus: int
+    free_bytes: tuple[int, ...] = ()
+
+    def processes(self, requested: int | None = None) -> int:
+        """How many processes a job starts: ``requested`` (``--nproc``), else one per GPU, else two (CPU, gloo).
+        The one place this is decided."""
+        return requested or self.gpus or 2
+
+
+def read_machine(memory: bool = True, timeout_s: float = 60.0) -> Machine:
+    """This machine's GPUs, asked once: ``nvidia-smi`` where it answers (a fraction of a second), else torch
+    (the count through NVML, without a CUDA context; the free memory from a child process). ``memory=False``
+    asks only the count. No GPU driver here: 0, with nothing asked."""
+    forced = os.environ.get(GPU_COUNT_ENV, "").strip()
+    if not forced.isdigit() and not any(os.path.exists(dev) for dev in GPU_DEVICE_FILES):
+        return Machine(0)  # importing torch (seconds, in every launcher) would only say 0
+    visible = visible_gpus() if not forced.isdigit() or (memory and not _capped()) else None
+    count = int(forced) if forced.isdigit() else len(visible) if visible is not None else _torch_count()
+    if not (memory and count):
+        return Machine(count)
+    if visible is not None:
+        free = tuple(g.free_bytes for g in visible)
+    elif _capped() and forced.isdigit():
+        free = (_cap(),) * count  # a machine stated whole: its count and each GPU's memory
+    else:
+        free = _torch_free(timeout_s)
+    return Machine(count, cap_free(free[:count]))
+
+
+def cap_free(free: tuple[int, ...]) -> tuple[int, ...]:
+    """Each GPU's free bytes, no more than ``NBDDP_GPU_MEMORY_GIB`` where it is set."""
+    return tuple(min(n, _cap()) for n in free) if _capped() else tuple(free)
+
+
+def _capped() -> bool:
+    return bool(os.environ.get(GPU_MEMORY_ENV, "").strip())
+
+
+def _cap() -> int:
+    return int(float(os.environ[GPU_MEMORY_ENV]) * GiB)
+
+
+def _torch_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def _torch_free(timeout_s: float) -> tuple[int, ...]:
+    try:
+        out = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=timeout_s)
+        return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return ()
 
 
 @dataclass(frozen=True)
@@ -27,16 +108,20 @@ class Gpu:
 
 def visible_gpus(timeout_s: float = 10.0) -> tuple[Gpu, ...] | None:
     """The GPUs a process started now would see, in its order; None where ``nvidia-smi`` cannot say."""
+    text = query(timeout_s)
+    gpus = None if text is None else parse_query(text)
+    return None if gpus is None else apply_visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def query(timeout_s: float = 10.0) -> str | None:
+    """What ``nvidia-smi`` says of every GPU (``QUERY``); None where it cannot be run or fails."""
     if shutil.which(QUERY[0]) is None:
         return None
     try:
         out = subprocess.run(QUERY, capture_output=True, text=True, timeout=timeout_s)
     except (subprocess.SubprocessError, OSError):
         return None
-    if out.returncode != 0:
-        return None
-    gpus = parse_query(out.stdout)
-    return None if gpus is None else apply_visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return out.stdout if out.returncode == 0 else None
 
 
 def parse_query(text: str) -> tuple[Gpu, ...] | None:

@@ -8,51 +8,23 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, Union
+from typing import Callable
 
 from . import launch as _launch
 from . import outputs
-from .cells import Cell
-from .convert import Script, convert_cells, convert_notebook
+from .convert import Script
 from .convert.launches import leading_launch
 from .display.view import JobView, PrintView
 from .errors import NbddpError
+from .gpus import Machine, read_machine
+from .job_plan import (LOOKED_FOR, Job, JobPlan, JobSource, check_trains, decide_mode, decide_strategy,  # noqa: F401
+                       plan_job, prepare_job)
 from .launch import RankFailure, RunResult, Sink
 from .options import RunOptions
 from .runtime.records import Event
-from .selection import Selection
 
 #: Where run directories go unless told otherwise (``NBDDP_RUNS``).
 DEFAULT_RUNS = "nbddp_runs"
-
-
-@dataclass(frozen=True)
-class Job:
-    """A job ready to launch: its converted script, the folder its ranks start in, its run directory's name."""
-
-    script: Script
-    cwd: Path
-    name: str
-
-
-#: What ``run_job`` trains: a notebook file, the cells a kernel selected, cells, or a job already converted.
-JobSource = Union[str, os.PathLike, Selection, Sequence[Cell], Job]
-
-
-def prepare_job(source: JobSource, *, skip_bad_cells: bool = False) -> Job:
-    """Convert ``source``: a notebook file's ranks start in its folder, as its kernel would, and its run
-    directory takes its name; cells (a kernel's ``Selection``) start here, named after their notebook file
-    or ``kernel``. A front end that shows the script before training (``--dry-run``) converts with this
-    and hands the ``Job`` to ``run_job``."""
-    if isinstance(source, Job):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        return Job(convert_notebook(path, skip_bad_cells=skip_bad_cells), path.resolve().parent, path.stem)
-    if isinstance(source, Selection):
-        script = convert_cells(list(source.cells), origin=source.origin, skip_bad_cells=skip_bad_cells)
-        return Job(script, Path.cwd(), Path(source.origin).stem if source.source == "notebook" else "kernel")
-    return Job(convert_cells(list(source), skip_bad_cells=skip_bad_cells), Path.cwd(), "job")
 
 
 def run_job(source: JobSource, options: RunOptions | None = None, view: JobView | None = None, *,
@@ -60,39 +32,27 @@ def run_job(source: JobSource, options: RunOptions | None = None, view: JobView 
     """Train ``source`` (see ``prepare_job``) under torchrun and say what it left: the one call every front
     end makes.
 
-    ``options`` (``RunOptions``, default: none given) were checked when made, before anything converts or
-    starts. The ranks start where ``source`` says (``prepare_job``). ``view`` (a ``JobView``, default
-    ``PrintView``: rank 0's text on stdout) is told the run directory once it is made, rank 0's output and
-    each Trainer event. Run directories go under ``options.runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``.
-    The strategy is decided before launch (``strategy_launch``). A notebook with no training call nbddp
-    recognises is refused before launch (``check_trains``) unless ``options.every_rank`` (``--every-rank``).
-    ``keep`` (a ``kept.Channel``) keeps the ranks up after the notebook's cells: the result's ``run.process``
-    is torchrun, left running.
+    ``source`` may be a ``JobPlan`` already made (``plan_job``; a front end that shows the plan or sizes its
+    panel first): then nothing is decided again. Otherwise the plan is made here, from ``options``
+    (``RunOptions``, default: none given, checked when made): the mode (a notebook with no training call
+    nbddp recognises is refused before launch unless ``options.every_rank``), the strategy, the processes.
+    ``view`` (a ``JobView``, default ``PrintView``: rank 0's text on stdout) is told the strategy decision
+    (where the plan is made here; a front end that planned said it), the run directory once it is made, rank 0's output and each Trainer event. Run directories go under
+    ``options.runs_dir``, ``$NBDDP_RUNS`` or ``./nbddp_runs``. ``keep`` (a ``kept.Channel``) keeps the ranks
+    up after the notebook's cells: the result's ``run.process`` is torchrun, left running.
     """
-    options = options or RunOptions()
-    view = view or PrintView()
-    job = prepare_job(source, skip_bad_cells=options.skip_bad_cells)
-    mode = decide_mode(job.script, options.every_rank, keep=keep is not None)
-    nproc, env = options.nproc, {**options.rank_env, **view.rank_env()}
-    launched = None
-    if mode == "launched":  # the notebook once, in one process; the command it launches on every GPU
-        if keep is not None:
-            raise NbddpError("--keep keeps a job whose cells train on every rank; this notebook starts its training "
-                             f"from a shell line ({leading_launch(job.script.launches)}): run it without --keep")
-        launched, nproc = nproc or _launch.default_nproc(), 1
-        view.sink("stderr", f"nbddp: the notebook starts its training from a shell line ({leading_launch(job.script.launches)}): "
-                            f"its cells run once, in one process, and the command it launches on {launched} processes\n")
-    else:
-        nproc, env = strategy_launch(job.script, job.cwd, options.strategy, nproc, env, view.sink)
-    until = None
+    view = view or PrintView()  # the strategy decision said on it where this call makes the plan
+    plan = plan_job(source, options, keep=keep is not None, say=lambda text: view.sink("stdout", text + "\n"))
+    if plan.keep != (keep is not None):
+        raise NbddpError("the job was planned with" + ("" if plan.keep else "out") + " --keep, and run otherwise")
+    if plan.launched:
+        view.sink("stderr", f"nbddp: the notebook starts its training from a shell line ({leading_launch(plan.script.launches)}): "
+                            f"its cells run once, in one process, and the command it launches on {plan.launched} processes\n")
+    env, until = {**plan.env, **view.rank_env()}, None
     if keep is not None:
-        if env.get("NBDDP_STRATEGY") not in ("ddp", None):
-            raise NbddpError(f"--keep keeps DDP jobs only: this one runs {env['NBDDP_STRATEGY']}, whose sharded or "
-                             "split state a later cell could break; train it without --keep")
-        env = {**env, **keep.env()}
-        until = keep.ready
-    run = _run_script(job, options, view, nproc=nproc, env=env, until=until, launched=launched)
-    return JobResult.from_run(run, job.cwd, job.script)
+        env, until = {**env, **keep.env()}, keep.ready
+    run = _run_script(plan.job, plan.options, view, nproc=plan.processes, env=env, until=until, launched=plan.launched)
+    return JobResult.from_run(run, plan.job.cwd, plan.script)
 
 
 def _run_script(job: Job, options: RunOptions, view: JobView, *, nproc: int | None, env: dict[str, str],
@@ -131,55 +91,13 @@ def _run_script(job: Job, options: RunOptions, view: JobView, *, nproc: int | No
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 
 
-#: What the converter recognises as training, as the refusal words it.
-LOOKED_FOR = ("a Trainer's or TRL trainer's .train(), unsloth_train(…), a loop calling loss.backward(), "
-              "notebook_launcher(…), an imported training helper given a model and its optimizer")
-
-
-def decide_mode(script: Script, every_rank: bool = False, keep: bool = False) -> str:
-    """How the job runs: ``every-rank`` (the converted notebook on every rank: a training call was found, or
-    ``--every-rank`` asks for it), ``launched`` (its training is a command a shell line launches: the
-    notebook once, that command on every GPU, ``nbddp.launched``); else refused before launch. A kept job
-    (``keep``) needs no training call: its cells may only load the model, which later ``%%ddp`` cells train."""
-    if script.trains or every_rank:
-        return "every-rank"
-    if script.launches:
-        return "launched"
-    if keep:
-        return "every-rank"
-    check_trains(script, every_rank)
-    return "every-rank"
-
-
-def check_trains(script: Script, every_rank: bool = False) -> None:
-    """Refuse, before anything is made or started, a script in which the converter found no training call
-    and no shell line launching one: launched N times, every cell would run on every rank, each training
-    alone. ``every_rank`` (``--every-rank``) runs it so all the same, as asked."""
-    if script.trains or script.launches or every_rank:
-        return
-    seems = (f"its training seems to be at {script.seems}" if script.seems
-             else "nbddp cannot tell where it trains")
-    raise NbddpError(
-        f"{script.source_map.origin}: no training call found (looked for {LOOKED_FOR}, and for a shell line "
-        f"launching torchrun, accelerate launch, deepspeed or python SCRIPT.py); {seems}. Make the training "
-        "one of those, or pass --every-rank to run every cell on every rank"
-    )
-
-
 def strategy_launch(script: Script, cwd, requested: str, nproc: int | None, env: dict[str, str] | None,
-                    sink: Sink) -> tuple[int | None, dict[str, str]]:
-    """The processes and environment of the strategy the job runs with; its decision said on the sink
-    (unless ``auto`` found no GPU: plain DDP on CPU, as before strategies existed; a fallback is always said).
-
-    Split mode is one process driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``.
-    """
-    from . import choose_strategy
-
-    def say(decision: choose_strategy.Decision) -> None:
-        if requested != "auto" or decision.gpu_free or decision.fallback:
-            sink("stdout", decision.summary() + "\n")
-
-    decision = choose_strategy.settle(script, cwd, requested, say=say)
+                    sink: Sink, machine: Machine | None = None) -> tuple[int | None, dict[str, str]]:
+    """The processes and environment of the strategy ``script`` runs with (``job_plan.decide_strategy`` on one
+    reading of the machine), its decision said on the sink as the run says it. Split mode is one process
+    driving every GPU; the ranks learn the strategy from ``NBDDP_STRATEGY``."""
+    decision = decide_strategy(script, cwd, requested, machine or read_machine(),
+                               say=lambda text: sink("stdout", text + "\n"))
     env = {**(env or {}), "NBDDP_STRATEGY": decision.strategy}
     return (1 if decision.strategy == "split" else nproc), env
 

@@ -25,13 +25,12 @@ from .errors import NbddpError
 from .export import OPTIONS as EXPORT_OPTIONS
 from .export import export_options
 from .guard import guard
-from .job import check_trains, prepare_job, run_job
+from .job import plan_job, prepare_job, run_job
 from .kept.changed import cells_ran_here
 from .kept.channel import Channel
 from .kept.controller import KeptJob
 from .kept.magics import DEFAULT_IDLE_MIN, KeptMagics
-from .launch import default_nproc
-from .options import RUN_OPTIONS, RunOptions, split_torchrun_args
+from .options import RUN_OPTIONS, SHOW_OPTIONS, RunOptions, split_torchrun_args
 from .preflight import check_output_file
 
 
@@ -42,8 +41,7 @@ TRAIN_USAGE = """%%ddp_train [options] [-- TORCHRUN_ARGS]                  a cel
 
 #: ``%%ddp_train``'s own options, before the run options it shares with ``nbddp run`` (``options.RUN_OPTIONS``).
 TRAIN_OPTIONS = (
-    (("--dry-run",), dict(action="store_true", help="show the cells taken and the script; do not train")),
-    (("--show-script",), dict(action="store_true", help="show the generated script before training")),
+    *SHOW_OPTIONS,  # --dry-run (the plan, the cells taken and the script; nothing started), --show-script
     (("--diff",), dict(action="store_true", help="show a unified diff from the cells' code to the script")),
     (("--save",), dict(metavar="PATH", help="also write the script (and PATH.map.json) to PATH")),
     (("--keep",), dict(action="store_true", help="keep the ranks up after training, holding the model, trainer and data, "
@@ -134,18 +132,21 @@ class NbddpMagics(Magics):
             print(selection.report(per_cell=args.dry_run))
             prepared, label = prepare_job(selection, skip_bad_cells=args.skip_bad_cells), cell_label(selection.cells, selection.numbering)
         self._show_script(prepared.script, args)
-        if args.dry_run:
+        self._check_idle_limit(args)
+        if args.dry_run:  # the plan the run would follow, refused as the run would be; nothing stopped or started
+            print(plan_job(prepared, options, keep=args.keep).describe())
             return
-        # before the panel shows anything; a kept job may only load what later %%ddp cells train
-        check_trains(prepared.script, options.every_rank or args.keep)
+        self._stop_kept_job()  # before the machine is read: its GPUs are this job's
+        # the one plan, before the panel shows anything; a kept job may only load what later %%ddp cells train
+        plan = plan_job(prepared, options, keep=args.keep, say=print)
         warning = doctor.kernel_memory_warning()
         if warning:
             print(f"nbddp: warning: {warning}", file=sys.stderr)
-        nproc = options.nproc or default_nproc()
+        nproc = plan.processes
         panel = LivePanel(nproc)
-        channel = self._channel(args, nproc)
+        channel = Channel(nproc, args.idle_limit * 60 or None) if args.keep else None
         try:
-            job = run_job(prepared, options, panel, keep=channel)
+            job = run_job(plan, view=panel, keep=channel)
         finally:
             if channel is not None and not channel.ready():
                 channel.close()
@@ -162,14 +163,16 @@ class NbddpMagics(Magics):
         if error:
             raise error
 
-    def _channel(self, args, nproc: int):
-        """The kept job's channel, for --keep; a kept job from before is stopped first: a new job needs its GPUs."""
+    @staticmethod
+    def _check_idle_limit(args) -> None:
         if args.keep and args.idle_limit < 0:
             raise UsageError(f"--idle-limit takes minutes, 0 or more, not {args.idle_limit:g}")
+
+    def _stop_kept_job(self) -> None:
+        """A kept job from before is stopped first: a new job needs its GPUs."""
         if self.kept.job is not None and self.kept.job.alive:
             print("nbddp: stopping the kept job first: this job needs its GPUs")
         self.kept.start(None)
-        return Channel(nproc, args.idle_limit * 60 or None) if args.keep else None
 
     @staticmethod
     def _show_script(script, args) -> None:
@@ -178,7 +181,7 @@ class NbddpMagics(Magics):
             print(f"nbddp: warning: {warning}", file=sys.stderr)
         if args.save:
             print(f"nbddp: script written to {script.write(args.save)}")
-        if args.dry_run or args.show_script:
+        if args.dry_run or args.show_script:  # a dry run shows the script too: the cells' code as it runs
             print(script.text)
         if args.diff:
             print(script.diff())

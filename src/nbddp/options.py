@@ -89,6 +89,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
     (("--rdzv-endpoint",), dict(metavar="HOST:PORT", help="c10d rendezvous endpoint, the same on every machine")),
 )
 
+#: What both front ends that train (``nbddp run``, ``%%ddp_train``) can show instead of or before training: the
+#: job's plan (``job_plan.JobPlan.describe``), the script. Not run options: nothing of the run changes.
+SHOW_OPTIONS: tuple[Option, ...] = (
+    (("--dry-run",), dict(action="store_true", help="show the job's plan (mode, processes, strategy and why, the "
+                          "ranks' environment, the cells) and start nothing; refused as the run would be")),
+    (("--show-script",), dict(action="store_true", help="show the generated script (before training, or with --dry-run)")),
+)
+
 #: What a front end says about arguments after ``--``.
 TORCHRUN_EPILOG = "Arguments after -- go to torchrun as they are, e.g. -- --nnodes=2 --node-rank=0"
 

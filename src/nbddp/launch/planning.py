@@ -52,10 +52,11 @@ class LaunchPlan:
 
 
 def default_nproc() -> int:
-    """One process per visible GPU; two on a machine without GPUs (CPU/gloo)."""
-    from ..preflight import gpu_count
+    """One process per visible GPU; two on a machine without GPUs (CPU/gloo): ``gpus.Machine.processes``, the
+    one place that decides it, on a fresh reading (a job passes the ``nproc`` its plan decided instead)."""
+    from ..gpus import read_machine
 
-    return gpu_count() or 2
+    return read_machine(memory=False).processes()
 
 
 def new_run_dir(base: str | os.PathLike, name: str) -> Path:
@@ -94,7 +95,8 @@ def plan(
     from them come torchrun's arguments (``RunOptions.torchrun_argv``), ``collective_timeout_s``, which
     bounds each collective (``NBDDP_TIMEOUT``, the process group's timeout), ``timeout_s``, the whole job's,
     and ``resume`` (``trainer.train()`` continues from the last checkpoint). What the job decided from them
-    is passed beside: ``nproc`` (default: ``options.nproc``, else one per GPU) and ``env``, the ranks' own
+    is passed beside: ``nproc`` (a job's plan decided it, ``job_plan.JobPlan.processes``; default, for a plan
+    made without a job: ``options.nproc``, else one per GPU) and ``env``, the ranks' own
     variables (default: ``options.rank_env``). A single-node job gets torchrun's ``--standalone``
     rendezvous, which listens on a free port, so jobs side by side and a busy 29500 never collide.
     """
