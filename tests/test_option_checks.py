@@ -24,6 +24,23 @@ BAD = [
     (["--", "--master-port", "http"], "--master-port takes a port number from 1 to 65535, not 'http'"),
 ]
 
+SHIMS = "cuda_amp, ddp_defaults, grad_ckpt, launchers, loss_filter, no_checkpointing, notices, peft_kwargs, " \
+        "precision, saves, unsloth, unused_params, xformers_bias"
+NODES_NEED_AN_ENDPOINT = ("--nnodes 2 needs --rdzv-endpoint HOST:PORT (one machine's address and a free port, the "
+                          "same on every machine): without it this machine waits for nodes that cannot find it")
+ONE_NODE = ("--node-rank 5 needs a job of more than one machine, but it runs on one (no --nnodes): leave --node-rank "
+            "out, or give --nnodes N and --rdzv-endpoint HOST:PORT")
+#: Numbers and names that were accepted without a word (a job waiting forever, a switch no rank reads).
+MISFITS = [
+    ("--nnodes 2", NODES_NEED_AN_ENDPOINT),
+    ("-- --nnodes=2", NODES_NEED_AN_ENDPOINT),
+    ("--node-rank 5", ONE_NODE),
+    ("--no-shim bogus", f"--no-shim takes one of {SHIMS}, not 'bogus'"),
+    ("--shim bogus", f"--shim takes one of {SHIMS}, not 'bogus'"),
+    ("--nproc 100000", "--nproc 100000 starts 100000 CPU processes of 300 MiB to 500 MiB each (torch alone), at least "),
+]
+BAD += [(line.split(), message) for line, message in MISFITS[::2]]  # through the CLI too: the same line
+
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("argv, message", BAD)
@@ -58,6 +75,48 @@ def test_the_api_refuses_them_too(kwargs):
         RunOptions(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(nnodes=2), NODES_NEED_AN_ENDPOINT),
+    (dict(nnodes="1:2", node_rank=1), "--nnodes 1:2 needs --rdzv-endpoint HOST:PORT"),
+    (dict(node_rank=5), ONE_NODE),
+    (dict(torchrun_args=["--node-rank=5"]), ONE_NODE),
+    (dict(nnodes=2, node_rank=5, rdzv_endpoint="host:29400"),
+     "--node-rank takes this machine's rank among the nodes, from 0 to 1, not 5"),
+    (dict(no_shim=["bogus"]), f"--no-shim takes one of {SHIMS}, not 'bogus'"),
+    (dict(shim=["grad_ckpt", "bogus"]), f"--shim takes one of {SHIMS}, not 'bogus'"),
+    (dict(nproc=100000), "this machine has "),
+])
+def test_numbers_and_names_that_cannot_work_are_refused_in_one_line(monkeypatch, kwargs, message):
+    monkeypatch.setenv("NBDDP_GPU_COUNT", "0")  # CPU ranks, as on the machine of the report
+    with pytest.raises(NbddpError) as info:
+        RunOptions(**kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(nnodes=2, rdzv_endpoint="host:29400", node_rank=1),
+    dict(torchrun_args=["--nnodes=2", "--node-rank=1", "--master-addr=host", "--master-port=29500"]),  # static
+    dict(node_rank=0), dict(shim=["SAVES"], no_shim=["grad_ckpt", "notices"]),
+])
+def test_jobs_across_machines_and_known_switches_pass(kwargs):
+    RunOptions(**kwargs)
+
+
+def test_cpu_ranks_are_held_to_the_memory_there_is():
+    from nbddp.preflight import RANK_BYTES_LEAST, RANK_BYTES_MOST, check_cpu_memory
+
+    gib = 2**30
+    with pytest.raises(NbddpError, match=r"^--nproc 64 starts 64 CPU processes .* at least 18.8 GiB in all, but this "
+                                         r"machine has 16.0 GiB of memory available: use --nproc 32 or fewer$"):
+        check_cpu_memory(64, available=16 * gib)
+    (tight,) = check_cpu_memory(64, available=23 * gib)  # the report's 2 cores / 23 GB: may fit, said
+    assert "up to 31.2 GiB in all, with 23.0 GiB of memory available: they may run out of memory" in tight
+    assert check_cpu_memory(2, available=23 * gib) == []
+    with pytest.raises(NbddpError, match="of 2.3 GiB to 2.5 GiB each .torch and the model."):
+        check_cpu_memory(16, model_bytes=2 * gib, available=23 * gib)
+    assert RANK_BYTES_LEAST < RANK_BYTES_MOST
+
+
 def test_good_values_pass():
     RunOptions(nproc=None, timeout_s=None, collective_timeout_s=None)
     RunOptions(nproc=8, timeout_s=0.5, collective_timeout_s=1800, torchrun_args=["--master-port=29511"])
@@ -76,8 +135,10 @@ def shell():
     ("--timeout -5", "--timeout takes a number of seconds above 0, not -5"),
     ("--timeout nan", "--timeout takes a number of seconds above 0, not nan"),
     ("-- --master-port=0", "--master-port takes a port number from 1 to 65535, not '0'"),
+    *MISFITS,
 ])
-def test_the_magic_refuses_them_with_the_same_message(shell, tmp_path, capsys, line, message):
+def test_the_magic_refuses_them_with_the_same_message(shell, tmp_path, capsys, monkeypatch, line, message):
+    monkeypatch.setenv("NBDDP_GPU_COUNT", "0")  # --nproc counted as CPU ranks wherever the test runs
     runs = tmp_path / "runs"
     result = shell.run_cell(f"%%ddp_train --runs-dir {runs} {line}\nx = 1", store_history=True)
     assert not result.success

@@ -162,13 +162,19 @@ class RunOptions:
         nproc = self.nproc
         if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
             raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
-        warnings = preflight.check_processes(nproc)  # no more than the GPUs torch sees
+        gpus = preflight.gpu_count() if nproc is not None else 0
+        warnings = preflight.check_processes(nproc, gpus=gpus)  # no more than the GPUs torch sees
+        if nproc is not None and not gpus:
+            warnings += preflight.check_cpu_memory(nproc)  # CPU ranks: no more than the memory holds
         for flag, seconds in (("--timeout", self.timeout_s), ("--collective-timeout", self.collective_timeout_s)):
             if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
                 raise NbddpError(f"{flag} takes a number of seconds above 0, not {seconds:g}")
         if self.strategy not in STRATEGIES:
             raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
         parse_env(self.env)
+        if self.shim or self.no_shim:
+            preflight.check_shims("--shim", self.shim, switchable())
+            preflight.check_shims("--no-shim", self.no_shim, switchable())
         preflight.check_nodes(self.nnodes, self.node_rank, self.rdzv_endpoint)
         preflight.check_master_port(list(self.torchrun_argv))
         preflight.check_torchrun_args(list(self.torchrun_argv))  # -- --nnodes=0 and the like
@@ -185,6 +191,16 @@ class RunOptions:
     def torchrun_argv(self) -> tuple[str, ...]:
         """torchrun's arguments: the nodes' (``node_args``), then those after ``--``."""
         return (*node_args(self.nnodes, self.node_rank, self.rdzv_endpoint), *self.torchrun_args)
+
+
+def switchable() -> tuple[str, ...]:
+    """What ``--shim``/``--no-shim`` take: the shims (``SHIM_NAMES``) and the features ``setup()`` installs under
+    an ``NBDDP_SHIM_<NAME>`` switch of their own (``runtime.lifecycle.INSTALLS``: saves, notices …), read
+    only when a name is given (importing the runtime's list costs a few hundredths of a second)."""
+    from .runtime.lifecycle import INSTALLS
+
+    own = (i.switch.removeprefix("NBDDP_SHIM_").lower() for i in INSTALLS if i.switch.startswith("NBDDP_SHIM_"))
+    return tuple(sorted({*SHIM_NAMES, *(n for n in own if "<" not in n)}))
 
 
 def node_args(nnodes: int | str | None = None, node_rank: int | None = None,

@@ -35,7 +35,8 @@ def cpu_cores() -> int:
 def check_processes(nproc: int | None, gpus: int | None = None, cores: int | None = None) -> list[str]:
     """Refuse more processes than the GPUs torch sees (each rank takes one GPU: the ones past the last would
     fail with CUDA's "invalid device ordinal"); on a machine without GPUs ``--nproc`` is a number of CPU
-    processes, and more than its cores is only slow: returned as a warning. ``None`` (auto) always fits."""
+    processes, and more than its cores is only slow: returned as a warning (their memory:
+    ``check_cpu_memory``). ``None`` (auto) always fits."""
     if nproc is None:
         return []
     gpus = gpu_count() if gpus is None else gpus
@@ -51,6 +52,40 @@ def check_processes(nproc: int | None, gpus: int | None = None, cores: int | Non
     return []
 
 
+#: What one CPU rank holds besides its model: torch imported, a gloo process group, the interpreter (a rank
+#: forked from an agent that imported torch shares some of it; one started fresh holds it all).
+RANK_BYTES_LEAST = 300 * 2**20
+RANK_BYTES_MOST = 500 * 2**20
+
+
+def available_memory() -> int:
+    """Bytes this machine can give new processes without swapping (psutil's ``available``)."""
+    import psutil  # only where CPU ranks are counted
+
+    return psutil.virtual_memory().available
+
+
+def check_cpu_memory(nproc: int, model_bytes: int = 0, available: int | None = None) -> list[str]:
+    """Refuse CPU ranks that plainly cannot fit this machine's available memory (each holds torch's own
+    ``RANK_BYTES_LEAST`` and a copy of the model, ``model_bytes`` where known); warn where they might not."""
+    available = available_memory() if available is None else available
+    least, most = nproc * (RANK_BYTES_LEAST + model_bytes), nproc * (RANK_BYTES_MOST + model_bytes)
+    each = f"{_gb(RANK_BYTES_LEAST + model_bytes)} to {_gb(RANK_BYTES_MOST + model_bytes)} each" + (
+        " (torch alone)" if not model_bytes else " (torch and the model)")
+    fits = max(1, available // (RANK_BYTES_MOST + model_bytes))
+    if least > available:
+        raise NbddpError(f"--nproc {nproc} starts {nproc} CPU processes of {each}, at least {_gb(least)} in all, "
+                         f"but this machine has {_gb(available)} of memory available: use --nproc {fits} or fewer")
+    if most > available:
+        return [f"--nproc {nproc} starts {nproc} CPU processes of {each}, up to {_gb(most)} in all, with "
+                f"{_gb(available)} of memory available: they may run out of memory; --nproc {fits} or fewer fits"]
+    return []
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 _NODES = re.compile(r"(\d+)(?::(\d+))?")
 
 
@@ -64,9 +99,10 @@ def check_nodes(nnodes: str | int | None, node_rank: int | None, rdzv_endpoint: 
         if not m or low < 1 or low > high:
             raise NbddpError(f"--nnodes takes a number of machines of at least 1, or MIN:MAX, not {str(nnodes)!r}")
         most = high
-    if node_rank is not None and (node_rank < 0 or (most is not None and node_rank >= most)):
-        upto = f" to {most - 1}" if most is not None else " or more"
-        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0{upto}, not {node_rank}")
+    if node_rank is not None and node_rank < 0:
+        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0 or more, not {node_rank}")
+    if node_rank is not None and most is not None and node_rank >= most:
+        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0 to {most - 1}, not {node_rank}")
     if rdzv_endpoint is not None:
         host, colon, port = str(rdzv_endpoint).rpartition(":") if ":" in str(rdzv_endpoint) else (rdzv_endpoint, "", "")
         bad_port = colon and not (port.isdigit() and 0 < int(port) < 65536)
@@ -82,9 +118,33 @@ def check_torchrun_args(torchrun_args: list[str]) -> None:
         raise NbddpError(f"--node-rank takes this machine's rank among the nodes, not {node_rank!r}")
     check_nodes(torchrun_option(torchrun_args, "nnodes"), int(node_rank) if node_rank is not None else None,
                 torchrun_option(torchrun_args, "rdzv-endpoint"))
+    check_rendezvous(torchrun_args)
     restarts = torchrun_option(torchrun_args, "max-restarts")
     if restarts is not None and not restarts.isdigit():
         raise NbddpError(f"--max-restarts takes a number of restarts of 0 or more, not {restarts!r}")
+
+
+def check_rendezvous(torchrun_args: list[str]) -> None:
+    """A job's machines must find each other: more than one node needs a rendezvous endpoint (``--rdzv-endpoint``,
+    or torchrun's static ``--master-addr``), else torchrun waits on this machine for nodes that cannot reach it;
+    one node has only node rank 0. ``torchrun_args`` are all of torchrun's (the options' and those after ``--``)."""
+    nnodes, node_rank = torchrun_option(torchrun_args, "nnodes"), torchrun_option(torchrun_args, "node-rank")
+    m = _NODES.fullmatch(str(nnodes or "1").strip())
+    most = int(m.group(2) or m.group(1)) if m else 1
+    if most == 1 and node_rank is not None and node_rank.isdigit() and int(node_rank) > 0:
+        raise NbddpError(f"--node-rank {node_rank} needs a job of more than one machine, but it runs on one (no "
+                         "--nnodes): leave --node-rank out, or give --nnodes N and --rdzv-endpoint HOST:PORT")
+    if most > 1 and not (torchrun_option(torchrun_args, "rdzv-endpoint") or torchrun_option(torchrun_args, "master-addr")):
+        raise NbddpError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (one machine's address and a free port, "
+                         "the same on every machine): without it this machine waits for nodes that cannot find it")
+
+
+def check_shims(flag: str, names: tuple[str, ...], known: tuple[str, ...]) -> None:
+    """``--shim``/``--no-shim`` take the name of a shim or of a switchable feature; any other name would set a
+    variable no rank reads."""
+    for name in names:
+        if str(name).lower() not in known:
+            raise NbddpError(f"{flag} takes one of {', '.join(known)}, not {name!r}")
 
 
 def check_master_port(torchrun_args: list[str]) -> None:
