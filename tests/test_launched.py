@@ -93,10 +93,22 @@ def test_a_shell_launch_is_launched_mode_and_names_its_writefile_cell():
                                   "%%bash\ncd x\ntorchrun --nproc_per_node=1 train.py",
                                   "!deepspeed llava/train/train_mem.py --deepspeed zero3.json",
                                   "!accelerate launch --num_processes 2 run.py",
-                                  "!python -m torch.distributed.run --nproc_per_node 4 train.py"])
+                                  "!python -m torch.distributed.run --nproc_per_node 4 train.py",
+                                  "!{sys.executable} -m torch.distributed.run --nproc_per_node 2 train.py",
+                                  "!python -m axolotl.cli.train cfg.yml",
+                                  "!accelerate launch -m axolotl.cli.train cfg.yml",
+                                  "!axolotl train cfg.yml"])
 def test_each_launch_pattern_is_found(line):
     script = convert_cells(cells_from_sources(["import os", line]))
     assert decide_mode(script) == "launched" and script.launches[0].cell == 2
+
+
+@pytest.mark.parametrize("line", ["!sleep 20  # then python scripts/run_sft.py",
+                                  "!echo '# not a comment' # torchrun train.py",
+                                  "!ls -la # see train.py"])
+def test_a_shell_comment_naming_a_command_is_no_launch(line):
+    script = convert_cells(cells_from_sources(["import os", line]))
+    assert script.launches == ()
 
 
 def test_no_training_call_is_refused_naming_what_was_looked_for_and_the_option():

@@ -2,7 +2,7 @@
 
 Notebooks often start their training from a shell line (``!torchrun --nproc_per_node=2 train.py`` after a
 ``%%writefile train.py`` cell, ``!python scripts/run_sft.py …``, ``%%bash`` + ``torchrun …``, ``!deepspeed …``,
-``!accelerate launch …``). Running every cell of such a notebook on every rank would run the command once per
+``!accelerate launch …``, ``!{sys.executable} -m torch.distributed.run …``, ``!python -m axolotl.cli.train cfg.yml``). A shell comment on the line (``!sleep 20  # then python run.py``) runs nothing. Running every cell of such a notebook on every rank would run the command once per
 rank while the other ranks wait in a barrier, so ``job.run_job`` refuses it before launch and names the line
 found here. Read from the cells as written (the cell's own line numbers), with a regular expression: a shell
 line is text, not Python.
@@ -17,8 +17,10 @@ from ..cells import Cell
 
 #: A command that trains: a launcher of N processes, or Python running a script or a module's launcher.
 _COMMAND = re.compile(
-    r"(?<![\w.-])(torchrun|accelerate\s+launch|deepspeed|"
-    r"python[0-9.]*\s+(?:-\S+\s+)*(?:-m\s+torch\.distributed\.(?:run|launch)|-m\s+accelerate\.commands\.launch|[\w./{}$-]+\.py))"
+    r"(?<![\w.-])(torchrun|accelerate\s+launch|deepspeed|axolotl\s+train|"
+    r"(?:python[0-9.]*|\{sys\.executable\}|\$\{?PYTHON\}?)\s+(?:-\S+\s+)*"
+    r"(?:-m\s+torch\.distributed\.(?:run|launch)|-m\s+accelerate\.commands\.launch|-m\s+axolotl\.cli\.train|"
+    r"[\w./{}$-]+\.py))"
     r"(?![\w-])"
 )
 #: Cell magics whose body is shell text.
@@ -61,12 +63,27 @@ def find_launches(cells: list[Cell] | tuple[Cell, ...]) -> tuple[Launch, ...]:
         for number, line in enumerate(lines, start=1):
             if line.lstrip().startswith("#") or not (shell_cell and number > 1 or _SHELL_LINE.match(line)):
                 continue
-            match = None if _INSTALL.search(line) else _COMMAND.search(line)
+            command = _without_shell_comment(line)
+            match = None if _INSTALL.search(command) else _COMMAND.search(command)
             if match:
                 script = next((name for name in written if name in line), None)
                 cell_at, first = written.get(script, (None, 2))
                 found.append(Launch(cell.index, number, line, cell_at, script, first))
     return tuple(found)
+
+
+def _without_shell_comment(line: str) -> str:
+    """``line`` up to its shell comment (``!sleep 20  # then python run.py``: a ``#`` after a space, outside
+    quotes), which names commands without running them."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and i > 0 and line[i - 1].isspace():
+            return line[:i]
+    return line
 
 
 #: A command that starts N processes itself: the likeliest training of a notebook with several commands.
