@@ -166,3 +166,42 @@ def test_public_kaggle_notebook_with_a_bare_pip_install_converts():
     script = convert_notebook(PUBLIC / "generative_ai" / "about_the_optimization_loop.ipynb")
     assert [(i.cell, i.line) for i in script.installs] == [(2, 1)]
     assert script.installs[0].command.startswith("pip install torch torchvision torchaudio --index-url")
+
+
+# ------------------------------------------------------------------------ TPU, fastai, RapidFire, axolotl
+
+
+def test_a_tpu_notebook_is_refused_before_anything_runs():
+    error = refusal(
+        "import torch\nimport torch_xla.core.xla_model as xm\nimport torch_xla.distributed.xla_multiprocessing as xmp\n",
+        "def _mp_fn(index):\n    device = xm.xla_device()\n    train(device)\n",
+        "xmp.spawn(_mp_fn, nprocs=8, start_method='fork')\n",
+    )
+    assert (error.cell, error.line) == (2, 2)
+    assert "TPU notebooks are out of scope" in str(error) and "GPU T4×2" in str(error)
+
+
+def test_an_optional_torch_xla_import_alone_is_no_refusal():
+    convert("try:\n    import torch_xla\nexcept ImportError:\n    torch_xla = None\n",
+            "model = Net()\nopt = SGD(model.parameters())\nfor x in loader:\n    model(x).sum().backward()\n    opt.step()\n")
+
+
+@pytest.mark.parametrize("fit", ["learn.fine_tune(3)", "learn.fit_one_cycle(5, 1e-3)", "learn.fit(2)"])
+def test_fastai_is_refused_naming_fastai_and_its_recipe(fit):
+    error = refusal("from fastai.vision.all import *\n",
+                    "dls = ImageDataLoaders.from_folder(path)\nlearn = vision_learner(dls, resnet34, metrics=error_rate)\n",
+                    fit + "\n")
+    assert (error.cell, error.line) == (3, 1)
+    assert "fastai" in str(error) and "distrib_ctx" in str(error) and "--every-rank" not in str(error)
+
+
+def test_rapidfire_is_refused_naming_it():
+    error = refusal("from rapidfireai import Experiment\n",
+                    "experiment = Experiment(experiment_name='sft')\nexperiment.run_fit(config_group, create_model, train_ds, eval_ds, num_chunks=4)\n")
+    assert (error.cell, error.line) == (2, 2) and "RapidFire" in str(error)
+
+
+def test_axolotl_in_process_is_refused_with_its_launch_line():
+    error = refusal("from axolotl.cli.train import do_cli\n", "do_cli(config='cfg.yml')\n")
+    assert (error.cell, error.line) == (2, 1)
+    assert "axolotl" in str(error) and "accelerate launch -m axolotl.cli.train" in str(error)

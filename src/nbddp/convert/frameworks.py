@@ -24,6 +24,15 @@ process starts:
   ``GradSampleModule`` would average gradients Opacus already clipped and noised per rank, and its sampler
   would make Opacus account the privacy budget on one rank's share.
 
+- **TPU** (a call through ``torch_xla``: ``xm.xla_device()``, ``xmp.spawn``): nbddp runs on GPUs; refused at
+  that call, with the GPU accelerator to pick (an optional ``import torch_xla`` alone is no refusal).
+- **fastai** (``learn.fine_tune``, ``fit_one_cycle``, a learner's ``fit``) without fastai's own
+  ``distrib_ctx``: fastai's Learner builds its own loaders and loop, which nbddp's rules do not reach, so
+  every rank would train alone on the whole data; refused with fastai's in-notebook recipe.
+- **RapidFire AI** (``run_fit``) schedules its own runs over the GPUs; **axolotl** called in-process
+  (``do_cli``, ``do_train``, ``train`` imported from ``axolotl``) starts its training where its launcher
+  would have made the processes: refused with its launch line, which nbddp runs on every GPU.
+
 A notebook that imports none of these costs a few substring tests: the walk runs only where a cell names one.
 """
 
@@ -38,7 +47,8 @@ from .clean import CleanCell
 from .code import CellCode
 
 #: Words one of whose presence in a cell's text makes the check walk the notebook.
-_MARKERS = ("tensorflow", "keras", "jax", "flax", "lightning", "make_private", "TFTrainer")
+_MARKERS = ("tensorflow", "keras", "jax", "flax", "lightning", "make_private", "TFTrainer", "torch_xla", "fastai",
+            "rapidfireai", "axolotl")
 _TF_MODULES = ("tensorflow", "keras", "tf_keras")
 _JAX_MODULES = ("jax", "flax", "optax")
 _LIGHTNING_MODULES = ("pytorch_lightning", "lightning")
@@ -62,6 +72,29 @@ _OPACUS_FIX = ("Opacus clips and noises each rank's gradients itself, so nbddp's
                "opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP`, then "
                "`model = DPDDP(model)` — and pass make_private the whole data set's loader: Opacus then "
                "samples each rank's share and accounts for the whole data, and nbddp leaves both to it")
+
+_TPU_FIX = ("TPU notebooks are out of scope: nbddp runs PyTorch on GPUs (one torchrun process per GPU, NCCL), "
+            "and torch_xla's devices and xmp.spawn do not exist there. On Kaggle pick GPU T4×2 as the accelerator, "
+            "and write the device as \"cuda\" instead of xm.xla_device() (xm.optimizer_step(opt) → opt.step(), "
+            "xmp.spawn(fn, …) → fn(0)); or run the notebook in its TPU kernel as it is")
+_FASTAI_FIX = ("fastai's Learner builds its own loaders and training loop, which nbddp does not distribute: every "
+               "rank would train alone on the whole data set. Run it in its kernel with fastai's own recipe: "
+               "`from fastai.distributed import *` and `from accelerate import notebook_launcher`, then in a "
+               "function `with learn.distrib_ctx(in_notebook=True): learn.fine_tune(…)`, started by "
+               "`notebook_launcher(fn, num_processes=2)`")
+_RAPIDFIRE_FIX = ("RapidFire AI schedules its own training runs over the GPUs from one process: under nbddp every "
+                  "rank would start the whole experiment. Run this notebook in its kernel, where RapidFire uses "
+                  "every GPU itself")
+_AXOLOTL_FIX = ("axolotl called in-process trains in this one process: nbddp does not distribute it (every rank "
+                "would train alone). Launch it as axolotl is launched, in a cell of its own: "
+                "`!accelerate launch -m axolotl.cli.train cfg.yml` (or `!axolotl train cfg.yml`); nbddp runs that "
+                "line on every GPU")
+#: fastai's Learner methods that train.
+_FASTAI_FITS = ("fine_tune", "fit_one_cycle", "fit_flat_cos", "fit_sgdr")
+#: fastai's own distributed training: the notebook distributes itself.
+_FASTAI_DISTRIBUTED = ("distrib_ctx", "to_distributed", "parallel_ctx")
+#: axolotl's in-process entry points.
+_AXOLOTL_TRAINS = ("do_cli", "do_train", "train")
 
 
 @dataclass(frozen=True)
@@ -96,12 +129,20 @@ class _Walk:
         self.jax_names: set[str] = set()  # ``grad``/``value_and_grad`` imported from jax by name
         self.keras_models: set[str] = set()  # names whose .compile(…) was called (a Keras model)
         self.dpddp = False
+        self.bound: dict[str, str] = {}  # a name an import binds → the top-level module it comes from
+        self.learners: set[str] = set()  # names bound to a fastai learner (``vision_learner(…)``, ``Learner(…)``)
+        self.fastai_distributed = False  # fastai's own ``distrib_ctx``/``to_distributed`` used
 
     def first(self) -> _Found | None:
         for code in self.codes:
             for node in ast.walk(code.tree):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     self._imports(node)
+                    self._binds(node)
+                elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                    made = last_name(node.value.func) or ""
+                    if made == "Learner" or made.endswith("_learner"):
+                        self.learners.update(t.id for t in node.targets if isinstance(t, ast.Name))
         calls = [(code.position, node) for code in self.codes for node in ast.walk(code.tree)
                  if isinstance(node, ast.Call)]
         for _, call in calls:
@@ -126,6 +167,21 @@ class _Walk:
             if top == "transformers" and any(a.name.startswith("TF") for a in node.names):
                 self.imported.add("tensorflow")  # Hugging Face's TF classes bring TensorFlow
 
+    def _binds(self, node: ast.Import | ast.ImportFrom) -> None:
+        """The names an import binds, each with its top-level module (``xm`` → ``torch_xla``)."""
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                self.bound[alias.asname or alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif node.module:
+            self.bound.update((a.asname or a.name, node.module.split(".")[0]) for a in node.names)
+
+    def _from(self, call: ast.Call) -> str | None:
+        """The top-level module of the imported name a call starts from (``xm.xla_device()`` → ``torch_xla``)."""
+        root = call.func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return self.bound.get(root.id) if isinstance(root, ast.Name) else None
+
     def _note(self, call: ast.Call) -> None:
         """What the judging needs from every call first: the Keras models compiled, Opacus's DDP used."""
         func = call.func
@@ -133,6 +189,8 @@ class _Walk:
             self.keras_models.add(func.value.id)
         if last_name(func) in ("DPDDP", "DifferentiallyPrivateDistributedDataParallel"):
             self.dpddp = True
+        if last_name(func) in _FASTAI_DISTRIBUTED:
+            self.fastai_distributed = True
 
     def _judge(self, position: int, call: ast.Call) -> _Found | None:
         name, attr = dotted_name(call.func) or "", last_name(call.func)
@@ -150,4 +208,20 @@ class _Walk:
             return _Found(position, call.lineno, _LIGHTNING_FIX)
         if attr in ("make_private", "make_private_with_epsilon") and not self.dpddp:
             return _Found(position, call.lineno, _OPACUS_FIX)
+        return self._judge_others(position, call, attr)
+
+    def _judge_others(self, position: int, call: ast.Call, attr: str | None) -> _Found | None:
+        """TPU, fastai, RapidFire AI, axolotl in-process."""
+        origin = self._from(call)
+        if origin == "torch_xla":
+            return _Found(position, call.lineno, _TPU_FIX)
+        if "fastai" in self.imported and not self.fastai_distributed and isinstance(call.func, ast.Attribute) and (
+            attr in _FASTAI_FITS or attr == "fit" and isinstance(call.func.value, ast.Name)
+                and call.func.value.id in self.learners
+        ):
+            return _Found(position, call.lineno, _FASTAI_FIX)
+        if "rapidfireai" in self.imported and attr == "run_fit":
+            return _Found(position, call.lineno, _RAPIDFIRE_FIX)
+        if origin == "axolotl" and attr in _AXOLOTL_TRAINS:
+            return _Found(position, call.lineno, _AXOLOTL_FIX)
         return None
