@@ -15,7 +15,7 @@ from .notebook_format import nbformat  # first: any nbformat import loads jsonsc
 
 from nbformat.warnings import MissingIDFieldWarning  # noqa: E402
 
-from .errors import NotebookError
+from .errors import NotebookError, printable
 
 #: Cells carrying this tag are never part of a job: a template's launch cell, a plot, a note to self.
 SKIP_TAG = "nbddp-skip"
@@ -106,7 +106,7 @@ def read_nbformat(path: str | Path) -> tuple[nbformat.NotebookNode, tuple[str, .
         where = f"line {bad.lineno}, column {bad.colno}: {bad.msg}" if isinstance(bad, json.JSONDecodeError) else exc
         raise NotebookError(f"{path}: not valid JSON ({where})") from None
     except Exception as exc:  # nbformat raises several types for structurally wrong files
-        raise NotebookError(f"{path}: not a notebook: {exc}") from None
+        raise NotebookError(f"{path}: not a notebook: {_what_is_wrong(json.loads(text)) or exc}") from None
     notes: tuple[str, ...] = ()
     if "ValidationError" in invalid:
         nb, notes = repair(nb, invalid["ValidationError"], path)
@@ -123,8 +123,11 @@ def repair(nb: nbformat.NotebookNode, error, path: Path) -> tuple[nbformat.Noteb
     """
     from nbformat.v4.nbbase import random_cell_id
 
+    problem = shape_problem(nb)
+    if problem:  # before nbformat's validator, which fails with a Python error on these (a number + "_cell")
+        raise NotebookError(f"{path}: not a notebook: {problem}")
     cells = nb.get("cells")
-    if not isinstance(cells, list) or not all(isinstance(c, dict) and "cell_type" in c for c in cells):
+    if not isinstance(cells, list):
         raise NotebookError(f"{path}: invalid notebook: {error.message}")
     done = []
     if nb.get("nbformat_minor", 0) < 5 and any("id" in c for c in cells):
@@ -141,6 +144,106 @@ def repair(nb: nbformat.NotebookNode, error, path: Path) -> tuple[nbformat.Noteb
         done.append(f"still {still.message}")
     note = f"{path.name} is not valid nbformat ({error.message}); read as Jupyter reads it"
     return nb, (note + (f" ({'; '.join(done)})" if done else ""),)
+
+
+def shape_problem(nb: object) -> str | None:
+    """What keeps a file's JSON from having a notebook's shape, said so a person can fix it (naming the cell), or
+    None. nbformat's reader and validator assume this much: an object, a list of cells, each an object with a
+    text ``cell_type`` and a text ``source``; given less they fail with a Python error (``'list' object has no
+    attribute 'get'``, ``unsupported operand type(s) for +: 'int' and 'str'``)."""
+    if not isinstance(nb, dict):
+        return f'the file holds a JSON {_json_kind(nb)}, not a notebook (an object with "cells")'
+    if "cells" not in nb:
+        return None  # nbformat 3's worksheets, or no cells at all: nbformat's own word on it
+    if not isinstance(nb["cells"], list):
+        return f'"cells" is a JSON {_json_kind(nb["cells"])}, not a list of cells'
+    for index, cell in enumerate(nb["cells"], start=1):
+        if not isinstance(cell, dict):
+            return f'cell {index} is a JSON {_json_kind(cell)}, not a cell (an object with "cell_type" and "source")'
+        if "cell_type" not in cell:
+            return f'cell {index} has no "cell_type" ("code", "markdown" or "raw")'
+        if not isinstance(cell["cell_type"], str):
+            return f'cell {index}: "cell_type" is a JSON {_json_kind(cell["cell_type"])}, not "code", "markdown" or "raw"'
+        source = cell.get("source", "")
+        if not (isinstance(source, str) or isinstance(source, list) and all(isinstance(s, str) for s in source)):
+            return f'cell {index}: "source" is a JSON {_json_kind(source)}, not text (a string or a list of strings)'
+    return None
+
+
+def _what_is_wrong(data: object) -> str | None:
+    """Why a file's JSON, which nbformat's reader failed on, is no notebook: its shape (``shape_problem``), else,
+    for an nbformat 4 file, the first place it breaks the schema (``schema_problem``)."""
+    problem = shape_problem(data)
+    if problem or not (isinstance(data, dict) and data.get("nbformat") == 4):
+        return problem
+    minor = data.get("nbformat_minor")
+    return schema_problem(data, minor if isinstance(minor, int) and 0 <= minor <= 5 else 5)
+
+
+#: The keys that say which schema a cell or an output follows (one branch of the schema's ``oneOf``).
+_KIND_KEYS = ("cell_type", "output_type")
+
+
+def schema_problem(data: dict, minor: int = 5) -> str | None:
+    """The first place ``data`` breaks nbformat 4's schema, said where (cell N, the key in it) and what, or None.
+
+    jsonschema's own message quotes the whole value (a cell, its outputs); where a cell or an output matches
+    none of the schema's kinds, the errors of the kind it names are the ones that say what is wrong."""
+    from jsonschema.exceptions import best_match
+    from nbformat.validator import get_validator
+
+    error = best_match(get_validator(4, minor, name="jsonschema").iter_errors(data))
+    while error is not None and error.validator in ("oneOf", "anyOf") and error.context:
+        branches: dict = {}
+        for sub in error.context:
+            branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+        named = [errs for errs in branches.values()  # the kind the value names: its cell_type passed
+                 if not any(e.relative_path and e.relative_path[-1] in _KIND_KEYS for e in errs)]
+        if not named:
+            break
+        error = best_match(named[0])
+    if error is None:
+        return None
+    place = _schema_place(list(error.absolute_path))
+    kind_key = next((k for k in _KIND_KEYS if isinstance(error.instance, dict) and k in error.instance), None)
+    if error.validator == "oneOf" and kind_key:  # no schema has this cell or output kind
+        place = _schema_place([*error.absolute_path, kind_key])
+        return f"{place}is {json.dumps(error.instance[kind_key])[:60]}, a kind nbformat does not know"
+    return f"{place}{_schema_message(error)}"
+
+
+def _schema_place(path: list) -> str:
+    """``['cells', 2, 'outputs', 0, 'data']`` as "cell 3: outputs[0].data: " (cells counted from 1)."""
+    where = ""
+    if len(path) >= 2 and path[0] == "cells" and isinstance(path[1], int):
+        where, path = f"cell {path[1] + 1}: ", path[2:]
+    dotted = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    return where + (f'"{dotted}" ' if dotted else "")
+
+
+#: A JSON schema's type names as a message says them.
+_SCHEMA_TYPES = {"object": "an object", "array": "a list", "string": "a string", "integer": "a whole number",
+                 "number": "a number", "boolean": "true or false", "null": "null"}
+
+
+def _schema_message(error) -> str:
+    """One schema error in words, quoting no more of the value than a short one."""
+    if error.validator == "type":
+        wanted = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+        return f"is a JSON {_json_kind(error.instance)}, not {' or '.join(_SCHEMA_TYPES.get(w, w) for w in wanted)}"
+    shown = json.dumps(error.instance)
+    if error.validator == "enum":
+        return f"is {shown[:60]}, not one of {', '.join(json.dumps(v) for v in error.validator_value)}"
+    message = error.message if len(shown) < 80 else error.message.replace(repr(error.instance), "the value")
+    return printable(message)[:200]
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value's kind as JSON names it ("list", not Python's "list"; "object", not "dict")."""
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = ((dict, "object"), (list, "array (list)"), (str, "string"), ((int, float), "number"), (type(None), "null"))
+    return next(name for types, name in kinds if isinstance(value, types))
 
 
 def notebook_cells(nb: nbformat.NotebookNode, origin: str = "<notebook>") -> list[Cell]:

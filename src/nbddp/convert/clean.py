@@ -452,7 +452,11 @@ def _shell_cell(cell: Cell, body: list[str], offset: int, name: str, head: str) 
 
 def _writefile_cell(cell: Cell, head: str, body: list[str], offset: int) -> CleanCell:
     """``%%writefile [-a] path``: written once per node, before the other processes read it."""
-    args = shlex.split(head)[1:]
+    try:
+        args = shlex.split(head)[1:]  # as IPython's magic_arguments splits it
+    except ValueError as exc:  # "No closing quotation": the kernel refuses the cell with the same words
+        raise CellError(f"%%writefile's line cannot be read: {str(exc).lower()}; close the quote around the file "
+                        "name", cell=cell.index, line=offset, source=f"%%{head}") from None
     append = any(a in ("-a", "--append") for a in args)
     paths = [a for a in args if not a.startswith("-")]
     if not paths:
