@@ -108,6 +108,9 @@ def test_a_rank_gone_between_the_look_and_the_send_ends_the_request_as_a_gone_jo
         def close(self):
             self.closed = True
 
+        def last_words(self):
+            return None
+
     class Torchrun:  # running at the look, ended by the time the send fails
         returncode = None
 
@@ -121,7 +124,7 @@ def test_a_rank_gone_between_the_look_and_the_send_ends_the_request_as_a_gone_jo
     monkeypatch.setattr(controller, "terminate_tree", lambda process: None)
     monkeypatch.setattr(controller.atexit, "register", lambda func: func)
     job = KeptJob(process=Torchrun(), channel=Channel(), run_dir=tmp_path, cells=[], cwd=tmp_path)
-    with pytest.raises(KeptJobGone, match="its ranks exited .* the idle limit"):
+    with pytest.raises(KeptJobGone, match="its ranks exited"):
         job.request(("run", "x = 1"))
     assert job.channel.closed is False  # ended by the ranks themselves: nothing left to end here
 
@@ -168,3 +171,34 @@ def test_a_channel_folder_whose_kernel_is_gone_is_removed_when_the_next_channel_
         assert live.folder.exists()
     finally:
         live.close()
+
+
+def test_after_the_idle_limit_the_next_request_says_so_not_a_guess(tmp_path, monkeypatch):
+    """The ranks end themselves after --idle-limit: rank 0 says so on its connection as it goes, and the next
+    cell names the idle limit (it used to guess: "the idle limit, or a rank ended itself")."""
+    from nbddp.kept import controller
+    from nbddp.kept.controller import KeptJob, KeptJobGone
+
+    class Torchrun:  # exited with its ranks
+        returncode = 0
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(controller, "terminate_tree", lambda process: None)
+    monkeypatch.setattr(controller.atexit, "register", lambda func: func)
+    ch = Channel(1, idle_limit_s=12)
+    try:
+        rank = Client(ch.address, family="AF_UNIX", authkey=ch.key)
+        rank.send(("hello", 0, 1000, "cpu"))
+        assert _wait(ch.ready)
+        rank.send(("ended", "the idle limit ended it: no request for 0.2 min (--idle-limit)"))
+        rank.close()
+        job = KeptJob(process=Torchrun(), channel=ch, run_dir=tmp_path, cells=[], cwd=tmp_path)
+        with pytest.raises(KeptJobGone, match=r"the idle limit ended it: no request for 0\.2 min"):
+            job.check_alive()
+    finally:
+        ch.close()

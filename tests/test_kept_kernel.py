@@ -198,7 +198,7 @@ def test_kept_job_ends_with_its_kernel(tmp_path, how):
         elif how == "idle limit":  # 12 s without a request: the ranks end themselves, the kernel stays
             alive = _gone(job, within_s=40)
             (after,) = _run(client, nb, [STILL])
-            assert "the idle limit" in "\n".join(errors(after)[0].traceback)
+            assert "the idle limit ended it: no request for 0.2 min" in "\n".join(errors(after)[0].traceback)
         else:  # the kernel gone: its warm process too (where there is one), and the job with it
             warm = [p for p in family if "nbddp.agent.warm" in _cmdline(p)]
             assert len(warm) == (1 if forked_ranks.possible_here() else 0), [_cmdline(p) for p in family]

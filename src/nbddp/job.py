@@ -51,12 +51,14 @@ def run_job(source: JobSource, options: RunOptions | None = None, view: JobView 
     env, until = {**plan.env, **view.rank_env()}, None
     if keep is not None:
         env, until = {**env, **keep.env()}, keep.ready
-    run = _run_script(plan.job, plan.options, view, nproc=plan.processes, env=env, until=until, launched=plan.launched)
+    run = _run_script(plan.job, plan.options, view, nproc=plan.processes, env=env, until=until, launched=plan.launched,
+                      on_interrupt=keep.stop_at_step if keep is not None else None)
     return JobResult.from_run(run, plan.job.cwd, plan.script)
 
 
 def _run_script(job: Job, options: RunOptions, view: JobView, *, nproc: int | None, env: dict[str, str],
-                until: Callable[[], bool] | None = None, launched: int | None = None) -> RunResult:
+                until: Callable[[], bool] | None = None, launched: int | None = None,
+                on_interrupt: Callable[[], None] | None = None) -> RunResult:
     """Write the job's script into a new run directory, run its installs once, then launch it under torchrun
     with ``nproc`` processes and the ranks' ``env``, as the job decided; the output folders the script names
     are checked and claimed for the launch (``outputs.py``). ``launched``: the processes the notebook's own
@@ -80,7 +82,7 @@ def _run_script(job: Job, options: RunOptions, view: JobView, *, nproc: int | No
     with outputs.claimed(folders, run_dir) as shared:
         for warning in shared:
             view.sink("stderr", f"nbddp: warning: {warning}\n")
-        result = _launch.launch(plan, sink=view.sink, on_metrics=view.on_metrics, until=until)
+        result = _launch.launch(plan, sink=view.sink, on_metrics=view.on_metrics, until=until, on_interrupt=on_interrupt)
     if launched and result.ok:  # the notebook went on after its launched training failed, as in the kernel
         from .launched import failure_of
 

@@ -139,6 +139,10 @@ def outcome_error(job: "JobResult", label: Callable[[int], str] | None = None) -
     """
     if job.ok:
         return None
+    if job.interrupted and job.run.process is not None:  # a kept job (--keep): stopped at a step, ranks up
+        done = f" at step {job.steps}/{job.max_steps}" if job.max_steps else " at a step boundary"
+        return JobInterrupted(f"interrupted: the training stopped together{done}, the ranks are kept: "
+                              "%%ddp cells run on them")
     if job.interrupted:
         done = f" at step {job.steps}/{job.max_steps}" if job.max_steps else ""
         return JobInterrupted(f"training stopped{done}; every rank and torchrun have exited. "

@@ -4,8 +4,11 @@
 Every request goes to every rank and waits for every answer (no fixed timeout: a cell runs as long as it
 runs), while rank 0's output files are followed as a job's are. A rank that fails while another is still
 running (waiting in a collective for it) cannot be brought back safely: the others get ``GRACE_S`` to
-finish, then the job is ended and the failing rank named. An interrupt asks the ranks to stop together at
-the next Trainer step (``runtime/serve.py``); ranks that do not answer within ``STOP_WAIT_S`` are ended.
+finish, then the job is ended and the failing rank named. An interrupt (the kernel's Stop, or ``--timeout``)
+interrupts every rank where it is — a training stops together at the next Trainer step (``runtime/serve.py``)
+— and the ranks are kept once every one came back to the prompt and they agree (``("agree",)``: one
+all-reduce). A rank that does not come back within ``GRACE_S`` of another (stuck in a collective the others
+left, or in native code), or at all within ``STOP_WAIT_S``, ends the job, said so.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from .channel import Channel
 GRACE_S = 5.0
 #: Seconds the ranks get to stop together after an interrupt before they are ended.
 STOP_WAIT_S = 20.0
+#: Seconds the ranks' check after a Stop may take, all told (each rank's all-reduce waits ``serve.AGREE_S``).
+AGREE_WAIT_S = 8.0
 
 
 class KeptJobGone(NbddpError):
@@ -40,7 +45,9 @@ class Answer:
     """Each rank's reply to one request; ``ended`` says the job was ended while waiting."""
 
     replies: dict[int, tuple] = field(default_factory=dict)
+    where: dict[int, int] = field(default_factory=dict)  # rank → the script line it was at, when asked
     interrupted: bool = False
+    timed_out: bool = False
     ended: bool = False
 
 
@@ -70,16 +77,24 @@ class KeptJob:
         return self.ended_because is None and self.process.poll() is None
 
     def check_alive(self) -> None:
+        said = self.channel.last_words() if self.ended_because is None else None
+        if said:  # the ranks ended themselves, and said why (the idle limit)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=GRACE_S)
+            self.end(said)
         if self.process.poll() is not None and self.ended_because is None:
-            self.ended_because = (f"its ranks exited (torchrun's code {self.process.returncode}): the idle limit, "
-                                  "or a rank ended itself; the ranks' logs are in " + str(self.run_dir / "logs"))
+            self.ended_because = (f"its ranks exited (torchrun's code {self.process.returncode}) without a word; "
+                                  "the ranks' logs are in " + str(self.run_dir / "logs"))
         if self.ended_because:
             raise KeptJobGone(f"the kept job has ended: {self.ended_because}. "
                               "Run %%ddp_train --keep again to start another")
 
-    def request(self, message: tuple, *, ranks=None, follow=None) -> Answer:
+    def request(self, message: tuple, *, ranks=None, follow=None, timeout_s: float | None = None,
+                waiting=None) -> Answer:
         """Send ``message`` to ``ranks`` (all by default) and wait for each answer; ``follow`` is polled
-        meanwhile (rank 0's output). Ctrl-C asks the ranks to stop at the next step, then ends them if they do not."""
+        meanwhile (rank 0's output). Ctrl-C, or ``timeout_s`` passing, interrupts the ranks where they are (a
+        training at its next step); those that do not come back are ended. ``waiting(rank, seconds, answer)``
+        is called while some ranks have answered and ``rank`` has not, ``seconds`` after the first answer."""
         self.check_alive()
         ranks = sorted(self.channel.ranks) if ranks is None else list(ranks)
         for r in ranks:
@@ -87,29 +102,80 @@ class KeptJob:
                 self.channel.ranks[r].send(message)
             except OSError:  # the rank ended between the look above and this send (its idle limit, say)
                 self._gone_meanwhile(r)
-        answer, asked_stop, failed_at = Answer(), None, None
+        answer, asked_stop, failed_at, back_at, first_at, before = Answer(), None, None, None, None, 0
+        started = time.monotonic()
         while len(answer.replies) < len(ranks):
             try:
                 self._collect(answer, ranks, follow)
+                if timeout_s is not None and asked_stop is None and time.monotonic() - started > timeout_s:
+                    answer.timed_out = True
+                    raise KeyboardInterrupt
             except KeyboardInterrupt:
                 answer.interrupted = True
                 if asked_stop is None:
-                    asked_stop = time.monotonic()
+                    asked_stop, before = time.monotonic(), len(answer.replies)
                     for r in ranks:
-                        with contextlib.suppress(OSError):
-                            self.channel.ranks[r].send(("interrupt",))
-                    continue
+                        if r not in answer.replies:
+                            with contextlib.suppress(OSError):
+                                self.channel.ranks[r].send(("interrupt",))
+                continue
+            now = time.monotonic()
             if failed_at is None and any(rep[0] == "error" for rep in answer.replies.values()):
-                failed_at = time.monotonic()
-            late = (failed_at and time.monotonic() - failed_at > GRACE_S) or (
-                asked_stop and time.monotonic() - asked_stop > STOP_WAIT_S)
-            if late or self.process.poll() is not None:
-                missing = [r for r in ranks if r not in answer.replies]
-                self.end(f"rank(s) {', '.join(map(str, missing))} did not answer")
+                failed_at = now
+            if asked_stop and back_at is None and len(answer.replies) > before:
+                back_at = now
+            if first_at is None and answer.replies:
+                first_at = now
+            if waiting and first_at is not None and len(answer.replies) < len(ranks):
+                for r in ranks:
+                    if r not in answer.replies:
+                        waiting(r, now - first_at, answer)
+            why = self._late(answer, ranks, now, failed_at, asked_stop, back_at)
+            if why:
+                self.end(why)
                 answer.ended = True
                 break
+        if answer.interrupted and not answer.ended and len(ranks) == self.nproc:
+            self._agree(answer)
         self.last_used = time.monotonic()
         return answer
+
+    def _late(self, answer: Answer, ranks, now: float, failed_at, asked_stop, back_at) -> str | None:
+        """Why the job must be ended now, if it must: a rank that does not answer while another failed or came
+        back from the Stop, or none back from it within ``STOP_WAIT_S``; or torchrun gone."""
+        missing = ", ".join(str(r) for r in ranks if r not in answer.replies)
+        if failed_at and now - failed_at > GRACE_S:
+            return f"rank(s) {missing} did not answer"
+        if (back_at and now - back_at > GRACE_S) or (asked_stop and now - asked_stop > STOP_WAIT_S):
+            return (f"rank(s) {missing} did not come back from the Stop: stuck inside a collective the other ranks "
+                    "had left, or in native code that does not return to Python")
+        if self.process.poll() is not None:
+            return f"rank(s) {missing} did not answer (torchrun exited)"
+        return None
+
+    def _agree(self, answer: Answer) -> None:
+        """After a Stop every rank is back at the prompt: they must also agree in the process group (one
+        all-reduce, ``serve.agree``) before the next cell's collectives, else the job is ended."""
+        replies: dict[int, tuple] = {}
+        try:
+            for conn in self.channel.ranks.values():
+                conn.send(("agree",))
+            deadline = time.monotonic() + AGREE_WAIT_S
+            while len(replies) < self.nproc and time.monotonic() < deadline:
+                conns = {c: r for r, c in self.channel.ranks.items() if r not in replies}
+                for conn in wait(list(conns), timeout=POLL_S):
+                    replies[conns[conn]] = conn.recv()
+        except (EOFError, OSError):
+            pass
+        bad = [rep[1] or "" for rep in replies.values() if rep[0] != "ok" or rep[1]]
+        if len(replies) < self.nproc or bad:
+            self.end(bad[0] if bad else "the ranks did not all answer the check after the Stop")
+            answer.ended = True
+
+    def ask_where(self, rank: int) -> None:
+        """Ask a rank still running a cell where it is; its answer lands in ``Answer.where``."""
+        with contextlib.suppress(OSError):
+            self.channel.ranks[rank].send(("where",))
 
     def _gone_meanwhile(self, rank: int) -> None:
         """A rank's connection closed under a request: the job has ended, or is ended now; said as ``check_alive``
@@ -124,9 +190,17 @@ class KeptJob:
         conns = {self.channel.ranks[r]: r for r in ranks if r not in answer.replies}
         for conn in wait(list(conns), timeout=POLL_S):
             try:
-                answer.replies[conns[conn]] = conn.recv()
+                reply = conn.recv()
             except (EOFError, OSError):
-                answer.replies[conns[conn]] = ("error", f"rank {conns[conn]} exited", "")
+                reply = ("error", f"rank {conns[conn]} exited", "")
+            if reply[0] == "where":  # where a rank still running is (``ask_where``), not its answer
+                if reply[1] is not None:
+                    answer.where[conns[conn]] = reply[1]
+                continue
+            if reply[0] == "ended":  # the rank ended itself as the request came (the idle limit)
+                self.ended_because = self.ended_because or reply[1]
+                reply = ("error", reply[1], "")
+            answer.replies[conns[conn]] = reply
         if follow:
             follow()
 

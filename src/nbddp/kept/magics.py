@@ -16,7 +16,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..display import outcome_error
 from ..display.progress import warm as warm_plot
 from ..display.text import cell_label
-from ..errors import JobFailed, NbddpError
+from ..errors import JobFailed, JobInterrupted, NbddpError
 from ..guard import guard
 from ..job import JobResult
 from ..launch import RankFailure, RunResult, map_traceback
@@ -61,13 +61,20 @@ class KeptMagics(Magics):
         self.job.check_alive()
         return self.job
 
+    @magic_arguments()
+    @argument("--timeout", type=float, default=None, metavar="S",
+              help="interrupt the cell on every rank after S seconds, as Stop does (default: none)")
     @cell_magic
     @guard("running a %%ddp cell", passthrough=(UsageError,))
     def ddp(self, line: str, cell: str):
         """Run this cell on every rank of the kept job (%%ddp_train --keep), converted by the same rules as
         the job's cells: another trainer.train() trains on every rank from the weights they hold; generation,
         saving, printing and plotting after a training run on rank 0. Rank 0's output is shown here; a failing
-        rank's traceback at this cell's line. Interrupting stops the ranks together at the next step."""
+        rank's traceback at this cell's line. Stop interrupts every rank where it is (a training at its next
+        step) and keeps the ranks; a cell that some ranks finished and others not says where those are."""
+        args = parse_argstring(self.ddp, line)
+        if args.timeout is not None and not args.timeout > 0:
+            raise UsageError(f"--timeout takes seconds above 0, not {args.timeout:g}")
         job = self._job()
         self._refuse_changed_setup(job)
         if self.record is not None and job.ran_here:
@@ -88,12 +95,15 @@ class KeptMagics(Magics):
             view.poll()
 
         started = time.monotonic()
-        answer = job.request(("run", str(kept.path), kept.first, kept.last), follow=follow)
+        waits = Waits(job, kept, self._label(job, kept))
+        answer = job.request(("run", str(kept.path), kept.first, kept.last), follow=follow,
+                             timeout_s=args.timeout, waiting=waits.note)
         for f in followers:
             f.poll(final=True)
         metrics.poll()
         failure = self._failure(answer, kept)
-        stopped = answer.interrupted or any(rep[0] == "ok" and rep[1] for rep in answer.replies.values())
+        stopped = answer.interrupted or any(rep[0] == "interrupted" or (rep[0] == "ok" and rep[1])
+                                            for rep in answer.replies.values())
         run = RunResult(returncode=1 if failure or answer.ended else 0, run_dir=job.run_dir, script=kept.path,
                         duration_s=time.monotonic() - started, log_history=tuple(metrics.records),
                         failure=failure, interrupted=stopped and not failure)
@@ -103,8 +113,7 @@ class KeptMagics(Magics):
             job.cells.append(kept.cell)
             self.shell.user_ns["_ddp"] = result if metrics.records else self.shell.user_ns.get("_ddp")
         if stopped and not failure:
-            where = "ended" if answer.ended else "kept: stopped together at a step boundary"
-            raise JobFailed(f"interrupted; the ranks are {where}")
+            raise JobInterrupted(self._interrupted(answer, kept, job, args.timeout))
         if answer.ended and not failure:
             raise JobFailed(f"the kept job was ended: {job.ended_because}")
         error = outcome_error(result, self._label(job, kept))
@@ -120,6 +129,22 @@ class KeptMagics(Magics):
         if job.setup is not None and now != job.setup:
             raise NbddpError("the %%ddp_setup cells changed since the kept job started, and its ranks hold what the "
                              "old ones made: run %%ddp_train --keep again to start from the cells as they are now")
+
+    def _interrupted(self, answer, kept, job: KeptJob, timeout_s: float | None) -> str:
+        """What an interrupted cell says: where the ranks were stopped, and whether they are kept (an interrupt
+        is not a failure: never said as one)."""
+        what = f"timed out after {timeout_s:g} s (--timeout)" if answer.timed_out else "interrupted"
+        places = [place(job, kept, self._label(job, kept), rep[1])
+                  for _, rep in sorted(answer.replies.items()) if rep[0] == "interrupted"]
+        if places:
+            where = f" at {places[0]}"
+        elif any(rep[0] == "ok" and rep[1] for rep in answer.replies.values()):
+            where = ": the training stopped together at a step boundary"
+        else:
+            where = " after the cell had finished on every rank"
+        if answer.ended:
+            return f"{what}{where}; the kept job was ended: {job.ended_because}"
+        return f"{what}{where}, the ranks are kept: %%ddp cells run on them"
 
     @staticmethod
     def _label(job: KeptJob, kept):
@@ -203,6 +228,51 @@ class KeptMagics(Magics):
             return
         self.job.stop()
         print("nbddp: the kept job has ended; every rank has exited")
+
+
+def place(job: KeptJob, kept, label, traceback_or_line) -> str:
+    """Where in the notebook a rank was: a traceback's innermost frame in the cell's script, or a script line."""
+    smap = read_source_map(kept.path)
+    if isinstance(traceback_or_line, int):
+        cell, line = (smap.lookup(traceback_or_line) if smap else None) or (None, None)
+    else:
+        _, cell, line = map_traceback(traceback_or_line, kept.path, smap)
+    if cell is None or not line:
+        return "a line of a library (not the notebook's)"
+    if cell == kept.cell.index:
+        lines = kept.cell.source.splitlines()
+        source = f" ({lines[line - 1].strip()})" if line <= len(lines) and lines[line - 1].strip() else ""
+        return f"line {line} of this %%ddp cell{source}"
+    return f"{label(cell)}, line {line}"
+
+
+class Waits:
+    """While some ranks have answered a cell and others not: which rank, at which line, for how long — said
+    after ``FIRST_S``, then every ``EVERY_S`` (asked of the rank itself, ``KeptJob.ask_where``)."""
+
+    FIRST_S, EVERY_S = 5.0, 30.0
+
+    def __init__(self, job: KeptJob, kept, label):
+        self.job, self.kept, self.label = job, kept, label
+        self.asked: dict[int, float] = {}  # rank → the wait (s) at which it was last asked
+        self.said: dict[int, float] = {}
+
+    def note(self, rank: int, waited_s: float, answer) -> None:
+        due = self.FIRST_S if rank not in self.said else self.said[rank] + self.EVERY_S
+        if waited_s < due - 0.5:
+            return
+        if self.asked.get(rank, -1.0) < due - 0.5:
+            self.job.ask_where(rank)
+            self.asked[rank] = waited_s
+            return
+        if rank not in answer.where and waited_s < due + 1.0:  # its answer is on the way
+            return
+        done = ", ".join(str(r) for r in sorted(answer.replies))
+        at = place(self.job, self.kept, self.label, answer.where[rank]) if rank in answer.where else "an unknown line"
+        print(f"nbddp: rank {rank} is still running this cell, at {at}, {waited_s:.0f} s after rank(s) {done} "
+              "finished it (Stop interrupts every rank)", flush=True)
+        self.said[rank] = waited_s
+        answer.where.pop(rank, None)
 
 
 def _limit(job: KeptJob) -> str:

@@ -40,7 +40,7 @@ STACKS_WAIT_S = 2.0
 
 
 def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None,
-           until: Callable[[], bool] | None = None) -> RunResult:
+           until: Callable[[], bool] | None = None, on_interrupt: Callable[[], None] | None = None) -> RunResult:
     """Run the plan to the end; stream rank 0 to ``sink``; leave no process behind whatever happens.
 
     A Ctrl-C (``KeyboardInterrupt``), SIGTERM or SIGHUP (a scheduler's stop, a closed terminal) or the
@@ -49,7 +49,9 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
     ends it once the ranks are gone and the stop is reported (``_StopSignals``).
 
     ``until`` (a kept job: every rank has finished the notebook's cells and is waiting for the kernel) returns
-    with the processes left running: ``RunResult.process`` is torchrun's, for the kept job to end later.
+    with the processes left running: ``RunResult.process`` is torchrun's, for the kept job to end later. With
+    ``on_interrupt`` too (the kept job's Stop), a Ctrl-C calls it and waits on for ``until`` (``_kept_after_stop``):
+    the ranks stop their training at a step and are kept, interrupted; a second Ctrl-C stops them as above.
     """
     sink = sink or stdout_sink
     plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -75,10 +77,12 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
                     time.sleep(POLL_S)
             except KeyboardInterrupt:
                 interrupted = True
+                if on_interrupt is not None and until is not None:
+                    kept = _kept_after_stop(proc, on_interrupt, until, [*followers, metrics], sink)
             finally:
                 stop.waiting = False  # from here a stop signal is only noted
                 with _interrupts_held() as held:
-                    if (timed_out or interrupted) and proc.poll() is None:
+                    if (timed_out or interrupted) and proc.poll() is None and not kept:
                         ask_for_stacks(proc, plan.log_dir)
                     if not kept:
                         terminate_tree(proc)
@@ -110,7 +114,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         stopped_by=stopped_by,
         process=proc if kept else None,
     )
-    if interrupted or timed_out:  # a hang is often ended this way: say where each rank was
+    if (interrupted or timed_out) and not kept:  # a hang is often ended this way: say where each rank was
         what = "interrupted" if interrupted else f"timed out after {plan.timeout_s:.0f} s"
         if stopped_by:
             what = f"stopped by {signal.Signals(stopped_by).name}"
@@ -125,6 +129,29 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
                            "Leave it out, or have run directories made elsewhere (--runs-dir DIR, or NBDDP_RUNS)\n")
     stop.pass_on()
     return result
+
+
+#: Seconds a kept job's ranks get, after a Stop, to stop their training at a step and finish the cells.
+KEPT_STOP_WAIT_S = 60.0
+
+
+def _kept_after_stop(proc, on_interrupt, until, followers, sink) -> bool:
+    """A kept job's Stop: the ranks are asked to stop their training at a step (``on_interrupt``) and the wait
+    goes on for them; True once every rank is kept (``until``), False on a second Ctrl-C, the ranks' exit or
+    ``KEPT_STOP_WAIT_S`` passing (the job is then stopped as any)."""
+    on_interrupt()
+    sink("stderr", "\nnbddp: stopping the training at the next step; the ranks are kept (interrupt again to end them)\n")
+    deadline = time.monotonic() + KEPT_STOP_WAIT_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            for f in followers:
+                f.poll()
+            if until():
+                return True
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        pass
+    return False
 
 
 def _fresh_agent(plan: LaunchPlan, log) -> subprocess.Popen:

@@ -9,7 +9,8 @@ every ``STOP_CHECK_S`` of training, at steps the ranks agree on). The rank ends 
 closing (a restart, a killed kernel) ends it at once; so do
 ``%ddp_stop`` and the idle limit (``NBDDP_KEEP_IDLE``, seconds without a message). Messages are tuples:
 ``("run", path, first, last)`` runs lines first..last of a converted cell's script, ``("pull", name)``,
-``("push", name, value)``, ``("status",)``, ``("agree",)``, ``("stop",)``; each is answered ``("ok", value)``,
+``("push", name, value)``, ``("status",)``, ``("agree",)``, ``("stop",)``, and ``("where",)`` (answered at once by
+the reader thread: the running cell's line, ``("where", line)``); the others are answered ``("ok", value)``,
 ``("error", message, traceback)`` or, for a cell the kernel's Stop cut short, ``("interrupted", traceback)``.
 
 Stop (``("interrupt",)``, read by the reader thread): a training stops at the next agreed step (above); any other
@@ -88,6 +89,7 @@ def serve(namespace: dict) -> None:
                 continue
             if info.is_main:
                 print(f"nbddp: the kept job was idle for {idle_s / 60:g} min (--idle-limit): ending it", flush=True)
+            _send(conn, ("ended", f"the idle limit ended it: no request for {idle_s / 60:g} min (--idle-limit)"))
             return
         if message is None or message[0] == "stop":
             return
@@ -118,14 +120,19 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+_send_lock = threading.Lock()  # the reader thread answers "where" while the main thread may answer a request
+_cell_path: str | None = None  # the converted cell running now
+
+
 def _send(conn, reply: tuple) -> None:
     """The reply, or what kept it from being sent (a pulled value that does not pickle): the rank stays up."""
     try:
-        conn.send(reply)
+        with _send_lock:
+            conn.send(reply)
     except OSError:
         pass
     except Exception as exc:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError), _send_lock:
             conn.send(("error", f"the value cannot be sent to the kernel: {type(exc).__name__}: {exc}", ""))
 
 
@@ -141,6 +148,8 @@ def _read(conn, inbox: queue.Queue) -> None:
             os._exit(0)
         if message[0] == "interrupt":
             interrupt()
+        elif message[0] == "where":
+            _send(conn, ("where", where()))
         else:
             inbox.put(message)
 
@@ -152,6 +161,17 @@ def interrupt() -> None:
     _stop_requested.set()
     if _cell_running.is_set() and not _training.is_set():
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def where() -> int | None:
+    """The line of the running cell's script the main thread is at (its innermost frame there), or None."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    path = _cell_path
+    while frame is not None and path is not None:
+        if frame.f_code.co_filename == path:
+            return frame.f_lineno
+        frame = frame.f_back
+    return None
 
 
 def _interrupt_cell(signum, frame) -> None:
@@ -191,12 +211,15 @@ def _run(path: str, first: int, last: int, namespace: dict) -> None:
         lines = fh.read().splitlines()
     code = "\n" * (first - 1) + "\n".join(lines[first - 1:last]) + "\n"
     compiled = compile(code, path, "exec")
+    global _cell_path
+    _cell_path = path
     _cell_running.set()
     try:
         exec(compiled, namespace)
     finally:
         _cell_running.clear()
         _training.clear()
+        _cell_path = None
 
 
 def agree(timeout_s: float = AGREE_S) -> str | None:

@@ -1,0 +1,64 @@
+"""Stop in a kept job (a real kernel, 2 gloo ranks): during the --keep cell's own training the ranks stop at a step
+and stay up; during a plain %%ddp loop every rank is interrupted where it is within a second, and the ranks stay up
+with what they hold. Neither is called a failure."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from kernel import kernel_env
+from test_interrupt import execute, finish
+from test_kept_kernel import SETUP
+
+pytestmark = pytest.mark.e2e
+
+LONG_SETUP = SETUP.replace("max_steps=30", "max_steps=100000")
+TRAIN = "%%ddp_train --keep --nproc 2\ntrainer.train()\n"
+TRAINING = re.compile(r"\b([2-9]|[1-9]\d+)/100000\b")
+HELD = ("%%ddp\nheld = sum(p.detach().double().sum().item() for p in model.parameters())\n"
+        "step = trainer.state.global_step\nprint('held at step', step)")
+LOOP = "%%ddp\nimport time\nfor i in range(60):\n    time.sleep(1)\n    print('tick', i, flush=True)\n"
+AFTER = ("%%ddp\nsame = sum(p.detach().double().sum().item() for p in model.parameters()) == held\n"
+         "total = torch.ones(1)\ntorch.distributed.all_reduce(total)\n"
+         "print('after', same, trainer.state.global_step == step, int(total.item()))")
+
+
+def _said(errors) -> str:
+    return "\n".join(f"{e['ename']}: {e['evalue']}\n" + "\n".join(e["traceback"]) for e in errors)
+
+
+def test_stop_keeps_the_ranks_in_the_keep_training_and_in_a_plain_loop(tmp_path):
+    km, kc = start_new_kernel(kernel_name="python3", env=kernel_env(NBDDP_CACHE=str(tmp_path / "cache")),
+                              cwd=str(tmp_path))
+    try:
+        assert execute(kc, "%load_ext nbddp")[0] == "ok"
+        assert execute(kc, LONG_SETUP)[0] == "ok"
+
+        # Stop during the --keep cell's own training: it stops at a step, and the ranks stay up
+        msg_id, text, _ = execute(kc, TRAIN, until=lambda t: TRAINING.search(t) is not None)
+        km.interrupt_kernel()
+        said = _said(finish(kc, msg_id, timeout=120))
+        assert "JobInterrupted" in said and "the ranks are kept" in said and "Failed" not in said, said
+        status, text, errors = execute(kc, HELD)
+        assert status == "ok" and re.search(r"held at step [1-9]", text), (text, errors)
+
+        # Stop during a plain loop: every rank interrupted where it is, the cell over within a second or so
+        msg_id, text, _ = execute(kc, LOOP, until=lambda t: "tick 1" in t)
+        pressed = time.monotonic()
+        km.interrupt_kernel()
+        said = _said(finish(kc, msg_id, timeout=60))
+        took = time.monotonic() - pressed
+        print(f"Stop in a plain %%ddp loop: the cell ended {took:.2f} s after the interrupt")
+        assert took < 5, took  # 1 s on a quiet machine; the bound leaves room for a shared one
+        assert "interrupted at line 4 of this %%ddp cell (time.sleep(1)), the ranks are kept" in said, said
+        assert "Failed" not in said, said
+        status, text, errors = execute(kc, AFTER)
+        assert status == "ok" and "after True True 2" in text, (text, errors)
+        assert "every rank has exited" in execute(kc, "%ddp_stop")[1]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
