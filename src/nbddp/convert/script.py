@@ -116,7 +116,7 @@ def _collector_paused():
 
 def convert_cells(
     cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False, precheck: bool = True,
-    notes: tuple[str, ...] = (), launcher_facts: bool = True,
+    notes: tuple[str, ...] = (), launcher_facts: bool = True, kept_cell: bool = False,
 ) -> Script:
     """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
 
@@ -126,20 +126,21 @@ def convert_cells(
     in instead, which gives the same script more slowly (what the checks are tested against). ``notes``:
     warnings from reading the notebook, listed first. ``launcher_facts=False`` leaves out what only a launch
     reads (``Script.shape``, ``Script.output_targets``: one more parse of the whole script), for a kept job's
-    ``%%ddp`` cell, which launches nothing.
+    ``%%ddp`` cell, which launches nothing. ``kept_cell``: the last cell is such a ``%%ddp`` cell, whose
+    statements run on every rank but its writes (``facts/kept.py``), not as code after training.
     """
     with _collector_paused():
-        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes, launcher_facts)
+        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes, launcher_facts, kept_cell)
 
 
 def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool, notes=(),
-                   launcher_facts: bool = True) -> Script:
+                   launcher_facts: bool = True, kept_cell: bool = False) -> Script:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     warnings: list[str] = list(notes)
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
     check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
-    facts = gather_facts(codes)
+    facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None)
     launches = find_launches(cells) if facts.last_training is None else ()
     if launches:
         warnings.append(f"no training call found in the code; its training is a command it launches ({leading_launch(launches)}): "

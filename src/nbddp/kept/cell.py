@@ -1,17 +1,20 @@
 """A ``%%ddp`` cell converted by the same rules as a job's cells: the cell is converted after every cell the
 kept job has run (its facts see the trainers, models and trainings before it), and only its own lines are
-run. So a second ``trainer.train()`` runs on every rank, generation, saving, printing and plotting after a
-training on rank 0, evaluation on all. The whole script is written beside the job's, with its source map, so
+run. Unlike a job's code after training, every statement runs on every rank, so every name the cell binds
+exists on every rank (a second ``trainer.train()``, evaluation, printing, generation: only rank 0's output is
+shown); a statement that writes files or pushes runs on rank 0 once, and the names it binds are sent from
+rank 0 to the others (``convert/facts/kept.py``). What the cell does so is said as it runs. The whole script is written beside the job's, with its source map, so
 a rank compiles the cell's lines at their script line numbers and its traceback maps to the cell's line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..cells import Cell
 from ..convert import Script, convert_cells
+from ..convert.rules.rank_zero import RankZeroRule
 from ..errors import NbddpError
 from ..runtime.sourcemap import map_path
 
@@ -39,7 +42,8 @@ def convert_kept_cell(source: str, history: list[Cell], run_dir: Path, number: i
     """Convert ``source`` as the cell after ``history``; write the script as ``ddp-cell-<number>.py``."""
     index = max((c.index for c in history), default=0) + 1
     cell = Cell(index, f"{MAGIC_LINE}\n{source}", history[0].origin if history else "<cells>")
-    script = convert_cells([*history, cell], origin=history[0].origin if history else "<cells>", launcher_facts=False)
+    script = convert_cells([*history, cell], origin=history[0].origin if history else "<cells>", launcher_facts=False,
+                           kept_cell=True)
     lines = script.text.splitlines()
     header = f"# [cell {index}]"
     starts = [n for n, text in enumerate(lines, start=1) if text == header]
@@ -47,7 +51,15 @@ def convert_kept_cell(source: str, history: list[Cell], run_dir: Path, number: i
     if not starts or not ends:
         raise NbddpError("the %%ddp cell could not be found in its converted script; run it as a job instead")
     path = _write(script, run_dir / f"ddp-cell-{number}.py")
-    return KeptCell(cell, script, path, starts[-1], ends[-1] - 1)
+    return KeptCell(cell, _with_notes(script, index), path, starts[-1], ends[-1] - 1)
+
+
+def _with_notes(script: Script, index: int) -> Script:
+    """Where the cell runs, said as the cell runs (the magic prints the script's warnings): the writes rank 0
+    runs alone and the names it sends, values that may differ between ranks. The rest runs on every rank."""
+    notes = tuple(f"this %%ddp cell, line {c.line}: {c.message}" for c in script.changes
+                  if c.cell == index and c.rule == RankZeroRule.name)
+    return replace(script, warnings=script.warnings + notes) if notes else script
 
 
 def _write(script: Script, path: Path) -> Path:

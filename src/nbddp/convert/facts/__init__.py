@@ -22,6 +22,7 @@ import ast
 
 from ..code import CellCode, Statement
 from .job_facts import JobFacts, Seen
+from .kept import plan_kept_cell
 from .loaders import plan_helper_training_loaders, plan_loaders
 from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
@@ -33,9 +34,10 @@ from .training import is_plain_loop, is_training_call, plan_trainers, plan_train
 __all__ = ["JobFacts", "gather_facts"]
 
 
-def gather_facts(cells: list[CellCode]) -> JobFacts:
-    """Look at every cell once and decide what the statement rules do."""
-    facts = JobFacts()
+def gather_facts(cells: list[CellCode], kept_cell: int | None = None) -> JobFacts:
+    """Look at every cell once and decide what the statement rules do; ``kept_cell``: the position of a kept
+    job's ``%%ddp`` cell, planned by ``kept.plan_kept_cell`` instead of as code after training."""
+    facts = JobFacts(kept_cell=kept_cell)
     defs: dict[str, list[ast.Call]] = {}  # function name → the calls in its body
     top = [stmt for cell in cells for stmt in cell.statements]
     seen = Seen()
@@ -51,6 +53,8 @@ def gather_facts(cells: list[CellCode]) -> JobFacts:
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:
         _plan_around_training(top, trains, facts)
+    if kept_cell is not None:
+        plan_kept_cell(top, facts)
     plan_function_bodies(top, facts)
     return facts
 

@@ -91,6 +91,13 @@ class JobFacts:
     module_names: set[str] = field(default_factory=set)
     #: top-level dataset preparation run under ``main_process_first``
     main_first: set[Statement] = field(default_factory=set)
+    #: a kept job's ``%%ddp`` cell, by its position among the converted cells (``kept/cell.py``): its statements
+    #: run on every rank but those that write files or push (``facts/kept.py``); None in a job's script
+    kept_cell: int | None = None
+    #: the kept cell's rank-0 statements (a subset of ``rank0``) → the names each binds, sent from rank 0
+    kept_rank0: dict[Statement, list[str]] = field(default_factory=dict)
+    #: the kept cell's statements whose values may differ between ranks, or that write on every rank → what is said
+    kept_notes: dict[Statement, str] = field(default_factory=dict)
     #: top-level statement → model names wrapped in DDP right after it
     ddp_wrap_after: dict[Statement, list[str]] = field(default_factory=dict)
     #: plain PyTorch, inside a function or loop that builds and trains: (cell position, line of the statement

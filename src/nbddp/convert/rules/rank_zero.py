@@ -7,6 +7,8 @@ from ..engine.rule import BlockRule
 
 #: Guard for code that must run on one process only.
 MAIN_PROCESS_EXPR = "_nbddp.on_rank0()"
+#: The context of a kept ``%%ddp`` cell's rank-0 block: rank 0's names reach every rank as it ends.
+KEPT_EXPR = "_nbddp.from_rank0"
 
 
 class RankZeroRule(BlockRule):
@@ -30,11 +32,11 @@ class RankZeroRule(BlockRule):
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
-        return any(s in facts.rank0 or s in facts.all_ranks for s in cell.statements)
+        return any(s in facts.rank0 or s in facts.all_ranks or s in facts.kept_notes for s in cell.statements)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return stmt in facts.rank0 or stmt in facts.all_ranks  # the latter get a note: "stays on every rank"
+        return stmt in facts.rank0 or stmt in facts.all_ranks or stmt in facts.kept_notes  # the others: a note
 
     # -- what it does: libcst
 
@@ -45,9 +47,13 @@ class RankZeroRule(BlockRule):
         for stmt in node.body:
             if (reason := self.facts.all_ranks.get(self.statement(stmt))) is not None:
                 self.note(stmt, f"stays on every rank: {reason}")
+            if (said := self.facts.kept_notes.get(self.statement(stmt))) is not None:
+                self.note(stmt, said)
         return False
 
     def block(self, run):
+        if self.statement(run[0]) in self.facts.kept_rank0:
+            return self._kept_block(run)
         models = self.facts.tail_unwraps.get(self.statement(run[0]), [])
         unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
         return cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
@@ -57,7 +63,26 @@ class RankZeroRule(BlockRule):
             return [fixed_statement("_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")]
         return []
 
+    def _kept_names(self, run) -> list[str]:
+        return sorted({n for s in run for n in self.facts.kept_rank0.get(self.statement(s), ())})
+
+    def _kept_block(self, run):
+        """A kept ``%%ddp`` cell's write: rank 0 runs it, and as the block ends the names it binds (or its
+        error) reach every rank (``runtime/from_rank0.py``), so the next cell finds them on every rank."""
+        names = self._kept_names(run)
+        sent = f"; {', '.join(names)} sent to every rank" if names else ""
+        guard = cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=self.inside(run)))
+        context = ", ".join(["globals()", *(repr(n) for n in names)])
+        header = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "),
+                                        comment=cst.Comment(f"# [nbddp] it writes or pushes: once, on rank 0{sent}"))
+        return cst.With(items=[cst.WithItem(item=fixed_expression(f"{KEPT_EXPR}({context})"))],
+                        body=cst.IndentedBlock(body=[guard], header=header))
+
     def message(self, run) -> str:
+        if self.statement(run[0]) in self.facts.kept_rank0:
+            names = self._kept_names(run)
+            sent = f", then {', '.join(names)} sent from rank 0 to every rank" if names else ""
+            return f"runs on rank 0 only, as it writes or pushes{sent} (a %%ddp cell's other statements run on every rank)"
         if any(self.statement(s) in self.facts.shared_saves for s in run):
             return "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)"
         tail = self.statement(run[0]) in self.facts.tail

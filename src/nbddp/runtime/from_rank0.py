@@ -1,0 +1,107 @@
+"""A kept job's ``%%ddp`` cell runs on every rank, except the statements that write files or push, which run on
+rank 0 once. Such a statement may bind names (``commit = model.push_to_hub(…)``, ``with open(…) as fh:``), and a
+later cell may use them on every rank; so the block it sits in is wrapped::
+
+    with _nbddp.from_rank0(globals(), "commit"):
+        if _nbddp.on_rank0():
+            commit = model.push_to_hub(…)
+
+and as the block ends rank 0 sends what it bound to every other rank (one ``broadcast_object_list``), or the
+error it raised: every rank then fails at that line alike, so the kept job survives a failed push. A value goes
+through ``torch.save``/``torch.load`` (tensors land on the receiving rank's own device); one that cannot be sent
+(an open file) is a stand-in on the other ranks that says so, at the cell's line, when anything uses it.
+"""
+
+from __future__ import annotations
+
+import io
+
+#: What a name was on rank 0 once its block ended: its value's bytes, the reason it cannot be sent, or unbound.
+VALUE, NOT_SENT, UNBOUND = "value", "not sent", "unbound"
+
+
+class Rank0Failed(RuntimeError):
+    """Raised on every other rank where rank 0's block raised: the cell fails at the same line everywhere."""
+
+
+class RankZeroOnly:
+    """On a rank other than 0, a name whose value rank 0 could not send: any use says why, instead of running
+    on with a value rank 0 does not hold."""
+
+    def __init__(self, name: str, why: str):
+        object.__setattr__(self, "_nbddp_why", f"{name} exists on rank 0 only: {why}; use it in the cell that makes it")
+
+    def _refuse(self, *args, **kwargs):
+        raise NameError(object.__getattribute__(self, "_nbddp_why"))
+
+    __getattr__ = __setattr__ = __call__ = __iter__ = __len__ = __bool__ = __getitem__ = _refuse
+    __int__ = __float__ = __index__ = __str__ = __format__ = _refuse
+
+    def __repr__(self) -> str:
+        return f"<{object.__getattribute__(self, '_nbddp_why')}>"
+
+
+def pack(namespace: dict, names: tuple[str, ...]) -> dict[str, tuple[str, object]]:
+    """Rank 0's side: each name's value as bytes, or why it cannot be sent, or that it is unbound."""
+    import torch
+
+    packed: dict[str, tuple[str, object]] = {}
+    for name in names:
+        if name not in namespace:
+            packed[name] = (UNBOUND, None)
+            continue
+        buffer = io.BytesIO()
+        try:
+            torch.save(namespace[name], buffer)
+        except Exception as exc:  # an open file, a lambda, a lock: nothing the other ranks can be given
+            packed[name] = (NOT_SENT, f"its value ({type(namespace[name]).__name__}) cannot be sent to the other "
+                                      f"ranks ({type(exc).__name__}: {exc})")
+        else:
+            packed[name] = (VALUE, buffer.getvalue())
+    return packed
+
+
+def unpack(packed: dict[str, tuple[str, object]], namespace: dict, device) -> None:
+    """Another rank's side: bind each name as rank 0 has it (tensors on this rank's ``device``)."""
+    import torch
+
+    for name, (kind, value) in packed.items():
+        if kind == VALUE:
+            namespace[name] = torch.load(io.BytesIO(value), map_location=device, weights_only=False)
+        elif kind == NOT_SENT:
+            namespace[name] = RankZeroOnly(name, value)
+        else:
+            namespace.pop(name, None)
+
+
+class from_rank0:  # noqa: N801 - used as a statement in the converted cell, read as words there
+    """The context of a kept cell's rank-0 block: as it ends, rank 0's names (or its error) reach every rank."""
+
+    def __init__(self, namespace: dict, *names: str):
+        self.namespace, self.names = namespace, names
+
+    def __enter__(self) -> from_rank0:
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        import torch.distributed as dist
+
+        from .rank import rank_info
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return False
+        info = rank_info()
+        if info.rank == 0:
+            message = None if error is None else f"{kind.__name__}: {error}"
+            box = [("error", message) if message else ("ok", pack(self.namespace, self.names))]
+            dist.broadcast_object_list(box, src=0)
+            return False
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        if error is not None:  # this rank failed as well, in the block rank 0 alone runs (it should not)
+            return False
+        outcome, body = box[0]
+        if outcome == "error":
+            raise Rank0Failed(f"rank 0 failed here, in code it runs alone: {body}")
+        unpack(body, self.namespace, info.device)
+        return False

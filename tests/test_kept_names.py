@@ -1,0 +1,65 @@
+"""Every name a kept job's %%ddp cell binds exists on every rank afterwards (issue 40): the cell runs on every
+rank, its writes on rank 0 once with the names they bind sent to the others (``runtime/from_rank0.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel import errors, kernel_env, stream
+from test_kept_kernel import SMALL_SETUP, SMALL_TRAIN, STILL, STOP, _client, _run
+
+from nbddp.runtime.from_rank0 import NOT_SENT, UNBOUND, VALUE, RankZeroOnly, pack, unpack
+
+
+def test_rank0s_names_reach_another_rank_as_rank0_holds_them(tmp_path):
+    rank0 = {"commit": {"url": "https://hf.co/me/x", "weights": torch.ones(2)}, "fh": open(tmp_path / "f", "w")}
+    rank0["fh"].close()
+    packed = pack(rank0, ("commit", "fh", "gone"))
+    assert [packed[n][0] for n in ("commit", "fh", "gone")] == [VALUE, NOT_SENT, UNBOUND]
+    other = {"gone": "an older value rank 0 no longer holds"}
+    unpack(packed, other, "cpu")
+    assert other["commit"]["url"] == "https://hf.co/me/x" and torch.equal(other["commit"]["weights"], torch.ones(2))
+    assert "gone" not in other  # as on rank 0
+    # what rank 0 could not send: a stand-in that says so when used, never a value rank 0 does not hold
+    assert isinstance(other["fh"], RankZeroOnly) and "fh exists on rank 0 only" in repr(other["fh"])
+    for use in (lambda fh: fh.closed, lambda fh: fh.write("x"), lambda fh: bool(fh), lambda fh: str(fh)):
+        with pytest.raises(NameError, match=r"fh exists on rank 0 only: its value \(TextIOWrapper\) cannot be sent"):
+            use(other["fh"])
+
+
+#: The kept job of the kernel tests' small plain loop (its random batches are alike on both ranks: allowed here).
+TRAIN = SMALL_TRAIN.replace("--keep", "--keep --allow-divergence")
+NAMES = "%%ddp\nn_test = len(torch.arange(5))\nprint('n_test', n_test)\n"
+REDUCE = ("%%ddp\ntotal = torch.tensor([float(n_test)])\ntorch.distributed.all_reduce(total)\n"
+          "print('total', total.item())\n")
+WRITE = "%%ddp\nwith open('kept-notes.txt', 'a') as fh:\n    written = fh.write('kept\\n')\nprint('wrote', written)\n"
+SENT = ("%%ddp\nsent = torch.tensor([float(written), float('rank 0 only' in repr(fh) or fh.closed)])\n"
+        "torch.distributed.all_reduce(sent)\nprint('sent', sent.tolist())\n")
+FAILED_WRITE = "%%ddp\nwith open('no-such-folder/x.txt', 'w') as out:\n    out.write('x')\n"
+
+
+@pytest.mark.e2e
+def test_a_name_a_ddp_cell_binds_is_on_every_rank_for_the_next_cells_all_reduce(tmp_path):
+    nb, client = _client(tmp_path)
+    with client.setup_kernel(env=kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))):
+        cells = _run(client, nb, ["%load_ext nbddp", SMALL_SETUP, TRAIN])
+        assert not any(errors(c) for c in cells), [errors(c) for c in cells]
+
+        names, reduce, write, sent = _run(client, nb, [NAMES, REDUCE, WRITE, SENT])
+        assert not any(errors(c) for c in (names, reduce, write, sent)), [errors(c) for c in (names, reduce, write, sent)]
+        assert "n_test 5" in stream(names, "stdout") and "on rank 0" not in stream(names, "stdout")
+        assert "total 10.0" in stream(reduce, "stdout")  # rank 1 held n_test too, as the kernel's process would
+        # the write ran once, on rank 0, and said so; what it bound reached rank 1 (the open file as a stand-in)
+        assert (tmp_path / "kept-notes.txt").read_text() == "kept\n"
+        assert ("nbddp: warning: this %%ddp cell, line 2: runs on rank 0 only, as it writes or pushes, then fh, "
+                "written sent from rank 0 to every rank") in stream(write, "stdout")
+        assert "sent [10.0, 2.0]" in stream(sent, "stdout")
+
+        # rank 0's write failing: every rank fails at that line alike, and the job is kept
+        failed, still = _run(client, nb, [FAILED_WRITE, STILL])
+        text = "\n".join(errors(failed)[0].traceback)
+        assert "FileNotFoundError" in text and "line 2" in text and "kept job was ended" not in text, text
+        assert "still kept, world 2" in stream(still, "stdout"), still.outputs
+        (stop,) = _run(client, nb, [STOP])
+        assert "every rank has exited" in stream(stop, "stdout")
