@@ -80,7 +80,9 @@ def test_no_training_call_and_no_launch_is_refused_naming_what_was_looked_for(tm
         job.run_job(job.Job(script, tmp_path, "fit"), RunOptions(runs_dir=tmp_path / "runs", nproc=1))
     message = str(info.value)
     assert "no training call found" in message and "loss.backward()" in message and ".train()" in message
-    assert "cell 2, line 2: model.fit(df)" in message and "--every-rank" in message
+    assert "cell 2, line 2: model.fit(df)" in message
+    # every rank would run that fit alone: --every-rank is not the fix here
+    assert "--every-rank" not in message and "never synchronised" in message
     assert not (tmp_path / "runs").exists()  # refused before a run directory or a process
 
 

@@ -198,10 +198,15 @@ def check_trains(script: Script, every_rank: bool = False) -> None:
     alone. ``every_rank`` (``--every-rank``) runs it so all the same, as asked."""
     if script.trains or script.launches or every_rank:
         return
-    seems = (f"its training seems to be at {script.seems}" if script.seems
-             else "nbddp cannot tell where it trains")
+    if script.seems:  # --every-rank would train a copy alone on each rank, never synchronised: not offered
+        seems, fix = (f"its training seems to be at {script.seems}",
+                      "Make the training one of those (every cell on every rank would train a copy alone on "
+                      "each rank, never synchronised), or run the notebook in its kernel")
+    else:
+        seems, fix = ("nbddp cannot tell where it trains",
+                      "Make the training one of those, or, where the notebook does not train, pass --every-rank "
+                      "to run every cell on every rank")
     raise NbddpError(
         f"{script.source_map.origin}: no training call found (looked for {LOOKED_FOR}, and for a shell line "
-        f"launching torchrun, accelerate launch, deepspeed or python SCRIPT.py); {seems}. Make the training "
-        "one of those, or pass --every-rank to run every cell on every rank"
+        f"launching torchrun, accelerate launch, deepspeed or python SCRIPT.py); {seems}. {fix}"
     )
