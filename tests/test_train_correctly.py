@@ -571,3 +571,36 @@ def torch_keys(path):
     import torch
 
     return set(torch.load(path))
+
+
+# ------------------------------------------------------------------- a loop slicing tensors by index
+
+INDEX_SLICE = [
+    "import json, os\nimport torch\nfrom torch import nn",
+    "torch.manual_seed(0)\nX = torch.randn(60, 4)\ny = X.sum(1, keepdim=True)\nbs = 8",
+    "model = nn.Linear(4, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
+    "for epoch in range(2):\n"
+    "    perm = torch.randperm(len(X))\n"
+    "    seen = []\n"
+    "    for i in range(0, len(X), bs):\n"
+    "        idx = perm[i:i + bs]\n"
+    "        seen.append(idx.tolist())\n"
+    "        loss = ((model(X[idx]) - y[idx]) ** 2).mean()\n"
+    "        optimizer.zero_grad()\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "    with open(f\"seen-{epoch}-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "        json.dump(seen, fh)",
+]
+
+
+def test_a_loop_slicing_tensors_by_index_gives_each_rank_its_own_rows(tmp_path, notebook):
+    """60 rows in batches of 8: 8 batch positions, 4 a rank (the last batch is short), every row once."""
+    script, result, out = run(tmp_path, notebook(INDEX_SLICE))
+    assert result.ok, (out[-3000:], result.failure)
+    assert "_nbddp.shard_range(range(0, len(X), bs))" in script.text
+    for epoch in range(2):
+        a, b = (json.loads((tmp_path / f"seen-{epoch}-{r}.json").read_text()) for r in (0, 1))
+        assert len(a) == len(b) == 4  # as many steps on each rank
+        rows_a, rows_b = [r for batch in a for r in batch], [r for batch in b for r in batch]
+        assert not set(rows_a) & set(rows_b) and sorted(rows_a + rows_b) == list(range(60))

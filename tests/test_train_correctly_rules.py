@@ -341,3 +341,69 @@ def test_notebook_launcher_becomes_a_call_of_its_function_in_every_rank(rewrite)
     assert a.endswith("\ntraining_loop(*args)\n") and b == "training_function(model)\n" and c == "training_function()\n"
     assert d == "notebook_launcher(training_function, args, mixed_precision='fp16')\n"  # the runtime's, with its precision
     assert sum("every rank of the job is already one of its processes" in m for _, _, m in changes) == 3
+
+
+# ------------------------------------------------------------------ loops without a DataLoader
+
+
+INDEX_SLICE = """\
+for epoch in range(3):
+    perm = torch.randperm(len(X))
+    for i in range(0, len(X), bs):
+        idx = perm[i:i + bs]
+        loss = ((model(X[idx]) - y[idx]) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print(epoch, loss.item())
+"""
+
+
+def test_a_loop_slicing_tensors_by_index_takes_its_ranks_positions(rewrite):
+    (_, code), changes = rewrite(
+        "model = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)", INDEX_SLICE)
+    assert "    for i in _nbddp.shard_range(range(0, len(X), bs)):\n" in code
+    assert "for epoch in range(3):" in code  # the epoch loop is not the data's
+    said = [m for rule, line, m in changes if rule == "shard_loop"]
+    assert len(said) == 1 and "each rank takes its own batch positions" in said[0]
+    assert "as many steps" in said[0]
+
+
+def test_a_loop_over_batch_numbers_and_a_loop_over_samples_are_sharded_too(rewrite):
+    (_, code), _ = rewrite(
+        "model = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
+        """\
+        def train(model, X, y, samples):
+            for epoch in range(2):
+                for b in range(len(X) // 8):
+                    out = model(X[b * 8:(b + 1) * 8])
+                    loss = out.sum()
+                    loss.backward()
+                    optimizer.step()
+            for k, (xs, ys) in enumerate(samples):
+                model(xs).sum().backward()
+                optimizer.step()
+
+        train(model, X, y, samples)
+        """)
+    assert "for b in _nbddp.shard_range(range(len(X) // 8)):" in code
+    assert "for k, (xs, ys) in enumerate(_nbddp.shard_items(samples)):" in code
+
+
+def test_full_batch_descent_and_a_dataloader_loop_are_left_to_the_other_rules(rewrite):
+    (_, code), changes = rewrite(
+        "model = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "train_loader = DataLoader(ds, batch_size=8, shuffle=True)",
+        """\
+        history = {}
+        for epoch in range(100):
+            loss = ((model(X) - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            history[epoch] = loss.item()
+            print(losses[epoch:])
+        for xb, yb in train_loader:
+            model(xb).sum().backward()
+        """)
+    assert "shard_range" not in code and "shard_items" not in code
+    assert not [c for c in changes if c[0] == "shard_loop"]

@@ -23,12 +23,12 @@ partitions an optimizer's tensors by rank, so with DeepSpeed imported the parame
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 import weakref
 
 from . import same_batches, settings
+from .net import collective_device as _device, script_place as _where, tensors as _tensors
 
 #: Environment variable that turns the checks off (intended per-rank work).
 ALLOW_ENV = "NBDDP_ALLOW_DIVERGENCE"
@@ -219,15 +219,6 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-12)
 
 
-def _device():
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _batch_checksum() -> float | None:
     """A number that differs between two different batches (almost surely): sums of the batch's tensors."""
     import torch
@@ -244,22 +235,6 @@ def _batch_checksum() -> float | None:
         position = torch.arange(len(flat), dtype=torch.float64, device=flat.device) % 7 + 1  # order counts
         total += k * float((flat * position).sum())
     return total
-
-
-def _tensors(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "keys") and hasattr(obj, "__getitem__"):  # BatchEncoding and the like
-        for k in obj.keys():
-            yield from _tensors(obj[k])
 
 
 # ---------------------------------------------------------------------------------------- messages
@@ -320,23 +295,3 @@ def _owner(params: list) -> tuple[str | None, list[str]]:
         if names and (best is None or len(names) >= len(best[1])):  # ties: the name bound last
             best = (name, names)
     return best if best else (None, [f"tensor of shape {tuple(p.shape)}" for p in params])
-
-
-def _where() -> str | None:
-    """The notebook's cell and line of the innermost frame of the running script (via its source map)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path:
-        return None
-    path = os.path.abspath(path)
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename) != path:
-        frame = frame.f_back
-    if frame is None:
-        return None
-    line = frame.f_lineno
-    from .sourcemap import read_source_map
-
-    smap = read_source_map(path)
-    hit = smap.lookup(line) if smap else None
-    return f"cell {hit[0]}, line {hit[1]}" if hit else f"{os.path.basename(path)}, line {line}"

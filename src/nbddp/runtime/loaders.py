@@ -48,3 +48,49 @@ def rebuilt(loader, **changes):
     if kept.get("prefetch_factor") is not None and not kept.get("num_workers"):
         kept.pop("prefetch_factor")
     return DataLoader(loader.dataset, **kept, **changes)
+
+
+def shard_range(steps):
+    """This rank's positions of a loop over batch positions (``range(0, len(X), bs)``): rank r of n takes
+    positions r, r + n, r + 2n …, every rank as many (the last ``len % n`` are left out, so DDP's all-reduce
+    never waits on a rank with a step fewer). Fewer positions than ranks, or not a ``range``: as given."""
+    from .dist import rank_info
+
+    info = rank_info()
+    if info.world_size < 2 or not isinstance(steps, range) or len(steps) < info.world_size:
+        return steps
+    return steps[info.rank : len(steps) - len(steps) % info.world_size : info.world_size]
+
+
+def shard_items(items):
+    """This rank's samples of a sequence a training loop walks (a list, tuple, tensor, array or map-style
+    Dataset): the positions ``shard_range`` takes. A DataLoader (sharded by its sampler), an iterator, or fewer
+    samples than ranks: as given (the runtime's first-batches check says so if every rank then trains alike)."""
+    from .dist import rank_info
+
+    info = rank_info()
+    if info.world_size < 2 or _not_a_sequence(items):
+        return items
+    try:
+        count = len(items)
+    except TypeError:
+        return items
+    if count < info.world_size:
+        return items
+    positions = shard_range(range(count))
+    if isinstance(items, (list, tuple)) or type(items).__module__.split(".")[0] in ("torch", "numpy"):
+        return items[positions.start : positions.stop : positions.step]
+    from torch.utils.data import Subset
+
+    return Subset(items, list(positions))
+
+
+def _not_a_sequence(items) -> bool:
+    """What ``shard_items`` leaves as it is: loaders, iterators, mappings, strings, iterable datasets."""
+    from collections.abc import Iterator, Mapping
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    sized = hasattr(items, "__len__") and hasattr(items, "__getitem__")
+    return (not sized or isinstance(items, (DataLoader, IterableDataset, Iterator, Mapping, str, bytes))
+            or hasattr(items, "column_names") or hasattr(items, "iloc"))  # HF datasets, DataFrames: columns first

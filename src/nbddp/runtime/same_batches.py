@@ -63,11 +63,11 @@ def digest(inputs) -> tuple[float, bool]:
     single distinct row (nothing to split): order-weighted sums of its tensors, their shapes counted."""
     import torch
 
-    from .divergence import _tensors
+    from .net import tensors
 
     total, single = 0.0, True
     with torch.no_grad():
-        for k, t in enumerate(_tensors(inputs), start=1):
+        for k, t in enumerate(tensors(inputs), start=1):
             flat = t.detach().flatten()
             flat = (flat.abs() if flat.is_complex() else flat).double()
             position = torch.arange(len(flat), dtype=torch.float64, device=flat.device) % 7 + 1  # order counts
@@ -83,14 +83,14 @@ def _compare() -> None:
     import torch
     import torch.distributed as dist
 
-    from .divergence import _device
+    from .net import collective_device
 
     _compared = True
     for handle in _handles:
         handle.remove()
     _handles.clear()
     mine = torch.tensor([d for d, _ in _digests] + [float(all(s for _, s in _digests))], dtype=torch.float64)
-    mine = mine.to(_device())
+    mine = mine.to(collective_device())
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     ranks = [g.cpu().tolist() for g in gathered]
@@ -111,9 +111,9 @@ def repeated(ranks: list[list[float]]) -> tuple[int, int] | None:
 
 
 def _message(a: int, b: int) -> str:
-    from .divergence import ALLOW_ENV, _where
+    from .net import script_place
 
-    where = _where()
+    where = script_place()
     return (
         f"nbddp: ranks {a} and {b} trained on the same samples in their first {FIRST_FORWARDS} training steps"
         + (f" (the model's forward at {where})" if where else "")
@@ -122,5 +122,5 @@ def _message(a: int, b: int) -> str:
         "rank its own share), or give it sampler=_nbddp.distributed_sampler(dataset, shuffle=True); a loop "
         "slicing tensors by index can take its rank's rows with X[_nbddp.rank_info().rank::"
         "_nbddp.rank_info().world_size]. If every rank is meant to read the same samples, run with "
-        f"--allow-divergence ({ALLOW_ENV}=1)."
+        "--allow-divergence (NBDDP_ALLOW_DIVERGENCE=1)."
     )

@@ -23,6 +23,7 @@ from .rank_zero import RankZeroRule
 from .rank_zero_in_functions import RankZeroInFunctionsRule
 from .sampler import DistributedSamplerRule
 from .set_epoch import SetEpochRule
+from .shard_loop import ShardLoopRule
 from .trainer_config import TrainerConfigRule
 from .unwrap import UnwrapRule
 
@@ -39,6 +40,7 @@ RULES: tuple[type[Rule], ...] = (
     TrainerConfigRule,
     DistributedSamplerRule,
     SetEpochRule,
+    ShardLoopRule,
     UnwrapRule,
     AccelerateHandoffRule,
     LauncherRule,
