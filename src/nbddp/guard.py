@@ -55,6 +55,8 @@ def guarded(doing: str, passthrough: tuple[type[BaseException], ...] = ()) -> It
         yield
     except (NbddpError, *passthrough):
         raise
+    except MemoryError as exc:  # the machine's doing, not a bug: said as such, with no report to file
+        raise out_of_memory(doing, exc) from None
     except Exception as exc:
         raise internal_error(doing, exc) from None
     finally:
@@ -84,6 +86,29 @@ def internal_error(doing: str, exc: BaseException) -> InternalError:
              f"Its traceback could not be saved ({saved}); {HOW_TO_REPORT.replace(' with that file attached', '')}.")
     return InternalError(f"internal error while {doing}: {what}. This is a bug in nbddp, not in your notebook. "
                          f"{where}", path)
+
+
+def out_of_memory(doing: str, exc: MemoryError) -> NbddpError:
+    """What a person reads when nbddp itself ran out of memory: where (nbddp's innermost frame) and how much
+    memory the machine has left now (``MemoryError()`` carries no text of its own)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if f"{os.sep}nbddp{os.sep}" in f.filename] or frames
+    where = f" (in {Path(ours[-1].filename).name}, line {ours[-1].lineno})" if ours else ""
+    text = printable(str(exc)).strip()
+    left = _memory_available()
+    return NbddpError(f"out of memory while {doing}{where}{': ' + text if text else ''}: the machine had no "
+                      f"more memory to give{f' ({left} available now)' if left else ''}; close what else holds "
+                      "memory (other kernels, jobs) and try again")
+
+
+def _memory_available() -> str | None:
+    """The machine's available memory as ``/proc/meminfo`` says it ("1.2 GiB"), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            kib = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return f"{kib / 2**20:.1f} GiB"
 
 
 def _save(doing: str, exc: BaseException) -> tuple[Path | None, str]:

@@ -70,7 +70,7 @@ def error_record(exc_type, exc, tb, rank: int, now: float | None = None) -> dict
     now = time.time() if now is None else now
     return {
         "message": {
-            "message": f"{exc_type.__name__}: {exc}",
+            "message": exception_text(exc_type, exc),
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
                 "timestamp": str(int(now)),
@@ -79,6 +79,20 @@ def error_record(exc_type, exc, tb, rank: int, now: float | None = None) -> dict
             },
         }
     }
+
+
+#: What an exception raised without a text is, said instead of nothing (``MemoryError()`` carries none).
+OUT_OF_MEMORY = ("out of memory: this process could not allocate more of the machine's memory (RAM, not a GPU's); "
+                 "each rank holds its own copy of the model and of what the notebook loads, so fewer processes "
+                 "(--nproc), a smaller batch or a dataset streamed rather than loaded whole needs less")
+
+
+def exception_text(exc_type, exc) -> str:
+    """``Type: text`` of an exception, for a message; one raised without a text is said for what it is."""
+    text = str(exc).strip()
+    if not text and issubclass(exc_type, MemoryError):
+        text = OUT_OF_MEMORY
+    return f"{exc_type.__name__}: {text}" if text else exc_type.__name__
 
 
 class RankError(NamedTuple):
