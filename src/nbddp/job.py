@@ -77,7 +77,7 @@ def _run_script(job: Job, options: RunOptions, view: JobView, *, nproc: int | No
                    if launch.written_by}
         env = launched_env(dict(env), run_dir, launched, written)
     if script.installs and not options.skip_installs:
-        _launch.run_installs((i.argv() for i in script.installs), view.sink)
+        _launch.run_installs(script.installs, view.sink)  # Installs: a failure names its cell
     plan = _launch.plan(path, run_dir, options, nproc=nproc, cwd=job.cwd, env=env)
     with outputs.claimed(folders, run_dir) as shared:
         for warning in shared:

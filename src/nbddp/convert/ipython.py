@@ -94,12 +94,14 @@ class Action:
 
 _INSTALL = re.compile(
     r"^\s*(?:sudo\s+)?(?:(?:python[0-9.]*|py)\s+-m\s+)?(?:pip[0-9.]*|uv\s+pip|conda|mamba|micromamba|apt|apt-get)"
-    r"\s+install\b"
+    r"\s+(?:un)?install\b"
 )
 
 
 def is_install(command: str) -> bool:
-    """Whether a shell command installs packages (pip, uv pip, conda, mamba, apt)."""
+    """Whether a shell command installs or uninstalls packages (pip, uv pip, conda, mamba, apt). An uninstall is
+    one too: run in the ranks it would come after the installs run before launch (``pip uninstall -y protobuf``
+    then ``pip install protobuf==…`` would end with protobuf removed); with them, the notebook's order holds."""
     return bool(_INSTALL.match(command))
 
 

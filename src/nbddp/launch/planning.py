@@ -124,19 +124,17 @@ def plan(
     full_env["NBDDP_RUN_DIR"] = str(run_dir)
     full_env["NBDDP_FAILURES"] = str(run_dir / records.FAILURES_FILE)
     full_env["NBDDP_LAUNCHER_PID"] = str(os.getpid())
-    if options.collective_timeout_s:
-        full_env["NBDDP_TIMEOUT"] = str(max(1, round(options.collective_timeout_s)))
-    if options.resume:
-        full_env["NBDDP_RESUME"] = "1"
+    full_env.update(options.job_env)  # NBDDP_TIMEOUT, NBDDP_RESUME
     return LaunchPlan(
         argv=tuple(argv), env=full_env, cwd=Path(cwd or script.parent).resolve(), run_dir=run_dir,
         script=script, nproc=nproc, timeout_s=options.timeout_s,
     )
 
 
-def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replace_stack: bool | None = None) -> None:
+def run_installs(commands: Iterable, sink: Sink | None = None, replace_stack: bool | None = None) -> None:
     """Run each install once, in this process's Python environment (``pip`` → ``python -m pip``).
 
+    ``commands``: argument lists, or the script's ``Install``s (a failure then names the install's cell and line).
     An install that would replace the running torch or CUDA stack (``stack_replacement``) is named and
     skipped: the ranks would start on a half-replaced torch. ``replace_stack`` (default: ``NBDDP_REPLACE_TORCH=1``)
     runs it anyway.
@@ -144,7 +142,9 @@ def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replac
     if replace_stack is None:
         replace_stack = shell_lines.replace_stack_allowed()
     say = sink or stdout_sink
-    for argv in commands:
+    for command in commands:
+        argv, where = (command.argv(), f"cell {command.cell}, line {command.line}: ") if hasattr(command, "argv") \
+            else (command, "")
         reason = None if replace_stack else shell_lines.stack_replacement(argv)
         if reason:
             say("stdout", f"nbddp: not installing `{' '.join(argv)}`: {reason} (NBDDP_REPLACE_TORCH=1 installs it)\n")
@@ -153,7 +153,10 @@ def run_installs(commands: Iterable[list[str]], sink: Sink | None = None, replac
         say("stdout", f"nbddp: installing: {' '.join(argv)}\n")
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode:
-            raise LaunchError(f"install failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stdout[-2000:]}")
+            raise LaunchError(f"{where}the notebook's install failed before launch (exit {proc.returncode}): "
+                              f"{' '.join(argv)}; nbddp runs the notebook's installs once before launch, even those "
+                              f"the notebook runs only when an import fails. Fix the line, or pass --skip-installs to "
+                              f"run without them where the packages are here already\n{proc.stdout[-2000:]}")
 
 
 def find_rank_log(log_dir: Path, rank: int, stream: str = "stdout") -> Path | None:
