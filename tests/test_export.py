@@ -177,3 +177,34 @@ def test_exported_script_launches_itself_on_two_ranks(tmp_path):
     for log in (rank0, rank1):  # each rank imported the runtime carried inside the script, not an installed one
         assert ".zip/nbddp/runtime/__init__.py" in log
     assert "trainable params" in rank1 and "Adapter saved" not in rank1
+
+
+def test_the_export_takes_the_run_options_from_the_run_table(tmp_path):
+    """``nbddp export`` and ``%ddp_export`` take the run options of ``nbddp run`` (one table,
+    ``options.RUN_OPTIONS``), and the exported kernel's launcher sets what they say for torchrun and the ranks."""
+    import argparse
+
+    from nbddp.export.options import NOT_EXPORTED, OPTIONS, export_options
+    from nbddp.options import RUN_OPTIONS, SHIM_NAMES, STRATEGIES, dest
+    from nbddp.runtime.apply_strategy import STRATEGIES as RANK_STRATEGIES
+
+    assert STRATEGIES == ("auto", *RANK_STRATEGIES)  # spelled once, in the runtime
+    run_rows = [o for o in RUN_OPTIONS if dest(o) not in NOT_EXPORTED]
+    assert all(row in OPTIONS for row in run_rows) and len(run_rows) >= len(RUN_OPTIONS) - 2
+    parser = argparse.ArgumentParser()
+    for flags, keywords in OPTIONS:
+        parser.add_argument(*flags, **keywords)
+    out = tmp_path / "kernel"
+    args = parser.parse_args(["--kaggle", str(out), "--id", "me/run-one", "--env", "MY_SETTING=7", "--shim",
+                              SHIM_NAMES[0], "--collective-timeout", "60", "--resume", "--nproc", "1",
+                              "--strategy", "ddp"])
+    nb = write_notebook(tmp_path / "nb.ipynb", ["import torch\nmodel = torch.nn.Linear(2, 1)\n"
+                                                 "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                                                 "loss = model(torch.ones(2)).sum()\nloss.backward()\nopt.step()"])
+    text = export_kaggle(nb, args.kaggle, **export_options(args)).script.read_text()
+    for line in ('os.environ.setdefault("MY_SETTING", "7")', f'os.environ.setdefault("NBDDP_SHIM_{SHIM_NAMES[0].upper()}", "1")',
+                 'os.environ.setdefault("NBDDP_TIMEOUT", "60")', 'os.environ.setdefault("NBDDP_RESUME", "1")',
+                 'os.environ.setdefault("NBDDP_NPROC", "1")', 'os.environ.setdefault("NBDDP_STRATEGY", "ddp")'):
+        assert line in text, line
+    with pytest.raises(NbddpError, match="--nproc 3 asks for 3 processes, one per GPU, but torch sees 2 GPU"):
+        export_kaggle(nb, tmp_path / "other", kernel_id="me/run-one", nproc=3)  # the T4 machine's two, not this one's

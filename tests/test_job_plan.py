@@ -32,7 +32,7 @@ def launched(monkeypatch):
     """What ``run_job`` hands the launcher (processes, environment), the job stopped there: nothing starts."""
     seen = {}
 
-    def stop(job, options, view, *, nproc, env, until=None, launched=None):
+    def stop(job, options, view, *, nproc, env, **others):
         seen.update(nproc=nproc, env=env, view=view)
         raise NbddpError("stopped before launch by the test")
 

@@ -363,15 +363,15 @@ def test_the_kaggle_export_decides_for_kaggles_gpus_and_tells_the_launcher(llama
     # the notebook has no train(): exported only as asked, as nbddp run runs it
     auto = export_kaggle(llama_8b / "big.ipynb", llama_8b / "auto", kernel_id="me/big-model", every_rank=True)
     text = next((llama_8b / "auto").glob("*.py")).read_text()
-    assert 'os.environ.setdefault("NBDDP_STRATEGY", \'fsdp\')' in text  # 8B LoRA in 16 bits on 2×T4
+    assert 'os.environ.setdefault("NBDDP_STRATEGY", "fsdp")' in text  # 8B LoRA in 16 bits on 2×T4
     assert any(w.startswith("strategy fsdp (auto chose it)") for w in auto.warnings)
     export_kaggle(llama_8b / "big.ipynb", llama_8b / "split", kernel_id="me/big-model", strategy="split",
                   every_rank=True)
     text = next((llama_8b / "split").glob("*.py")).read_text()
-    assert "NBDDP_STRATEGY\", 'split')" in text and 'os.environ.setdefault("NBDDP_NPROC", "1")' in text
+    assert 'NBDDP_STRATEGY", "split")' in text and 'os.environ.setdefault("NBDDP_NPROC", "1")' in text
     cpu = export_kaggle(llama_8b / "big.ipynb", llama_8b / "cpu", kernel_id="me/big-model", accelerator="none",
                        every_rank=True)
-    assert "NBDDP_STRATEGY\", 'ddp')" in next((llama_8b / "cpu").glob("*.py")).read_text()
+    assert 'NBDDP_STRATEGY", "ddp")' in next((llama_8b / "cpu").glob("*.py")).read_text()
     assert not [w for w in cpu.warnings if w.startswith("strategy")]  # plain DDP, chosen: nothing to say
 
 

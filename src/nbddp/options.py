@@ -22,6 +22,7 @@ from typing import Iterable
 
 from . import preflight
 from .errors import NbddpError
+from .runtime.apply_strategy import STRATEGIES as RANK_STRATEGIES
 
 
 def shim_names() -> tuple[str, ...]:
@@ -55,8 +56,9 @@ def folder(text: str) -> Path:
 
 Option = tuple[tuple[str, ...], dict]
 
-#: What ``--strategy`` takes (``choose_strategy.decide`` reads the same).
-STRATEGIES = ("auto", "ddp", "fsdp", "split", "deepspeed")
+#: What ``--strategy`` takes (``choose_strategy.decide`` reads the same): ``auto`` and the strategies a rank runs,
+#: spelled once in ``runtime/apply_strategy.py`` (the runtime imports nothing of nbddp outside it).
+STRATEGIES = ("auto", *RANK_STRATEGIES)
 
 #: The run options of ``nbddp run`` and ``%%ddp_train`` as (flags, argparse keywords), in their order in the
 #: help; both parsers are built from this.
@@ -186,6 +188,18 @@ class RunOptions:
         switches = shim_env(on=self.shim, off=self.no_shim, no_checkpointing=self.no_checkpointing,
                             allow_divergence=self.allow_divergence)
         return {**parse_env(self.env), **switches}
+
+    @property
+    def job_env(self) -> dict[str, str]:
+        """What these options tell every rank of the job beside ``rank_env``: the collective timeout
+        (``NBDDP_TIMEOUT``, whole seconds, at least 1) and ``--resume`` (``NBDDP_RESUME``); the launcher
+        (``launch.plan``) and the Kaggle export (``export/kaggle.kernel_env``) both write these."""
+        env = {}
+        if self.collective_timeout_s:
+            env["NBDDP_TIMEOUT"] = str(max(1, round(self.collective_timeout_s)))
+        if self.resume:
+            env["NBDDP_RESUME"] = "1"
+        return env
 
     @property
     def torchrun_argv(self) -> tuple[str, ...]:

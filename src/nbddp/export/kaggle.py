@@ -34,7 +34,10 @@ from ..convert import convert_cells
 from ..convert.launches import leading_launch
 from ..errors import NbddpError
 from ..runtime.io import atomic_write_text
-from ..choose_strategy import settle
+from ..gpus import Machine
+from ..job_plan import Job, plan_job
+from ..options import RunOptions
+from ..preflight import check_processes
 from .secrets import check_secrets, find_leftovers
 
 #: The file name ``kaggle kernels push`` looks for.
@@ -180,25 +183,39 @@ _selflaunch.main(__file__, _NBDDP_INSTALLS)  # plain run: launch torchrun on thi
 '''
 
 
+#: A Kaggle kernel's CPU cores (its CPU machine and its GPU machines alike), for ``--nproc`` without GPUs.
+KAGGLE_CPU_CORES = 4
 #: Free bytes of each GPU of a Kaggle accelerator, for ``auto``'s choice at export time.
 ACCELERATOR_GPUS = {"NvidiaTeslaT4": (int(14.5 * 2**30),) * 2, "NvidiaTeslaP100": (int(15.5 * 2**30),)}
 
 
-def _strategy_lines(strategy: str) -> str:
-    """The launcher's lines telling the ranks the strategy (and split its one process); the environment wins."""
-    lines = [f"os.environ.setdefault(\"NBDDP_STRATEGY\", {strategy!r})  # nbddp export --strategy"]
-    if strategy == "split":
-        lines.append("os.environ.setdefault(\"NBDDP_NPROC\", \"1\")  # split: one process drives every GPU")
-    return "\n".join(lines)
+def _env_lines(env: dict[str, str]) -> str:
+    """The launcher's lines telling torchrun and the ranks what the export's options say (the strategy, split's
+    one process, the run options' variables); a variable set in the kernel's environment wins."""
+    return "\n".join(f"os.environ.setdefault({json.dumps(k)}, {json.dumps(v)})" for k, v in env.items())
 
 
-def _check_mode(script, every_rank: bool) -> None:
-    """Refuse what ``nbddp run`` would not run every cell of on every rank: no training call found
-    (``job.check_trains``, unless ``every_rank``), and a notebook whose training is a command it launches:
-    the exported script runs every cell on every rank, with no stand-in launchers (``nbddp.launched``)."""
-    from ..job import decide_mode
+def kernel_env(plan, nproc: int | None) -> dict[str, str]:
+    """What the exported kernel's launcher sets, from the job's plan (``job_plan.JobPlan``) and its options: the
+    ranks' variables (the strategy, ``--env``, the shims' switches, ``RunOptions.job_env``), and for
+    ``runtime/selflaunch.py`` the processes (``NBDDP_NPROC``: split's one, or ``--nproc``; otherwise one per GPU
+    of the machine it runs on) and torchrun's options (``NBDDP_TORCHRUN_ARGS``)."""
+    env = {**plan.env, **plan.options.job_env}
+    if plan.strategy == "split" or nproc:
+        env["NBDDP_NPROC"] = str(plan.processes if plan.strategy == "split" else nproc)
+    if plan.options.torchrun_argv:
+        env["NBDDP_TORCHRUN_ARGS"] = shlex.join(plan.options.torchrun_argv)
+    return env
 
-    if decide_mode(script, every_rank) == "launched":
+
+def _refuse_launched(plan) -> None:
+    """The exported script runs every cell on every rank, with no stand-in launchers (``nbddp.launched``): a
+    notebook whose training is a command it launches (the plan's ``launched`` mode) is refused; one with no
+    training call was refused by the plan, as ``nbddp run`` refuses it (unless ``--every-rank``)."""
+    from ..job_plan import LAUNCHED
+
+    if plan.mode == LAUNCHED:
+        script = plan.script
         raise NbddpError(
             f"{script.source_map.origin}: the notebook starts its training from a shell line ({leading_launch(script.launches)}); "
             "an exported Kaggle script runs every cell on every GPU, so that command would start once per GPU. "
@@ -217,16 +234,18 @@ def export_kaggle(
     datasets: tuple[str, ...] | list[str] = (),
     private: bool = True,
     allow_secrets: bool = False,
-    skip_bad_cells: bool = False,
-    strategy: str = "auto",
-    every_rank: bool = False,
+    nproc: int | None = None,
+    **run,
 ) -> KaggleExport:
     """Write ``folder/<slug>.py`` (self-launching) and ``folder/kernel-metadata.json`` for a notebook.
 
     Raises ``SecretError`` (cell and line) for a credential written in a cell unless ``allow_secrets``,
-    ``NbddpError`` for metadata Kaggle would refuse, and the conversion's own errors. ``strategy`` ``auto``
-    is decided here for the accelerator's GPUs (``ACCELERATOR_GPUS``) and written into the launcher. The
-    job's mode is decided as ``nbddp run`` decides it (``_check_mode``), before anything is written.
+    ``NbddpError`` for metadata Kaggle would refuse, and the conversion's own errors. ``run``: the run options
+    (``RunOptions``' keywords: ``strategy``, ``every_rank``, ``skip_bad_cells``, ``env``, ``shim`` …), checked
+    as ``nbddp run`` checks them; ``nproc`` is checked against the accelerator's GPUs, not this machine's. The
+    job is planned as ``nbddp run`` plans it (``job_plan.plan_job``) on the accelerator's machine
+    (``ACCELERATOR_GPUS``): its mode, its strategy (``auto`` decided for those GPUs), before anything is
+    written; the plan's variables go into the launcher (``kernel_env``).
     """
     notebook, folder = Path(notebook), Path(folder)
     slug = kernel_id.partition("/")[2]
@@ -235,11 +254,16 @@ def export_kaggle(
     cells = read_notebook(notebook)
     if not allow_secrets:
         check_secrets(cells)
-    script = convert_cells(cells, origin=notebook.name, skip_bad_cells=skip_bad_cells)
-    _check_mode(script, every_rank)
-    decision = settle(script, notebook.resolve().parent, strategy, gpu_free=ACCELERATOR_GPUS.get(accelerator, ()))
+    options = RunOptions(**run)
+    free = ACCELERATOR_GPUS.get(accelerator, ())
+    check_processes(nproc, gpus=len(free), cores=KAGGLE_CPU_CORES)
+    script = convert_cells(cells, origin=notebook.name, skip_bad_cells=options.skip_bad_cells)
+    job = Job(script, notebook.resolve().parent, notebook.stem)
+    plan = plan_job(job, options, machine=Machine(len(free), free))  # on the accelerator's GPUs
+    _refuse_launched(plan)
+    decision = plan.decision
     launcher = _LAUNCHER.format(
-        strategy_lines=_strategy_lines(decision.strategy),
+        strategy_lines=_env_lines(kernel_env(plan, nproc)),
         version=__version__,
         origin=notebook.name,
         payload=base64.b64encode(runtime_zip()).decode("ascii"),
@@ -247,6 +271,6 @@ def export_kaggle(
     )
     script_path = atomic_write_text(folder / meta["code_file"], launcher + script.text, mode=0o644)
     meta_path = atomic_write_text(folder / METADATA_FILE, json.dumps(meta, indent=2) + "\n", mode=0o644)
-    said = strategy != "auto" or decision.strategy != "ddp"  # plain DDP, chosen, is what exports always did
+    said = options.strategy != "auto" or decision.strategy != "ddp"  # plain DDP, chosen, is what exports always did
     notes = tuple(line.removeprefix("nbddp: ") for line in decision.summary().splitlines()) if said else ()
     return KaggleExport(folder, script_path, meta_path, meta, (*find_leftovers(notebook), *script.warnings, *notes))

@@ -124,10 +124,7 @@ def plan(
     full_env["NBDDP_RUN_DIR"] = str(run_dir)
     full_env["NBDDP_FAILURES"] = str(run_dir / records.FAILURES_FILE)
     full_env["NBDDP_LAUNCHER_PID"] = str(os.getpid())
-    if options.collective_timeout_s:
-        full_env["NBDDP_TIMEOUT"] = str(max(1, round(options.collective_timeout_s)))
-    if options.resume:
-        full_env["NBDDP_RESUME"] = "1"
+    full_env.update(options.job_env)  # NBDDP_TIMEOUT, NBDDP_RESUME
     return LaunchPlan(
         argv=tuple(argv), env=full_env, cwd=Path(cwd or script.parent).resolve(), run_dir=run_dir,
         script=script, nproc=nproc, timeout_s=options.timeout_s,

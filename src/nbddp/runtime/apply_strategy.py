@@ -25,6 +25,7 @@ from typing import Callable
 from . import settings
 from .patching import wrap, when_imported
 
+#: The strategies a rank runs, spelled once: ``--strategy`` takes these and ``auto`` (``options.STRATEGIES``).
 STRATEGIES = ("ddp", "fsdp", "split", "deepspeed")
 
 #: The FSDP2 settings the Trainer gets: each decoder layer (the model's ``_no_split_modules``) sharded,
