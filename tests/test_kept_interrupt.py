@@ -22,6 +22,7 @@ TRAINING = re.compile(r"\b([2-9]|[1-9]\d+)/100000\b")
 HELD = ("%%ddp\nheld = sum(p.detach().double().sum().item() for p in model.parameters())\n"
         "step = trainer.state.global_step\nprint('held at step', step)")
 LOOP = "%%ddp\nimport time\nfor i in range(60):\n    time.sleep(1)\n    print('tick', i, flush=True)\n"
+SLOW_RANK1 = "%%ddp --timeout 8\nimport time\nif torch.distributed.get_rank() == 1:\n    time.sleep(60)\nprint('rank 0 done')\n"
 AFTER = ("%%ddp\nsame = sum(p.detach().double().sum().item() for p in model.parameters()) == held\n"
          "total = torch.ones(1)\ntorch.distributed.all_reduce(total)\n"
          "print('after', same, trainer.state.global_step == step, int(total.item()))")
@@ -56,6 +57,12 @@ def test_stop_keeps_the_ranks_in_the_keep_training_and_in_a_plain_loop(tmp_path)
         assert took < 5, took  # 1 s on a quiet machine; the bound leaves room for a shared one
         assert "interrupted at line 4 of this %%ddp cell (time.sleep(1)), the ranks are kept" in said, said
         assert "Failed" not in said, said
+        # one rank done, the other not: said while the cell waits (which rank, where), then --timeout stops it
+        msg_id, text, _ = execute(kc, SLOW_RANK1, until=lambda t: "still running" in t)
+        said = _said(finish(kc, msg_id, timeout=60))
+        assert re.search(r"rank 1 is still running this cell, at line 4 of this %%ddp cell \(time\.sleep\(60\)\), "
+                         r"\d+ s after rank\(s\) 0 finished", text), text
+        assert "timed out after 8 s (--timeout) at line 4 of this %%ddp cell (time.sleep(60)), the ranks are kept" in said
         status, text, errors = execute(kc, AFTER)
         assert status == "ok" and "after True True 2" in text, (text, errors)
         assert "every rank has exited" in execute(kc, "%ddp_stop")[1]
