@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import launch
+from .gpus import read_machine
 from .options import RunOptions
 
 GiB = 2**30
@@ -78,12 +79,13 @@ def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float =
     """
     show = show or (lambda text: None)
     show("nbddp doctor")
-    n_gpus = gpu_count()
+    machine = read_machine(memory=False)  # read once: the GPUs' count and the probe's processes
+    n_gpus, nproc = machine.gpus, machine.processes(nproc)
     local = [kernel_memory_check()] if in_kernel else []
     local.append(shm_check())
     for check in local:
         show(check_lines(check))
-    show(f"  ...   {'all-reduce':<{NAME_WIDTH}}  starting {nproc or launch.default_nproc()} processes "
+    show(f"  ...   {'all-reduce':<{NAME_WIDTH}}  starting {nproc} processes "
          f"(up to {timeout_s:.0f} s)")
     probe = all_reduce_probe(nproc=nproc, timeout_s=timeout_s)
     found = [gpus_check(probe.devices, n_gpus), precision_check(probe.devices), probe.check]
@@ -95,13 +97,6 @@ def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float =
         show(check_lines(check))
     gpus, precision, *rest = found
     return Report((gpus, precision, *local, *rest))
-
-
-def gpu_count() -> int:
-    """GPUs visible to this process, without initialising CUDA here; 0 without torch (``preflight.gpu_count``)."""
-    from .preflight import gpu_count as visible
-
-    return visible()
 
 
 def gpus_check(devices: list[dict], n_gpus: int) -> Check:
