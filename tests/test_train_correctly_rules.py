@@ -407,3 +407,24 @@ def test_full_batch_descent_and_a_dataloader_loop_are_left_to_the_other_rules(re
         """)
     assert "shard_range" not in code and "shard_items" not in code
     assert not [c for c in changes if c[0] == "shard_loop"]
+
+
+def test_metrics_on_the_training_loader_after_training_count_its_whole_data_set(rewrite):
+    (_, _, code), changes = rewrite(
+        "train_loader = DataLoader(train_ds, batch_size=8, shuffle=True)\n"
+        "test_loader = DataLoader(test_ds, batch_size=8)\n"
+        "model = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
+        """\
+        for epoch in range(2):
+            for xb, yb in train_loader:
+                model(xb).sum().backward()
+                optimizer.step()
+        """,
+        """\
+        print("train accuracy", compute_accuracy(model, train_loader))
+        print("test accuracy", compute_accuracy(model, test_loader))
+        """)
+    assert code.startswith("if _nbddp.on_rank0():\n    model = _nbddp.unwrap(model)\n"
+                           "    train_loader = _nbddp.whole_loader(train_loader)\n    print(")
+    assert "whole_loader(test_loader)" not in code
+    assert any("train_loader: its whole data set again" in m for rule, line, m in changes if rule == "rank0")

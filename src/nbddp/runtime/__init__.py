@@ -21,7 +21,7 @@ from .data_parallel import data_parallel
 from .from_rank0 import from_rank0
 from .handoff import for_accelerate
 from .lifecycle import cleanup, setup
-from .loaders import shard_items, shard_loader, shard_range
+from .loaders import shard_items, shard_loader, shard_range, whole_loader
 from .rich import display
 from .shell_lines import cd, expand, getoutput, shell, shell_cell, write_file
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
@@ -59,5 +59,6 @@ __all__ = [
     "shell",
     "shell_cell",
     "unwrap",
+    "whole_loader",
     "write_file",
 ]

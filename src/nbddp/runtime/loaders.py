@@ -78,7 +78,9 @@ def shard_items(items):
     if count < info.world_size:
         return items
     positions = shard_range(range(count))
-    if isinstance(items, (list, tuple)) or type(items).__module__.split(".")[0] in ("torch", "numpy"):
+    import torch
+
+    if isinstance(items, (list, tuple, torch.Tensor)) or type(items).__module__.split(".")[0] == "numpy":
         return items[positions.start : positions.stop : positions.step]
     from torch.utils.data import Subset
 
@@ -94,3 +96,15 @@ def _not_a_sequence(items) -> bool:
     sized = hasattr(items, "__len__") and hasattr(items, "__getitem__")
     return (not sized or isinstance(items, (DataLoader, IterableDataset, Iterator, Mapping, str, bytes))
             or hasattr(items, "column_names") or hasattr(items, "iloc"))  # HF datasets, DataFrames: columns first
+
+
+def whole_loader(loader):
+    """A training loader over its whole data set again, for rank 0's code after training (a metric computed on
+    ``train_loader`` counts every sample, as in the kernel): the loader rebuilt with the shuffle its
+    ``DistributedSampler`` had. Any other loader as it is."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(loader, DataLoader) or not isinstance(sampler, DistributedSampler):
+        return loader
+    return rebuilt(loader, shuffle=bool(getattr(sampler, "shuffle", False)))

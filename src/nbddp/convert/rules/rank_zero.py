@@ -56,7 +56,18 @@ class RankZeroRule(BlockRule):
             return self._kept_block(run)
         models = self.facts.tail_unwraps.get(self.statement(run[0]), [])
         unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
-        return cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=unwrap + self.inside(run)))
+        whole = [cst.parse_statement(f"{n} = _nbddp.whole_loader({n})\n") for n in self._sharded_read(run)]
+        return cst.If(test=fixed_expression(MAIN_PROCESS_EXPR),
+                      body=cst.IndentedBlock(body=unwrap + whole + self.inside(run)))
+
+    def _sharded_read(self, run) -> list[str]:
+        """The sharded training loaders a tail block reads (``compute_accuracy(model, train_loader)``): rank 0
+        gets each back over its whole data set, as the kernel measured it, not its own share."""
+        stmts = [self.statement(s) for s in run]
+        if not self.facts.plain_loop or not stmts or stmts[0] not in self.facts.tail:
+            return []
+        reads = set().union(*(s.reads for s in stmts if s is not None))
+        return sorted(reads & (self.facts.sharded_loaders | self.facts.helper_loaders))
 
     def after(self, run):
         if any(self.statement(s) in self.facts.shared_saves for s in run):
@@ -86,4 +97,5 @@ class RankZeroRule(BlockRule):
         if any(self.statement(s) in self.facts.shared_saves for s in run):
             return "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)"
         tail = self.statement(run[0]) in self.facts.tail
-        return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)")
+        whole = "".join(f"; {n}: its whole data set again, not rank 0's share" for n in self._sharded_read(run))
+        return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)") + whole
