@@ -9,12 +9,21 @@ complete only when each rank's file is there too and no save was cut short (``ru
 ``.<name>.<random>`` temporary file then). With
 no complete checkpoint, training starts from the beginning and rank 0 says so. A notebook that passes
 ``resume_from_checkpoint`` itself is left alone.
+
+A checkpoint at the training's last step (its ``global_step`` reaches this run's ``max_steps``) is a training
+that finished: resumed, the Trainer would train one step more (61 of 60: it skips the trained batches and takes
+the next before it checks the step count) and save over what it made. It is not trained again: its weights are
+loaded into the model, as a resume loads them, and ``train()`` returns at once, so the cells after it (a save, an
+evaluation) run on the trained model. Where the Trainer loads weights only after wrapping the model (DeepSpeed,
+FSDP), the rank stops instead, saying where the trained weights are.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import math
 import os
 import re
 
@@ -86,6 +95,9 @@ def attach(log=print) -> bool:
     def train_resuming(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is None:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            done = finished_steps(resume_from_checkpoint, self.args) if resume_from_checkpoint else None
+            if done:
+                return _already_trained(self, resume_from_checkpoint, done, log)
             if resume_from_checkpoint:
                 log(f"nbddp: resuming from {resume_from_checkpoint}")
             else:
@@ -95,3 +107,44 @@ def attach(log=print) -> bool:
     train_resuming._nbddp_resume = True
     transformers.Trainer.train = train_resuming
     return True
+
+
+def finished_steps(checkpoint: str, args) -> tuple[int, int] | None:
+    """(step, last step) when ``checkpoint`` is the last step of the training ``args`` ask for, else None.
+
+    The last step is ``max_steps`` where the arguments give it; for a training counted in epochs, the
+    checkpoint's own last step, provided it was for as many epochs as these arguments ask (more epochs asked
+    now: training goes on)."""
+    try:
+        with open(os.path.join(checkpoint, _LAST_WRITTEN), encoding="utf-8") as fh:
+            state = json.load(fh)
+        step, its_last, its_epochs = int(state["global_step"]), int(state["max_steps"]), state.get("num_train_epochs")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    max_steps = getattr(args, "max_steps", -1) or -1
+    if max_steps > 0:
+        last = max_steps
+    elif its_epochs == math.ceil(getattr(args, "num_train_epochs", 0) or 0):
+        last = its_last
+    else:
+        return None
+    return (step, last) if 0 < last <= step else None
+
+
+def _already_trained(trainer, checkpoint: str, done: tuple[int, int], log):
+    """The training of ``checkpoint`` finished: its weights loaded into the model, nothing trained, what
+    ``train()`` returns (``TrainOutput``) from the checkpoint's own record."""
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    step, last = done
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        log(f"nbddp: --resume: {checkpoint} is step {step} of {last}: this training already finished, and its "
+            "weights are in that folder; nothing to resume (leave --resume out to train again)")
+        raise SystemExit(0)
+    log(f"nbddp: --resume: {checkpoint} is step {step} of {last}: this training already finished; its weights "
+        "are loaded and it is not trained again (leave --resume out to train from the start)")
+    trainer._load_from_checkpoint(checkpoint)  # as train() loads a checkpoint it resumes from
+    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, _LAST_WRITTEN))
+    losses = [h["loss"] for h in trainer.state.log_history if isinstance(h.get("loss"), (int, float))]
+    return TrainOutput(trainer.state.global_step, losses[-1] if losses else float("nan"), {})
