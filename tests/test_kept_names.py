@@ -3,11 +3,15 @@ rank, its writes on rank 0 once with the names they bind sent to the others (``r
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
 import torch
 
 from kernel import errors, kernel_env, stream
-from test_kept_kernel import SMALL_SETUP, SMALL_TRAIN, STILL, STOP, _client, _run
+from test_kept_kernel import SMALL_SETUP, SMALL_TRAIN, STILL, STOP, _client, _kernel_family, _run
 
 from nbddp.runtime.from_rank0 import NOT_SENT, UNBOUND, VALUE, RankZeroOnly, pack, unpack
 
@@ -36,6 +40,7 @@ REDUCE = ("%%ddp\ntotal = torch.tensor([float(n_test)])\ntorch.distributed.all_r
 WRITE = "%%ddp\nwith open('kept-notes.txt', 'a') as fh:\n    written = fh.write('kept\\n')\nprint('wrote', written)\n"
 SENT = ("%%ddp\nsent = torch.tensor([float(written), float('rank 0 only' in repr(fh) or fh.closed)])\n"
         "torch.distributed.all_reduce(sent)\nprint('sent', sent.tolist())\n")
+SLOW_WRITE = "%%ddp\nimport time\nwith open('slow.txt', 'w') as slow:\n    time.sleep(60)\nprint('not reached')\n"
 FAILED_WRITE = "%%ddp\nwith open('no-such-folder/x.txt', 'w') as out:\n    out.write('x')\n"
 
 
@@ -60,6 +65,15 @@ def test_a_name_a_ddp_cell_binds_is_on_every_rank_for_the_next_cells_all_reduce(
         failed, still = _run(client, nb, [FAILED_WRITE, STILL])
         text = "\n".join(errors(failed)[0].traceback)
         assert "FileNotFoundError" in text and "line 2" in text and "kept job was ended" not in text, text
+        assert "still kept, world 2" in stream(still, "stdout"), still.outputs
+
+        # Stop while rank 0 writes alone (the others wait for what it binds): an interrupt on every rank, kept
+        timer = threading.Timer(6, os.kill, (_kernel_family(client)[0].pid, signal.SIGINT))
+        timer.start()
+        slow, still = _run(client, nb, [SLOW_WRITE, STILL])
+        timer.join()
+        text = "\n".join(errors(slow)[0].traceback)
+        assert "the ranks are kept" in text and "Failed" not in text and "not reached" not in stream(slow, "stdout"), text
         assert "still kept, world 2" in stream(still, "stdout"), still.outputs
         (stop,) = _run(client, nb, [STOP])
         assert "every rank has exited" in stream(stop, "stdout")

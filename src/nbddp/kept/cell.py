@@ -3,8 +3,9 @@ kept job has run (its facts see the trainers, models and trainings before it), a
 run. Unlike a job's code after training, every statement runs on every rank, so every name the cell binds
 exists on every rank (a second ``trainer.train()``, evaluation, printing, generation: only rank 0's output is
 shown); a statement that writes files or pushes runs on rank 0 once, and the names it binds are sent from
-rank 0 to the others (``convert/facts/kept.py``). What the cell does so is said as it runs. The whole script is written beside the job's, with its source map, so
-a rank compiles the cell's lines at their script line numbers and its traceback maps to the cell's line.
+rank 0 to the others (``convert/facts/kept.py``). What the cell does so is said as it runs. The whole
+script is written beside the job's, with its source map, so a rank compiles the cell's lines at their script
+line numbers and its traceback maps to the cell's line.
 """
 
 from __future__ import annotations

@@ -6,15 +6,19 @@ later cell may use them on every rank; so the block it sits in is wrapped::
         if _nbddp.on_rank0():
             commit = model.push_to_hub(…)
 
-and as the block ends rank 0 sends what it bound to every other rank (one ``broadcast_object_list``), or the
-error it raised: every rank then fails at that line alike, so the kept job survives a failed push. A value goes
-through ``torch.save``/``torch.load`` (tensors land on the receiving rank's own device); one that cannot be sent
-(an open file) is a stand-in on the other ranks that says so, at the cell's line, when anything uses it.
+and as the block ends rank 0 sends what it bound to every other rank (through the process group's store), or
+the error it raised: every rank then fails at that line alike, so the kept job survives a failed push. A Stop
+interrupts every rank, rank 0 in its block and the others waiting for it, so no rank sends anything then. A
+value goes through ``torch.save``/``torch.load`` (tensors land on the receiving rank's own device); one that
+cannot be sent (an open file) is a stand-in on the other ranks that says so when anything uses it.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import pickle
+import time
 
 #: What a name was on rank 0 once its block ended: its value's bytes, the reason it cannot be sent, or unbound.
 VALUE, NOT_SENT, UNBOUND = "value", "not sent", "unbound"
@@ -74,8 +78,17 @@ def unpack(packed: dict[str, tuple[str, object]], namespace: dict, device) -> No
             namespace.pop(name, None)
 
 
+#: How often a rank waiting for rank 0's block looks for its answer, at most (seconds).
+_POLL_MAX_S = 0.05
+_blocks = itertools.count()  # every rank runs the same blocks in the same order: the same key for each
+
+
 class from_rank0:  # noqa: N801 - used as a statement in the converted cell, read as words there
-    """The context of a kept cell's rank-0 block: as it ends, rank 0's names (or its error) reach every rank."""
+    """The context of a kept cell's rank-0 block: as it ends, rank 0's names (or its error) reach every rank.
+
+    Through the process group's key-value store, not a collective: the other ranks wait in Python (a short
+    sleep between looks), so a Stop interrupts them where they wait, as it interrupts rank 0 in its block;
+    an interrupted rank sends and takes nothing. The last rank to read removes the answer from the store."""
 
     def __init__(self, namespace: dict, *names: str):
         self.namespace, self.names = namespace, names
@@ -90,18 +103,38 @@ class from_rank0:  # noqa: N801 - used as a statement in the converted cell, rea
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return False
-        info = rank_info()
+        key = f"nbddp/from_rank0/{next(_blocks)}"
+        if isinstance(error, KeyboardInterrupt):
+            return False  # a Stop interrupts every rank where it is (``serve``): rank 0 here, the others below
+        store, info = _store(), rank_info()
         if info.rank == 0:
-            message = None if error is None else f"{kind.__name__}: {error}"
-            box = [("error", message) if message else ("ok", pack(self.namespace, self.names))]
-            dist.broadcast_object_list(box, src=0)
+            failed = None if error is None else f"{kind.__name__}: {error}"
+            answer = ("error", failed) if failed else ("ok", pack(self.namespace, self.names))
+            store.set(key, pickle.dumps(answer))
             return False
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
         if error is not None:  # this rank failed as well, in the block rank 0 alone runs (it should not)
             return False
-        outcome, body = box[0]
+        outcome, body = pickle.loads(_take(store, key, dist.get_world_size() - 1))
         if outcome == "error":
             raise Rank0Failed(f"rank 0 failed here, in code it runs alone: {body}")
         unpack(body, self.namespace, info.device)
         return False
+
+
+def _store():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _take(store, key: str, readers: int) -> bytes:
+    """Rank 0's answer under ``key`` once it is there; the last of ``readers`` removes it."""
+    pause = 0.001
+    while not store.check([key]):
+        time.sleep(pause)  # where a Stop's KeyboardInterrupt lands
+        pause = min(pause * 2, _POLL_MAX_S)
+    answer = store.get(key)
+    if store.add(f"{key}/read", 1) == readers:
+        store.delete_key(key)
+        store.delete_key(f"{key}/read")
+    return answer

@@ -93,9 +93,11 @@ class RankZeroRule(BlockRule):
         if self.statement(run[0]) in self.facts.kept_rank0:
             names = self._kept_names(run)
             sent = f", then {', '.join(names)} sent from rank 0 to every rank" if names else ""
-            return f"runs on rank 0 only, as it writes or pushes{sent} (a %%ddp cell's other statements run on every rank)"
+            return (f"runs on rank 0 only, as it writes or pushes{sent} (a %%ddp cell's other statements run on "
+                    "every rank)")
         if any(self.statement(s) in self.facts.shared_saves for s in run):
-            return "runs on rank 0 only, and every rank waits for it (a later cell reads what it writes)"
+            return "runs on rank 0 only, once as in the kernel, and every rank waits for it (what it writes, downloads " \
+                   "or installs is whole before any rank goes on)"
         tail = self.statement(run[0]) in self.facts.tail
         whole = "".join(f"; {n}: its whole data set again, not rank 0's share" for n in self._sharded_read(run))
         return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)") + whole
