@@ -22,12 +22,8 @@ _RANK0_ACTIONS = frozenset(
     "save_pretrained_merged save_pretrained_gguf generate fast_generate print pprint display savefig show "
     "imshow plot to_csv to_json to_parquet save".split()
 )
-#: Calls that write files another rank may read, and calls that read files.
+#: Calls that write files another rank may read.
 _WRITES = frozenset("save_pretrained save_model to_csv to_json to_parquet save_to_disk save_file".split())
-_READS = frozenset(
-    "from_pretrained load read_csv read_json read_parquet read_pickle load_from_disk load_dataset load_file "
-    "safe_open open".split()
-)
 #: Calls that read or write shared caches and downloads: dataset preparation.
 _DATA_PREP = frozenset(
     "load_dataset map filter snapshot_download hf_hub_download dataset_download competition_download".split()
@@ -211,18 +207,43 @@ def rank0_runs(top: list[Statement], rank0: set[Statement]) -> list[list[Stateme
 
 
 def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None:
-    """Saving before training that a later statement reads back (``model.save_pretrained("base")``, then
-    ``from_pretrained("base")``) runs on rank 0, and every rank waits for it: ``save_pretrained`` writes on
-    rank 0 only, so another rank would read before the files exist; a file every rank wrote could be read
-    half written. An expression statement whose files some later statement reads (by any path: the check
-    is by kind of call)."""
-    for k, stmt in enumerate(top[:first]):
+    """Side effects before training that the kernel had once run on rank 0, and every rank waits for them:
+    a save (``model.save_pretrained("base")``, ``torch.save``, ``to_csv``, ``savefig``), an install run through
+    ``os.system``/``subprocess`` (``pip install …``) or a download to a file (``urllib.request.urlretrieve``,
+    ``wget.download``, ``gdown.download``). Run by every rank they would write the same files at once (a later
+    ``from_pretrained("base")`` could read one half written) or install into the same folders together; after
+    the wait every rank finds the files whole. An expression statement only (it binds no name another rank
+    needs), without a collective in it. Model and dataset loaders stay on every rank (``plan_data_prep``)."""
+    for stmt in top[:first]:
         node = stmt.nodes[0]
-        if len(stmt.nodes) != 1 or not isinstance(node, ast.Expr) or not any(_writes(c) for c in stmt.calls):
+        if len(stmt.nodes) != 1 or not isinstance(node, ast.Expr) or not any(_once(c) for c in stmt.calls):
             continue
-        if any(_reads(c) for later in top[k + 1 :] for c in later.calls):
-            facts.shared_saves.add(stmt)
-            facts.rank0.add(stmt)
+        if any(is_collective_call(c, facts) for c in stmt.calls):
+            continue
+        facts.shared_saves.add(stmt)
+        facts.rank0.add(stmt)
+
+
+#: Calls that fetch a file from the network into a path.
+_DOWNLOADS = frozenset({"urllib.request.urlretrieve", "request.urlretrieve", "urlretrieve", "wget.download",
+                        "gdown.download"})
+#: Calls that run a shell command or a program: once where they install.
+_COMMANDS = frozenset({"os.system", "subprocess.run", "subprocess.call", "subprocess.check_call",
+                       "subprocess.check_output", "subprocess.Popen"})
+
+
+def _once(call: ast.Call) -> bool:
+    """A call whose effect the kernel had once: a write, a plot saved, a download, an install."""
+    name = dotted_name(call.func) or ""
+    if _writes(call) or last_name(call.func) == "savefig" or name in _DOWNLOADS:
+        return True
+    return name in _COMMANDS and _installs(call)
+
+
+def _installs(call: ast.Call) -> bool:
+    """A command naming ``pip install`` (or ``conda``/``apt-get install``) in its string literals."""
+    words = " ".join(n.value for n in ast.walk(call) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return "install" in words and any(tool in words for tool in ("pip", "conda", "apt", "mamba", "uv"))
 
 
 def plan_data_prep(top: list[Statement], facts: JobFacts) -> None:
@@ -252,10 +273,6 @@ def _is_data_prep(call: ast.Call) -> bool:
 def _writes(call: ast.Call) -> bool:
     name = dotted_name(call.func) or ""
     return last_name(call.func) in _WRITES or name in ("torch.save", "np.save", "numpy.save")
-
-
-def _reads(call: ast.Call) -> bool:
-    return last_name(call.func) in _READS
 
 
 def _func_code(cell: CellCode, call: ast.Call) -> str:
