@@ -52,6 +52,8 @@ REFUSED = {
     "transformers_tutorials/Fine_tune_CANINE_on_IMDb_(movie_review_binary_classification).ipynb":
         "cell 21, line 8: PyTorch Lightning",
     "opacus/building_image_classifier.ipynb": "cell 28, line 5: Opacus",
+    # a Kaggle TPU notebook (issue 39): refused before anything runs, at its first torch_xla call
+    "pytorch_xla/distributed-pytorch-xla-basics-with-pjrt.ipynb": "cell 10, line 5: TPU notebooks are out of scope",
 }
 
 #: A refusal that names the Python version a cell needs (issue 18, item 10).

@@ -47,6 +47,7 @@ REPOS = {
     "NVIDIA/NeMo": ("nemo", "Apache-2.0", "ec0b6240c44380ec8552ac8b7c9a0dd41adcffda"),
     "mryab/efficient-dl-systems": ("efficient_dl", "MIT", "e632aa89ca9e6638d52e1b686095e7442faffbb0"),
     "encord-team/encord-notebooks": ("encord", "Apache-2.0", "4bca849e7dff72b07ce8eba388ef78979847d74b"),
+    "pytorch/xla": ("pytorch_xla", "BSD-3-Clause", "41398bfff334fc8d3b1c00be6ea8cc5411f6d6bf"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -168,6 +169,8 @@ PATHS = {
     # issue 28: SAM fine-tuned in its own repository's style: the optimizer over the mask decoder, the
     # training calling sam_model.image_encoder/prompt_encoder/mask_decoder and never sam_model(…)
     "encord-team/encord-notebooks": ["notebooks/Encord_Notebooks_How_To_Fine_Tuning_SAM.ipynb"],
+    # a Kaggle TPU notebook (torch_xla, xmp.spawn): refused before anything runs (issue 39)
+    "pytorch/xla": ["contrib/kaggle/distributed-pytorch-xla-basics-with-pjrt.ipynb"],
 }
 #: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
 PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]
