@@ -40,9 +40,11 @@ def test_stop_keeps_the_ranks_in_the_keep_training_and_in_a_plain_loop(tmp_path)
         assert execute(kc, LONG_SETUP)[0] == "ok"
 
         # Stop during the --keep cell's own training: it stops at a step, and the ranks stay up
+        began = time.monotonic()
         msg_id, text, _ = execute(kc, TRAIN, until=lambda t: TRAINING.search(t) is not None)
         km.interrupt_kernel()
         said = _said(finish(kc, msg_id, timeout=120))
+        kept_at = time.monotonic()
         assert "JobInterrupted" in said and "the ranks are kept" in said and "Failed" not in said, said
         status, text, errors = execute(kc, HELD)
         assert status == "ok" and re.search(r"held at step [1-9]", text), (text, errors)
@@ -65,6 +67,15 @@ def test_stop_keeps_the_ranks_in_the_keep_training_and_in_a_plain_loop(tmp_path)
         assert "timed out after 8 s (--timeout) at line 4 of this %%ddp cell (time.sleep(60)), the ranks are kept" in said
         status, text, errors = execute(kc, AFTER)
         assert status == "ok" and "after True True 2" in text, (text, errors)
+        # what was sent where; how long the ranks have been up: from the job's start, not from its training's end
+        status, text, _ = execute(kc, "shared = {'scale': 21}\n%ddp_push shared")
+        assert status == "ok" and re.search(r"nbddp: sent shared \(dict, \d+ bytes\) to rank\(s\) 0, 1", text), text
+        since_kept, since_cell = time.monotonic() - kept_at, time.monotonic() - began
+        status, text, _ = execute(kc, "%ddp_status")
+        up = re.search(r"up (?:(\d+) min )?(\d+) s", text)
+        up_s = int(up[1] or 0) * 60 + int(up[2]) if up else -1
+        # the ranks' start-up and training before the Stop count; the cell's conversion before launch does not
+        assert since_kept + 3 <= up_s <= since_cell + 1, (text, since_kept, since_cell)
         assert "every rank has exited" in execute(kc, "%ddp_stop")[1]
     finally:
         kc.stop_channels()

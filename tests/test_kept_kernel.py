@@ -176,7 +176,8 @@ torch.distributed.all_reduce(torch.zeros(1))
 #: ends does not depend on what it trained; the Trainer's kept job is the test above).
 SMALL_SETUP = ("%%ddp_setup\nimport torch\nmodel = torch.nn.Linear(4, 1)\n"
                "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n")
-SMALL_TRAIN = ("%%ddp_train --keep --nproc 2\nfor _ in range(3):\n    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+SMALL_TRAIN = ("%%ddp_train --keep --nproc 2\nfor _ in range(3):\n"
+               "    loss = model(torch.randn(8, 4)[torch.distributed.get_rank()::2]).pow(2).mean()\n"
                "    optimizer.zero_grad()\n    loss.backward()\n    optimizer.step()\n")
 
 

@@ -38,3 +38,24 @@ def test_a_bar_outside_training_still_shows_while_it_runs(tmp_path, monkeypatch)
     v.poll()
     assert cell.outputs == [{"output_type": "stream", "name": "stderr", "text": FIRST_FRAME}]
     assert v.panel is None
+
+
+def test_the_persons_own_lines_stay_in_view_after_a_librarys_many_finished_bars():
+    """Seen with TRL: eleven dataset-preparation bars after print_trainable_parameters() pushed it out of the
+    last 12 lines the finished cell kept."""
+    from nbddp.display.stream import RankLog
+
+    log = RankLog(12)
+    log.feed("stdout", "trainable params: 1,081,344 || all params: 495,114,112 || trainable%: 0.2184\n")
+    for name in ["Converting train dataset to ChatML", "Applying chat template", "Tokenizing train dataset",
+                 "Truncating train dataset"] * 3:
+        log.feed("stderr", f"\r{name}:   0%|          | 0/1024 [00:00<?, ? examples/s]"
+                           f"\r{name}: 100%|██████████| 1024/1024 [00:00<00:00, 9000.00 examples/s]\n")
+    log.feed("stdout", "my own line after the bars\n")
+    shown = log.lines()
+    assert shown[0].startswith("trainable params: 1,081,344"), shown
+    assert shown[-1] == "my own line after the bars"
+    assert sum("100%|" in line for line in shown) == 1  # the newest bar alone
+    for i in range(20):  # the person's lines still scroll as lines do
+        log.feed("stdout", f"step line {i}\n")
+    assert log.lines()[-12:] == [f"step line {i}" for i in range(8, 20)]

@@ -27,6 +27,10 @@ MAX_WARNINGS = 30
 _PY_WARNING = re.compile(r"(?:^|(?<=\]))(?P<file>[^\s:][^:]*\.py):(?P<line>\d+): (?P<category>[A-Z]\w*Warning): (?P<message>.*)$")
 _TORCH_WARNING = re.compile(r"^\[W\d{3,4} [^\]]*\] (?:Warning: )?(?P<message>.*)$")
 _TRAINER_LOG = re.compile(r"^\{'\w+': .*\}$")
+#: A finished progress bar (tqdm's line: ``Tokenizing: 100%|█████| 1024/1024 [00:00<00:00, …]``).
+_FINISHED_BAR = re.compile(r"\d+%\|.*\|\s*[\d.]+[kMG]?/[\d.]+[kMG]?\b")
+#: Lines the log holds, of which it shows ``lines``: the finished bars yield first (``RankLog.lines``).
+HELD_LINES = 200
 #: A traceback's first line, as Python prints it or with torch's ``[rank0]:`` prefix.
 _TRACEBACK = re.compile(r"^(?:\[rank\d+\]:\s*)?Traceback \(most recent call last\)")
 #: The same where it starts in a stream: at a line's start, or after a bar left unfinished on the line.
@@ -256,11 +260,14 @@ class RankLog:
 
     ``feed`` takes raw text from either stream. Lines the Trainer prints as dicts (``{'loss': …}``) are left
     out: the panel's table has them. nbddp's own lines are start-up lines until ``started`` is set (when
-    training begins); after that they are shown as they come.
+    training begins); after that they are shown as they come. A library's finished progress bars (a dataset's
+    preparation: TRL draws eleven) never push the notebook's own lines out of view: of the last
+    ``HELD_LINES``, the shown ones are the newest of the other lines with the newest finished bar.
     """
 
     def __init__(self, lines: int = 12):
-        self.tail: deque[str] = deque(maxlen=lines)
+        self.shown = lines
+        self.tail: deque[str] = deque(maxlen=max(lines, HELD_LINES))
         self.partial = {"stdout": "", "stderr": ""}
         self.warnings: dict[str, int] = {}
         self.startup: list[str] = []
@@ -323,9 +330,20 @@ class RankLog:
         self.traceback = None
 
     def lines(self) -> list[str]:
-        """The shown lines: the kept tail, then each stream's line still being drawn (a progress bar)."""
+        """The shown lines: the newest of the tail (finished bars but the newest left out first, said in one
+        line), then each stream's line still being drawn (a progress bar)."""
         bars = [_shown(p) for p in (self.partial["stdout"], self.partial["stderr"]) if _shown(p).strip()]
-        return [*self.tail, *bars]
+        tail = list(self.tail)
+        if len(tail) <= self.shown:
+            return [*tail, *bars]
+        finished = [i for i, line in enumerate(tail) if _FINISHED_BAR.search(line)]
+        dropped = set(finished[:-1])
+        kept = [i for i in range(len(tail)) if i not in dropped][-self.shown:]
+        among = sum(1 for i in dropped if i > kept[0])  # bars left out between the lines shown
+        shown = [tail[i] for i in kept]
+        if among and len(shown) == self.shown:
+            shown = [f"({among} finished progress bars not shown)", *shown[1:]]
+        return [*shown, *bars]
 
     def where(self) -> str:
         return f"rank 0's full output: {self.path}" if self.path else "rank 0's full output: in the run directory's logs/"

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import psutil
+
 from ..cells import Cell
 from ..errors import NbddpError
 from ..launch import terminate_tree
@@ -67,6 +69,13 @@ class KeptJob:
 
     def __post_init__(self):
         atexit.register(self.stop)  # the kernel's own exit; a killed kernel closes the socket instead
+
+    def up_s(self) -> float:
+        """Seconds since the job started (torchrun's process began), not since its training ended."""
+        try:
+            return max(0.0, time.time() - psutil.Process(self.process.pid).create_time())
+        except (psutil.Error, AttributeError):
+            return time.monotonic() - self.started
 
     @property
     def nproc(self) -> int:

@@ -197,6 +197,8 @@ class KeptMagics(Magics):
         bad = [f"rank {r}: {rep[1]}" for r, rep in sorted(answer.replies.items()) if rep[0] == "error"]
         if bad:
             raise NbddpError(f"%ddp_push {args.name}: " + "; ".join(bad))
+        ranks = ", ".join(str(r) for r in sorted(answer.replies))
+        print(f"nbddp: sent {args.name} ({type(value).__name__}, {_size(len(pickle.dumps(value)))}) to rank(s) {ranks}")
 
     @line_magic
     @guard("running %ddp_status", passthrough=(UsageError,))
@@ -209,7 +211,7 @@ class KeptMagics(Magics):
         job = self.job
         idle = time.monotonic() - job.last_used
         answer = job.request(("status",))
-        print(f"nbddp: kept job, {job.nproc} rank(s), up {time.monotonic() - job.started:.0f} s, idle {idle:.0f} s"
+        print(f"nbddp: kept job, {job.nproc} rank(s), up {_duration(job.up_s())}, idle {_duration(idle)}"
               f"{_limit(job)}; run directory {job.run_dir}")
         for rank, reply in sorted(answer.replies.items()):
             if reply[0] != "ok":
@@ -273,6 +275,21 @@ class Waits:
               "finished it (Stop interrupts every rank)", flush=True)
         self.said[rank] = waited_s
         answer.where.pop(rank, None)
+
+
+def _size(n: float) -> str:
+    """A byte count as a person reads it: 812 bytes, 4.9 KiB, 3.0 MiB, 1.2 GiB."""
+    if n < 1024:
+        return f"{int(n)} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes} min {s} s" if minutes else f"{s} s"
 
 
 def _limit(job: KeptJob) -> str:
