@@ -107,14 +107,16 @@ def run(notebook: Path, strategy: str, cap: float) -> dict:
     env = {**os.environ, "NCCL_P2P_DISABLE": "1", "NBDDP_GPU_MEMORY_GIB": str(cap)}
     adapter = notebook.parent / "adapter" / "adapter_model.safetensors"
     adapter.unlink(missing_ok=True)
+    runs = notebook.parent / "runs" / strategy  # each run's records apart: a run that ran out of memory early
+    # writes no losses, and must not be given another's
     proc = subprocess.run([sys.executable, "-m", "nbddp.cli", "run", str(notebook), "--strategy", strategy,
-                           "--skip-installs", "--runs-dir", str(notebook.parent / "runs")],
+                           "--skip-installs", "--runs-dir", str(runs)],
                           cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=1800)
     text = proc.stdout + proc.stderr
     (notebook.parent / f"{strategy}.log").write_text(text)
     chosen = re.search(r"nbddp: strategy (\w+)", text)
     peaks = re.search(r"PEAKS (\{.*\})", text)
-    losses = trainer_losses(notebook.parent / "runs") or [float(x) for x in re.findall(r"'loss': '?([\d.]+)", text)]
+    losses = trainer_losses(runs) or [float(x) for x in re.findall(r"'loss': '?([\d.]+)", text)]
     return {
         "strategy": strategy, "chosen": chosen.group(1) if chosen else "ddp", "exit": proc.returncode,
         "oom": "OutOfMemoryError" in text or "CUDA out of memory" in text,
@@ -126,12 +128,14 @@ def run(notebook: Path, strategy: str, cap: float) -> dict:
 
 
 def trainer_losses(runs: Path) -> list[float]:
-    """The losses the Trainer logged in the newest run: rank 0's ``log`` events in its ``metrics.jsonl`` (the
-    terminal shows a progress line in place of the Trainer's printed log dictionaries)."""
-    newest = max(runs.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime, default=None)
-    if newest is None:
+    """The losses the Trainer logged in the newest run directory under ``runs``: rank 0's ``log`` events in its
+    ``metrics.jsonl`` (the terminal shows a progress line in place of the Trainer's printed log dictionaries);
+    none where that run wrote none (it ran out of memory before its first log), never an older run's."""
+    newest = max((d for d in runs.glob("*") if d.is_dir()), key=lambda d: d.stat().st_mtime, default=None)
+    metrics = newest / "metrics.jsonl" if newest is not None else None
+    if metrics is None or not metrics.is_file():
         return []
-    events = [json.loads(line) for line in newest.read_text().splitlines() if line.strip()]
+    events = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return [float(e["loss"]) for e in events if e.get("event") == "log" and "loss" in e]
 
 

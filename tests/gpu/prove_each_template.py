@@ -4,8 +4,11 @@
   kernel  ``%ddp_train templates/<name>.ipynb`` in a real kernel (a notebook executed by nbclient).
 
 The templates run with their default parameters (the embedded tiny model) from a copy of ``templates/`` in a
-temporary folder. A check passes when the job ends well, rank 0 reports one process per GPU on nccl, and the
-template's own last line ("… saved to …") is there. Prints PASS/FAIL per template and way; exit code 0 only
+temporary folder. A check passes when the job ends well and its run directory's records say the rest: one rank
+log folder per GPU in torchrun's newest attempt (``logs/<id>/attempt_N/<rank>/``), rank 0's own stdout there
+naming the backend (nccl; gloo with ``--cpu``) and holding the template's last line ("… saved to …"). The
+records, not the text a terminal or a kernel shows: the view may change how it shows them (the kernel's panel
+does not print rank 0's summary as text). Prints PASS/FAIL per template and way; exit code 0 only
 when every one passed. On a machine without GPUs it runs the same on two gloo processes (``--cpu``).
 
     python tests/gpu/prove_each_template.py [--cpu] [--only NAME]
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,12 +29,32 @@ ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = sorted(p.stem for p in (ROOT / "templates").glob("*.ipynb"))
 
 
-def expected(ngpu: int) -> list[str]:
-    return [f"nbddp: {ngpu} process(es), backend nccl" if ngpu else "nbddp: 2 process(es), backend gloo", "saved to"]
+def run_dir(runs: Path, name: str) -> Path | None:
+    """The newest run directory of template ``name`` under ``runs`` (``YYYYmmdd-HHMMSS-<name>[-k]``)."""
+    pattern = re.compile(rf"\d{{8}}-\d{{6}}-{re.escape(name)}(-\d+)?")
+    found = [p for p in runs.glob("*") if p.is_dir() and pattern.fullmatch(p.name)] if runs.is_dir() else []
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def missing(text: str, ngpu: int) -> list[str]:
-    return [w for w in expected(ngpu) if w not in text]
+def rank_logs(run: Path) -> dict[int, Path]:
+    """Each local rank's stdout.log in torchrun's newest attempt: ``logs/<run id>/attempt_N/<rank>/stdout.log``."""
+    logs = list(run.glob("logs/*/attempt_*/*/stdout.log"))
+    newest = max((int(p.parts[-3].removeprefix("attempt_")) for p in logs), default=None)
+    return {int(p.parts[-2]): p for p in logs if p.parts[-2].isdigit() and int(p.parts[-3].removeprefix("attempt_")) == newest}
+
+
+def missing(runs: Path, name: str, ngpu: int) -> list[str]:
+    """What the run's records lack: its run directory, one rank per GPU (2 on CPU), rank 0 on the backend, the
+    template's last line."""
+    run = run_dir(runs, name)
+    if run is None:
+        return [f"a run directory for {name} under {runs}"]
+    ranks, want = rank_logs(run), ngpu or 2
+    problems = [] if sorted(ranks) == list(range(want)) else [f"{want} rank logs (found ranks {sorted(ranks)})"]
+    rank0 = ranks[0].read_text(errors="replace") if 0 in ranks else ""
+    backend = "nccl" if ngpu else "gloo"
+    problems += [w for w in (f"process(es), backend {backend}", "saved to") if w not in rank0]
+    return problems
 
 
 def by_cli(work: Path, name: str, ngpu: int) -> list[str]:
@@ -38,7 +62,7 @@ def by_cli(work: Path, name: str, ngpu: int) -> list[str]:
                            "--runs-dir", str(work / "runs")], cwd=work, capture_output=True, text=True, timeout=600)
     text = proc.stdout + proc.stderr
     print(text[-1500:])
-    return ([f"exit code {proc.returncode}"] if proc.returncode else []) + missing(text, ngpu)
+    return ([f"exit code {proc.returncode}"] if proc.returncode else []) + missing(work / "runs", name, ngpu)
 
 
 def by_kernel(work: Path, names: list[str], ngpu: int) -> dict[str, list[str]]:
@@ -59,7 +83,7 @@ def by_kernel(work: Path, names: list[str], ngpu: int) -> dict[str, list[str]]:
         errors = [o.get("ename", "") + ": " + o.get("evalue", "") for o in train.outputs if o.output_type == "error"]
         print(text[-1500:], *errors, sep="\n")
         result = "".join(o.get("text", "") for o in ok.outputs)
-        outcome[name] = errors + missing(text, ngpu) + ([] if f"{name} ok: True" in result else ["_ddp.ok"])
+        outcome[name] = errors + missing(work / "runs", name, ngpu) + ([] if f"{name} ok: True" in result else ["_ddp.ok"])
     return outcome
 
 
