@@ -446,3 +446,41 @@ def test_metrics_on_the_training_loader_after_training_count_its_whole_data_set(
                            "    train_loader = _nbddp.whole_loader(train_loader)\n    print(")
     assert "whole_loader(test_loader)" not in code
     assert any("train_loader: its whole data set again" in m for rule, line, m in changes if rule == "rank0")
+
+
+# ------------------------------------------------------------------ trackers: one run, on rank 0
+
+
+def test_a_summary_writer_and_mlflow_runs_are_made_on_rank_0_and_wandb_elsewhere_is_disabled(rewrite):
+    (code, _), changes = rewrite(
+        """\
+        writer = SummaryWriter(log_dir="runs/exp")
+        wandb.init(project="p", mode="offline")
+        run = wandb.init(project="p")
+        with mlflow.start_run():
+            mlflow.log_param("lr", 0.1)
+        """,
+        "trainer = Trainer(model=model)\ntrainer.train()\n")
+    assert code == textwrap.dedent(
+        """\
+        writer = _nbddp.rank0_only(SummaryWriter)(log_dir="runs/exp")
+        wandb.init(project="p", mode=_nbddp.rank0_mode("offline"))
+        run = wandb.init(project="p", mode=_nbddp.rank0_mode())
+        with _nbddp.rank0_only(mlflow.start_run)():
+            _nbddp.rank0_only(mlflow.log_param)("lr", 0.1)
+        """)
+    assert sum(rule == "trackers" for rule, _, _ in changes) == 5
+
+
+def test_off_rank_0_a_tracker_is_a_stand_in_that_takes_any_call(monkeypatch):
+    from nbddp.runtime import rank0_mode, rank0_only
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    writer = rank0_only(dict)(log_dir="x")
+    writer.add_scalar("loss", 0.5, 1)
+    with rank0_only(dict)() as run:
+        run.info.run_id
+    assert rank0_mode("online") == "disabled"
+    monkeypatch.setenv("RANK", "0")
+    assert rank0_only(dict)(a=1) == {"a": 1} and rank0_mode("online") == "online"

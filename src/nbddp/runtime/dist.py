@@ -247,3 +247,40 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
+
+
+def rank0_only(func):
+    """``func`` itself on rank 0 (and alone); on the other ranks a stand-in whose result takes any call, attribute
+    or ``with`` and does nothing: a ``SummaryWriter`` or an MLflow run the kernel had once is made once, and the
+    notebook's ``writer.add_scalar(…)`` runs on every rank unchanged."""
+    return func if is_main_process() else _Silent()
+
+
+def rank0_mode(mode: str | None = None) -> str | None:
+    """``wandb.init``'s ``mode``: the notebook's own on rank 0, ``"disabled"`` on the others, so one W&B run is
+    made (as in the kernel) and ``wandb.log`` on the other ranks does nothing instead of raising."""
+    return mode if is_main_process() else "disabled"
+
+
+class _Silent:
+    """What ``rank0_only`` gives the other ranks: every attribute and call is another one, and does nothing."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Silent()
+
+    def __call__(self, *args, **kwargs):
+        return _Silent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __iter__(self):
+        return iter(())
+
+    def __repr__(self):
+        return "<nbddp: made on rank 0 only>"

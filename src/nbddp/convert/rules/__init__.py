@@ -24,6 +24,7 @@ from .rank_zero_in_functions import RankZeroInFunctionsRule
 from .sampler import DistributedSamplerRule
 from .set_epoch import SetEpochRule
 from .shard_loop import ShardLoopRule
+from .trackers import TrackersRule
 from .trainer_config import TrainerConfigRule
 from .unwrap import UnwrapRule
 
@@ -45,4 +46,5 @@ RULES: tuple[type[Rule], ...] = (
     AccelerateHandoffRule,
     LauncherRule,
     LoopOutputRule,
+    TrackersRule,
 )
