@@ -401,11 +401,14 @@ def test_a_loop_over_batch_numbers_and_a_loop_over_samples_are_sharded_too(rewri
             for k, (xs, ys) in enumerate(samples):
                 model(xs).sum().backward()
                 optimizer.step()
+            for xs, ys in zip(X_list, y_list):
+                model(xs).sum().backward()
 
         train(model, X, y, samples)
         """)
     assert "for b in _nbddp.shard_range(range(len(X) // 8)):" in code
     assert "for k, (xs, ys) in enumerate(_nbddp.shard_items(samples)):" in code
+    assert "for xs, ys in zip(_nbddp.shard_items(X_list), _nbddp.shard_items(y_list)):" in code
 
 
 def test_full_batch_descent_and_a_dataloader_loop_are_left_to_the_other_rules(rewrite):

@@ -30,9 +30,19 @@ def shardable_loop(loop: ast.AST, facts: JobFacts) -> str | None:
         return None
     if _is_range(loop.iter) and isinstance(loop.target, ast.Name) and _slices_with(loop, loop.target.id):
         return "range"
-    name = loader_name(loop.iter)
-    if name is not None and not _a_loader(name, facts) and name != "range":
+    names = _zipped(loop.iter) or [loader_name(loop.iter)]
+    if all(n is not None and not _a_loader(n, facts) and n != "range" for n in names):
         return "items"
+    return None
+
+
+def _zipped(expr: ast.AST) -> list[str | None] | None:
+    """The sequences ``zip(X, Y)`` walks together (each sharded alike), inside ``enumerate``/``tqdm`` too."""
+    while isinstance(expr, ast.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
+        expr = expr.args[0]
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "zip" and expr.args \
+            and not expr.keywords:
+        return [a.id if isinstance(a, ast.Name) else None for a in expr.args]
     return None
 
 

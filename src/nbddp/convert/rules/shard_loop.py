@@ -64,6 +64,9 @@ def _sharded(kind: str, iterated: cst.BaseExpression) -> cst.BaseExpression:
         first = iterated.args[0]
         args = [first.with_changes(value=_sharded(kind, first.value)), *iterated.args[1:]]
         return iterated.with_changes(args=args)
+    if kind == "items" and isinstance(iterated, cst.Call) and isinstance(iterated.func, cst.Name) \
+            and iterated.func.value == "zip":  # each sequence the same positions
+        return iterated.with_changes(args=[a.with_changes(value=_sharded(kind, a.value)) for a in iterated.args])
     return cst.Call(func=fixed_expression(SHARDS[kind]), args=[cst.Arg(iterated)])
 
 
