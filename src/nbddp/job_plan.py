@@ -58,7 +58,7 @@ def prepare_job(source: JobSource, *, skip_bad_cells: bool = False) -> Job:
 
 
 #: The modes a job runs in (``JobPlan.mode``).
-EVERY_RANK, LAUNCHED = "every-rank", "launched"
+EVERY_RANK, LAUNCHED, PREDICT = "every-rank", "launched", "predict"
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,9 @@ def plan_job(source: JobSource, options: RunOptions | None = None, *, keep: bool
     if keep and decision.strategy != "ddp":
         raise NbddpError(f"--keep keeps DDP jobs only: this one runs {decision.strategy}, whose sharded or "
                          "split state a later cell could break; train it without --keep")
-    why = ("every cell on every rank, as asked (--every-rank)" if options.every_rank and not script.trains
+    why = ("each rank predicts its own block of the rows, gathered in order; the code after on rank 0"
+           if mode == PREDICT
+           else "every cell on every rank, as asked (--every-rank)" if options.every_rank and not script.trains
            else "the ranks are kept up for later cells (--keep)" if not script.trains
            else "DDP: the converted notebook on every rank")
     processes = 1 if decision.strategy == "split" else machine.processes(options.nproc)
@@ -186,6 +188,8 @@ def decide_mode(script: Script, every_rank: bool = False, keep: bool = False) ->
         return EVERY_RANK
     if script.launches:
         return LAUNCHED
+    if script.predicts:  # no training, prediction loops: each rank predicts its share (convert/rules/predict.py)
+        return PREDICT
     if keep:
         return EVERY_RANK
     check_trains(script, every_rank)

@@ -23,6 +23,7 @@ from .frameworks import check_frameworks
 from .launches import Launch, find_launches, leading_launch, seems_to_train
 from .lines import align
 from .rules import RULES
+from .rules.predict import refuse_unsplittable
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Script:
     #: none, the shell lines that seem to start the training instead (``launches.find_launches``)
     trains: bool = True
     launches: tuple[Launch, ...] = ()
+    #: no training, and prediction loops each rank takes its share of (``facts/predicts.py``): predict mode
+    predicts: bool = False
     #: where, with neither, the training seems to be ("cell 4, line 2: model.fit(x)"), or None
     seems: str | None = None
     #: what the launcher reads before launch, read here once from the script's code: the model's shape (the
@@ -141,11 +144,12 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
     check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
     facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None)
+    refuse_unsplittable(facts, cleaned)  # a prediction loop the ranks cannot split: refused at its cell and line
     launches = find_launches(cells) if facts.last_training is None else ()
     if launches:
         warnings.append(f"no training call found in the code; its training is a command it launches ({leading_launch(launches)}): "
                         "nbddp run runs the notebook once and that command on every GPU")
-    elif facts.last_training is None:
+    elif facts.last_training is None and not facts.predictions:
         warnings.append("no training call found (trainer.train(), unsloth_train(…)): nbddp run refuses it unless "
                         "--every-rank (every cell on every rank)")
     changes: list[Change] = []
@@ -157,6 +161,8 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
 
     installs = tuple(i for c in cleaned for i in c.installs)
     prelude = _prelude(origin, changes, installs, warnings)
+    if facts.predictions:  # the prediction loops' shares and gathers (rules/predict.py)
+        prelude.insert(prelude.index("import nbddp.runtime.capture"), "import nbddp.runtime.predict")
     epilogue = ["# [nbddp] every rank ends here: wait for the others, then leave the process group", "_nbddp.cleanup()"]
     lines = prelude + [text for text, _ in body] + epilogue
     mapping = {n: src for n, (_, src) in enumerate(body, start=len(prelude) + 1) if src is not None}
@@ -172,6 +178,7 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
         whole_model_saves=_cell_places(facts.whole_model_saves, cleaned),
         rank0_forwards=_cell_places(facts.rank0_forwards, cleaned),
         trains=facts.last_training is not None,
+        predicts=bool(facts.predictions),
         launches=launches,
         seems=seems_to_train(cells) if facts.last_training is None else None,
         shape=shape,

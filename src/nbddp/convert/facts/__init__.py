@@ -27,6 +27,7 @@ from .loaders import plan_helper_training_loaders, plan_loaders
 from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
 from .parts import plan_part_wraps
+from .predicts import plan_predictions
 from .rank0 import plan_after_training, plan_data_prep, plan_function_bodies, plan_shared_saves, plan_tail_unwraps
 from .scan import scan
 from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
@@ -53,6 +54,8 @@ def gather_facts(cells: list[CellCode], kept_cell: int | None = None) -> JobFact
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:
         _plan_around_training(top, trains, facts)
+    elif kept_cell is None:
+        plan_predictions(top, facts)  # a notebook that only predicts: its loops split over the ranks
     if kept_cell is not None:
         plan_kept_cell(top, facts)
     plan_function_bodies(top, facts)

@@ -111,6 +111,10 @@ class JobFacts:
     #: every ``torch.save(model, …)`` (or ``obj=model``) of a model DDP wraps, by place (cell position, line,
     #: column in characters): the unwrap rule saves the module inside there, and under FSDP it is refused
     model_saves: set[tuple[int, int, int]] = field(default_factory=set)
+    #: a notebook that trains nowhere: the top-level statements holding a prediction loop each rank takes its
+    #: share of (``predicts.py``), and why any such loop cannot be split (``predicts.PredictRefusal``)
+    predictions: list[Statement] = field(default_factory=list)
+    predict_refusals: list = field(default_factory=list)
     whole_model_saves: list[tuple[int, int]] = field(default_factory=list)
     rank0_forwards: list[tuple[int, int]] = field(default_factory=list)
 

@@ -19,6 +19,7 @@ from .device_map import DeviceMapRule
 from .launcher import LauncherRule
 from .loop_output import LoopOutputRule
 from .main_process_first import MainProcessFirstRule
+from .predict import PredictRule
 from .rank_zero import RankZeroRule
 from .rank_zero_in_functions import RankZeroInFunctionsRule
 from .sampler import DistributedSamplerRule
@@ -46,5 +47,6 @@ RULES: tuple[type[Rule], ...] = (
     AccelerateHandoffRule,
     LauncherRule,
     LoopOutputRule,
+    PredictRule,
     TrackersRule,
 )

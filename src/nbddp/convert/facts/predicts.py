@@ -1,0 +1,299 @@
+"""Facts about a notebook that predicts and does not train: its prediction loops, and what stops one being split.
+
+A prediction loop is a ``for`` loop at a cell's top level (or in its ``with``/``if`` blocks, not in a function)
+that calls a model and accumulates what it gives: ``preds.append(…)``/``.extend(…)`` on a list named before
+the loop, or ``correct += …`` on a name. ``rules/predict.py`` gives each rank a contiguous block of its rows
+and gathers the accumulators in row order (``runtime/predict.py``); what comes after the last such loop runs
+on rank 0 only (``rank0.plan_after_training``, as after training).
+
+A loop whose rows cannot be split is refused before launch, at its cell and line (``PredictRefusal``):
+state carried from one row to the next other than an accumulator, a ``break`` (it stops at a row count),
+a write into something other than an accumulator inside the loop (it would hold only this rank's rows), a
+name the loop binds read after it (each rank holds its own last row's), a shuffled loader (its order is not
+its rows').
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..ast_helpers import DEFS, dotted_name, keyword, last_name
+
+if TYPE_CHECKING:
+    from ..code import Statement
+    from .job_facts import JobFacts
+
+#: Callees that run a model on rows: ``model(x)``, ``net(x)``, ``model.generate(…)``, ``clf.predict(…)``, ``pipe(…)``.
+_MODEL_CALL = re.compile(r"model|net$|^net|generate|predict|pipe|classifier|clf|forward|infer", re.IGNORECASE)
+#: Methods that accumulate into a list named before the loop.
+_LIST_GROWS = frozenset({"append", "extend"})
+#: Methods that change what they are called on: outside an accumulator, a write the gather would not see.
+_MUTATES = frozenset({"append", "extend", "insert", "update", "add", "write", "writerow", "writerows", "to_csv",
+                      "setdefault", "__setitem__"})
+
+
+@dataclass(frozen=True)
+class PredictLoop:
+    """A loop to split: its accumulators (name → "list" or "sum", in the order first met)."""
+
+    accumulators: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sums(self) -> set[str]:
+        return {n for n, kind in self.accumulators.items() if kind == "sum"}
+
+
+@dataclass(frozen=True)
+class PredictRefusal:
+    """Why a prediction loop cannot be split: its cell position, the line of its cleaned code, the reason."""
+
+    position: int
+    line: int
+    reason: str
+
+
+def prediction_loop(loop: ast.AST) -> PredictLoop | None:
+    """The loop's accumulators where ``loop`` predicts (calls a model, accumulates its output), else None. A loop
+    that trains (``backward``) is the training rules'."""
+    if not isinstance(loop, ast.For):
+        return None
+    inside = list(_walk_body(loop.body))
+    calls = [n for n in inside if isinstance(n, ast.Call)]
+    if any(last_name(c.func) == "backward" for c in calls):
+        return None
+    if not any(_MODEL_CALL.search(dotted_name(c.func) or last_name(c.func) or "") for c in calls):
+        return None
+    found: dict[str, str] = {}
+    for node in inside:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LIST_GROWS \
+                and isinstance(node.func.value, ast.Name):
+            found.setdefault(node.func.value.id, "list")
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
+            found.setdefault(node.target.id, "sum")
+    targets = _stored(loop.target)
+    found = {n: kind for n, kind in found.items() if n not in targets}
+    return PredictLoop(found) if found else None
+
+
+def _walk_body(body: list[ast.stmt]):
+    """Every node of ``body``, not those of functions or classes defined in it."""
+    todo = list(reversed(body))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (*DEFS, ast.Lambda)):
+            todo.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def loops_in(stmt: Statement) -> list[ast.For]:
+    """The outermost prediction loops of a top-level statement, outside functions and classes."""
+    out: list[ast.For] = []
+    todo = list(stmt.nodes)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, DEFS):
+            continue
+        if isinstance(node, ast.For) and prediction_loop(node) is not None:
+            out.append(node)
+            continue
+        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+    return out
+
+
+def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
+    """Where the notebook trains nowhere: its prediction statements (``JobFacts.predictions``), why any of their
+    loops cannot be split (``JobFacts.predict_refusals``), and the code after the last one on rank 0."""
+    from .rank0 import plan_after_training
+
+    holding = [k for k, stmt in enumerate(top) if loops_in(stmt)]
+    if not holding:
+        return
+    facts.predictions = [top[k] for k in holding]
+    for k in holding:
+        for loop in loops_in(top[k]):
+            reason = refusal(loop, top, k)
+            if reason is not None:
+                facts.predict_refusals.append(PredictRefusal(top[k].cell.position, loop.lineno, reason))
+    plan_after_training(top, holding[0], holding[-1], facts)
+    facts.rank0 -= set(facts.predictions)  # every rank runs its share and takes part in the gather
+    facts.tail -= set(facts.predictions)
+
+
+def refusal(loop: ast.For, top: list[Statement], k: int) -> str | None:
+    """Why ``loop`` (in ``top[k]``) cannot be split over the ranks, or None."""
+    found = prediction_loop(loop)
+    accumulators = set(found.accumulators)
+    for node in _walk_body(loop.body):
+        if isinstance(node, ast.Break) and _own_break(loop, node):
+            return "it stops with break, after a number of rows that each rank would count on its own share"
+    carried = _carried(loop, accumulators)
+    if carried:
+        return (f"{carried} carries a value from one row to the next, and each rank starts its share without the "
+                "rows before it; keep each row's prediction independent of the others'")
+    written = _written_elsewhere(loop, accumulators)
+    if written:
+        return (f"it writes into {written} row by row, which would hold only each rank's own rows; append to a "
+                "list named before the loop (preds.append(…)) and build it after the loop")
+    shuffled = _shuffled(loop.iter, top[:k + 1])
+    if shuffled:
+        return (f"{shuffled} gives its rows in a random order, which each rank would draw for itself; predict in "
+                "the rows' order (shuffle=False)")
+    after = _read_after(loop, accumulators, top[k + 1:])
+    if after:
+        return (f"{after} is read after the loop, where it holds the last row of each rank's share, not the last "
+                "row; take what is needed from an accumulated list instead")
+    return None
+
+
+def _own_break(loop: ast.For, node: ast.Break) -> bool:
+    """A ``break`` of ``loop`` itself, not of a loop inside it."""
+    todo = list(loop.body)
+    while todo:
+        stmt = todo.pop()
+        if stmt is node:
+            return True
+        if isinstance(stmt, (ast.For, ast.While, *DEFS)):
+            continue
+        todo.extend(c for c in ast.iter_child_nodes(stmt) if isinstance(c, ast.stmt))
+    return False
+
+
+def _stored(target: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _carried(loop: ast.For, accumulators: set[str]) -> str | None:
+    """A name the body binds and reads, in some row, before binding it in that row: the previous row's value."""
+    bound_in_body = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    candidates = bound_in_body - accumulators
+    bound = _stored(loop.target)
+    for stmt in loop.body:
+        for name in _reads_before_binds(stmt, bound):
+            if name in candidates:
+                return name
+    return None
+
+
+def _reads_before_binds(stmt: ast.stmt, bound: set[str]):
+    """Names ``stmt`` reads that ``bound`` (names bound earlier in the row) lacks; ``bound`` grows with what
+    ``stmt`` binds. Blocks are read in order; a name a branch binds counts as bound after it."""
+    if isinstance(stmt, DEFS):
+        bound.add(stmt.name)
+        return
+    heads: list[ast.AST] = []
+    bodies: list[list[ast.stmt]] = []
+    if isinstance(stmt, (ast.For, ast.AsyncFor)):
+        heads, bodies = [stmt.iter], [stmt.body, stmt.orelse]
+        bound |= _stored(stmt.target)
+    elif isinstance(stmt, (ast.If, ast.While)):
+        heads, bodies = [stmt.test], [stmt.body, stmt.orelse]
+    elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+        heads, bodies = [i.context_expr for i in stmt.items], [stmt.body]
+        for item in stmt.items:
+            if item.optional_vars is not None:
+                bound |= _stored(item.optional_vars)
+    elif isinstance(stmt, ast.Try):
+        bodies = [stmt.body, *(h.body for h in stmt.handlers), stmt.orelse, stmt.finalbody]
+    else:
+        value = getattr(stmt, "value", None)
+        heads = [stmt] if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) else [value] if value else []
+        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+            yield stmt.target.id
+    for head in heads:
+        for node in ast.walk(head):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+                yield node.id
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            pass
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        for target in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]):
+            for node in ast.walk(target):  # a subscript or attribute target reads its base
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+                    yield node.id
+            bound |= _stored(target)
+    for body in bodies:
+        for inner in body:
+            yield from _reads_before_binds(inner, bound)
+
+
+def _written_elsewhere(loop: ast.For, accumulators: set[str]) -> str | None:
+    """Something named before the loop that the body writes into other than by an accumulator: a subscript or
+    attribute assigned, a method that changes its object (``df.loc[i, "p"] = …``, ``results.update(…)``,
+    ``f.write(…)``)."""
+    fresh = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} \
+        | _stored(loop.target)
+    for node in _walk_body(loop.body):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            if isinstance(target, (ast.Subscript, ast.Attribute)):
+                base = _base_name(target)
+                if base is not None and base not in fresh:
+                    return ast.unparse(target)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATES:
+            base = _base_name(node.func.value)
+            plain_accumulator = isinstance(node.func.value, ast.Name) and base in accumulators \
+                and node.func.attr in _LIST_GROWS
+            if base is not None and base not in fresh and not plain_accumulator:
+                return ast.unparse(node.func.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print" \
+                and keyword(node, "file") is not None:
+            return "a file (print(…, file=…))"
+    return None
+
+
+def _base_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Subscript, ast.Attribute, ast.Call)):
+        node = node.value if not isinstance(node, ast.Call) else node.func
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _iterated(expr: ast.AST) -> ast.AST:
+    """What a loop header iterates under ``enumerate``/``tqdm``/``zip``'s first argument."""
+    while isinstance(expr, ast.Call) and last_name(expr.func) in ("enumerate", "tqdm", "iter") and expr.args:
+        expr = expr.args[0]
+    return expr
+
+
+def _shuffled(iterated: ast.AST, before: list[Statement]) -> str | None:
+    """The loop's rows in a random order: a DataLoader bound with ``shuffle=True``, or ``….sample(…)`` /
+    ``permutation`` / ``shuffle`` in the header itself."""
+    expr = _iterated(iterated)
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Call) and last_name(node.func) in ("sample", "permutation", "shuffle", "randperm"):
+            return ast.unparse(node)
+    name = expr.id if isinstance(expr, ast.Name) else None
+    if name is None:
+        return None
+    for stmt in reversed(before):
+        if name not in stmt.binds:
+            continue
+        for node in stmt.nodes:
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and last_name(call.func) == "DataLoader":
+                    shuffle = getattr(keyword(call, "shuffle"), "value", None)
+                    if shuffle is not None and not (isinstance(shuffle, ast.Constant) and not shuffle.value):
+                        return f"{name} (DataLoader(…, shuffle={ast.unparse(shuffle)}))"
+        return None
+    return None
+
+
+def _read_after(loop: ast.For, accumulators: set[str], after: list[Statement]) -> str | None:
+    """A name the loop binds (not an accumulator) that a later top-level statement reads before binding it."""
+    bound = ({n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+             | _stored(loop.target)) - accumulators
+    for stmt in after:
+        if isinstance(stmt.nodes[0], DEFS):
+            bound -= stmt.binds
+            continue
+        read = sorted((stmt.reads - stmt.binds) & bound)
+        if read:
+            return read[0]
+        bound -= stmt.binds
+        if not bound:
+            return None
+    return None

@@ -1,0 +1,125 @@
+"""A notebook that predicts and does not train: each rank predicts its own block of the rows, gathered in order:
+the rule, where it has work, and the refusal of a loop that cannot be split."""
+
+from __future__ import annotations
+
+import ast
+
+from ...errors import CellError
+from ..cst_helpers import code_of, cst, last_name
+from ..engine.rule import Rule
+from ..facts.predicts import PredictLoop, prediction_loop
+
+#: The name the rewritten loop binds to its share (``runtime.predict.Rows``).
+ROWS = "_nbddp_rows"
+
+
+class PredictRule(Rule):
+    """A prediction loop takes this rank's contiguous block of its rows; after it, what it accumulated is whole.
+
+    ``for batch in test_loader: preds.append(model(batch).argmax(-1))`` run by every rank would predict every
+    row on every GPU: the work of one, done twice. Its iterable goes through ``_nbddp.predict.Rows`` (a
+    DataLoader rebuilt over a block of whole batches, a list, frame or Dataset sliced), each ``total += …``
+    of a sum accumulator records its increment, and the loop's ``else`` gathers: every list gets every rank's
+    items in rank order, which is row order, and every sum is replayed through every increment in row order
+    (``runtime/predict.py``). The code after the last such loop runs on rank 0 only (``RankZeroRule``), so
+    ``submission.csv`` is written once, as one process writes it.
+    """
+
+    # -- where it has work: Python's ast, before libcst reads anything
+
+    name = "predict"
+    walks_inside = True  # it reads every statement of a loop it splits (the sums' increments)
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return any(s in facts.predictions for s in cell.statements)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return stmt in facts.predictions
+
+    # -- what it does: libcst
+
+    def __init__(self, facts, chunk):
+        super().__init__(facts, chunk)
+        self._loop: tuple[cst.For, PredictLoop] | None = None
+
+    def visit_FunctionDef(self, node) -> bool:
+        return False  # a function's loops are not the notebook's rows (left whole)
+
+    def visit_ClassDef(self, node) -> bool:
+        return False
+
+    def visit_For(self, node: cst.For) -> bool:
+        if self._loop is None:
+            found = _prediction_loop(node)
+            if found is not None:
+                self._loop = (node, found)
+        return True
+
+    def leave_For(self, original: cst.For, updated: cst.For) -> cst.For:
+        if self._loop is None or self._loop[0] is not original:
+            return updated
+        found = self._loop[1]
+        self._loop = None
+        names = list(found.accumulators)
+        self.note(original, _said(code_of(original.iter), names))
+        gather = cst.parse_statement(f"{', '.join(names)}, = {ROWS}.gathered()\n")
+        orelse = updated.orelse
+        body = [*orelse.body.body, gather] if orelse is not None else [gather]
+        return updated.with_changes(iter=_rows(updated.iter, names),
+                                    orelse=cst.Else(body=cst.IndentedBlock(body=body)))
+
+    def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
+        if self._loop is None or not isinstance(updated.target, cst.Name) \
+                or updated.target.value not in self._loop[1].sums or not isinstance(updated.operator, cst.AddAssign):
+            return updated
+        name = updated.target.value
+        call = cst.Call(func=cst.parse_expression(f"{ROWS}.add"),
+                        args=[cst.Arg(cst.SimpleString(repr(name))), cst.Arg(updated.value)])
+        return updated.with_changes(value=call)
+
+
+def _prediction_loop(node: cst.For) -> PredictLoop | None:
+    """``facts.predicts.prediction_loop`` of this loop, read back with ``ast`` (one decision for facts and rule)."""
+    try:
+        tree = ast.parse(code_of(node.with_changes(leading_lines=[])))
+    except SyntaxError:
+        return None
+    return prediction_loop(tree.body[0])
+
+
+def _rows(iterated: cst.BaseExpression, names: list[str]) -> cst.BaseExpression:
+    """``(_nbddp_rows := _nbddp.predict.Rows(X, acc=acc, …))`` in place of ``X``; inside ``tqdm(…)`` the
+    progress bar stays, and ``enumerate(X, k)`` counts from each row's place in the whole."""
+    if isinstance(iterated, cst.Call) and last_name(iterated.func) == "tqdm" and iterated.args:
+        first = iterated.args[0]
+        return iterated.with_changes(args=[first.with_changes(value=_rows(first.value, names)), *iterated.args[1:]])
+    start = None
+    if isinstance(iterated, cst.Call) and last_name(iterated.func) == "enumerate" and iterated.args:
+        start = next((code_of(a.value) for a in iterated.args[1:2]), None) or next(
+            (code_of(a.value) for a in iterated.args if a.keyword is not None and a.keyword.value == "start"), "0")
+        iterated = iterated.args[0].value
+    counted = f", enumerate_from={start}" if start is not None else ""
+    kept = "".join(f", {n}={n}" for n in names)
+    return cst.parse_expression(f"({ROWS} := _nbddp.predict.Rows({code_of(iterated)}{counted}{kept}))")
+
+
+def _said(loop: str, names: list[str]) -> str:
+    return (f"for … in {loop}: each rank predicts its own contiguous block of the rows, and after the loop "
+            f"{', '.join(names)} hold every rank's results in the rows' order (the code after it runs on rank 0)")
+
+
+def refuse_unsplittable(facts, cleaned) -> None:
+    """A prediction loop the ranks cannot split, refused before launch at its cell and line (``CellError``)."""
+    if not facts.predict_refusals:
+        return
+    refusal = facts.predict_refusals[0]
+    clean = cleaned[refusal.position]
+    j = refusal.line - 1
+    line = clean.line_map[j] if 0 <= j < len(clean.line_map) else None
+    lines = clean.cell.source.splitlines()
+    source = lines[line - 1] if line and line <= len(lines) else ""
+    raise CellError(f"nbddp cannot split this prediction loop over the GPUs: {refusal.reason}. Or run the "
+                    "notebook in one process", cell=clean.cell.index, line=line, source=source)

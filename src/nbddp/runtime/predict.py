@@ -1,0 +1,210 @@
+"""Prediction on every rank: a loop over the test rows takes this rank's contiguous block of them, and what the
+loop accumulates comes back whole, in the rows' order, as one process would have it.
+
+``rules/predict.py`` rewrites ``for batch in test_loader: preds.append(model(batch).argmax(-1))`` into
+
+    for batch in (_nbddp_rows := _nbddp.predict.Rows(test_loader, preds=preds)):
+        preds.append(model(batch).argmax(-1))
+    else:
+        preds, = _nbddp_rows.gathered()
+
+and ``correct += (pred == y).sum().item()`` inside it into ``correct += _nbddp_rows.add("correct", …)``.
+Rank r of n takes the r-th of n contiguous blocks (of whole batches, for a DataLoader, so each batch holds the
+rows it holds in one process: the same numbers come out); after the loop every rank has each list's
+appended items from every rank, in rank order (so in row order), and each sum replayed from its value before
+the loop through every increment in row order (the same additions in the same order: a float sum is equal
+to the bit). Each rank's share is written to ``<run dir>/shares/rank<r>.jsonl``, one line per loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+#: How many prediction loops this process has entered (the share records count them from 1).
+_loops = 0
+
+
+def block(total: int, rank: int, world: int) -> tuple[int, int]:
+    """The first and end position of rank ``rank``'s contiguous block of ``total`` positions in ``world``
+    blocks: as equal as they come, the earlier ranks one more where they do not divide."""
+    return total * rank // world, total * (rank + 1) // world
+
+
+class Rows:
+    """One prediction loop on this rank: what it iterates (its share) and what it accumulates (``gathered``)."""
+
+    def __init__(self, iterable, enumerate_from: int | None = None, **accumulators):
+        from .dist import rank_info
+
+        global _loops
+        _loops += 1
+        self.loop = _loops
+        info = rank_info()
+        self.rank, self.world = info.rank, info.world_size
+        self.enumerate_from = enumerate_from
+        self.before = {name: (len(v) if isinstance(v, list) else v) for name, v in accumulators.items()}
+        self.lists = {name: v for name, v in accumulators.items() if isinstance(v, list)}
+        self.increments: dict[str, list] = {name: [] for name in accumulators if name not in self.lists}
+        self.share, self.first, self.end, self.total, self.unit = self._share(iterable)
+        self._record()
+
+    # -- the share
+
+    def _share(self, iterable):
+        """This rank's share of ``iterable``: (the share, its first and end position, the whole count, the unit)."""
+        iterable = getattr(iterable, "iterable", iterable) if type(iterable).__name__ == "tqdm" else iterable
+        loader = _loader_share(iterable, self.rank, self.world)
+        if loader is not None:
+            return loader
+        rows = iterable if _sliceable(iterable) else list(iterable)
+        first, end = block(len(rows), self.rank, self.world)
+        return _slice(rows, first, end), first, end, len(rows), "rows"
+
+    def __iter__(self):
+        if self.enumerate_from is None:
+            return iter(self.share)
+        return iter(enumerate(self.share, self.enumerate_from + self.first))
+
+    def __len__(self):
+        return len(self.share)
+
+    def _record(self) -> None:
+        """This rank's share, on a line of ``<run dir>/shares/rank<r>.jsonl`` (where a run directory is)."""
+        from . import settings
+
+        run_dir = settings.current().run_dir
+        if not run_dir:
+            return
+        folder = os.path.join(run_dir, "shares")
+        os.makedirs(folder, exist_ok=True)
+        line = {"loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit,
+                "first": self.first, "end": self.end, "total": self.total}
+        with open(os.path.join(folder, f"rank{self.rank}.jsonl"), "a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+
+    # -- what it accumulates
+
+    def add(self, name: str, value):
+        """One increment of the sum ``name`` (``correct += …``): kept for the replay, given back to add here."""
+        if name in self.increments:
+            self.increments[name].append(value)
+        return value
+
+    def gathered(self) -> tuple:
+        """Every accumulator, in the order given: each list with the items every rank appended, in rank order
+        (in place: the same list object), each sum replayed from its value before the loop."""
+        import torch.distributed as dist
+
+        mine = {"lists": {n: _portable(v[self.before[n]:]) for n, v in self.lists.items()},
+                "sums": {n: _portable(v) for n, v in self.increments.items()}}
+        every = [None] * self.world
+        if self.world > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_gather_object(every, mine)
+        else:
+            every = [mine]
+        every = [_local(part) if r != self.rank else None for r, part in enumerate(every)]
+        out = []
+        for name, before in self.before.items():
+            if name in self.lists:
+                items = self.lists[name]
+                mine_now = items[before:]
+                items[before:] = [x for r, part in enumerate(every)
+                                  for x in (mine_now if part is None else part["lists"][name])]
+                out.append(items)
+            else:
+                total = before
+                for part in every:
+                    for increment in (self.increments[name] if part is None else part["sums"][name]):
+                        total += increment
+                out.append(total)
+        return tuple(out)
+
+
+def _loader_share(loader, rank: int, world: int):
+    """A DataLoader over this rank's contiguous block of whole batches (same batch size, workers, collate
+    function), or None for anything else. A loader whose order is not its dataset's (a shuffling or custom
+    sampler, an iterable dataset) is read whole by rank 0 and not at all by the others, said once: the
+    results stay right, only not faster."""
+    from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+
+    if not isinstance(loader, DataLoader):
+        return None
+    from .dist import print0
+    from .loaders import rebuilt
+
+    batches, size = len(loader), loader.batch_size
+    plain = (type(loader) is DataLoader and isinstance(loader.sampler, SequentialSampler) and size
+             and not isinstance(loader.dataset, IterableDataset))
+    if not plain:
+        print0(f"nbddp: warning: a prediction loop reads a DataLoader with {type(loader.sampler).__name__}: rank 0 "
+               "reads all of it, the other ranks none (its order is not its rows' order)", flush=True)
+        share = loader if rank == 0 else []
+        return share, 0, batches if rank == 0 else 0, batches, "batches"
+    first, end = block(batches, rank, world)
+    rows = len(loader.dataset)
+    sampler = range(min(first * size, rows), min(end * size, rows))
+    share = rebuilt(loader, sampler=sampler)
+    return share, first, end, batches, "batches"
+
+
+def _sliceable(rows) -> bool:
+    return hasattr(rows, "__len__") and hasattr(rows, "__getitem__") and not isinstance(rows, (dict, str, bytes))
+
+
+def _slice(rows, first: int, end: int):
+    """``rows[first:end]``: by position for a pandas frame or series, a ``Subset`` for a Dataset slicing does
+    not serve."""
+    if hasattr(rows, "iloc"):
+        return rows.iloc[first:end]
+    if isinstance(rows, (list, tuple, range)) or type(rows).__module__.split(".")[0] in ("numpy", "torch"):
+        if not _is_dataset(rows):
+            return rows[first:end]
+    from torch.utils.data import Subset
+
+    return Subset(rows, range(first, end))
+
+
+def _is_dataset(rows) -> bool:
+    try:
+        from torch.utils.data import Dataset
+    except ImportError:
+        return False
+    return isinstance(rows, Dataset)
+
+
+def _portable(value):
+    """``value`` as it travels to the other ranks: tensors on the CPU, remembering they were on a GPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return _OnDevice(value.detach().cpu(), value.device.type) if value.device.type != "cpu" else value
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_portable(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _portable(v) for k, v in value.items()}
+    return value
+
+
+def _local(value):
+    """A travelled value on this rank: a tensor that was on a GPU goes to this rank's GPU."""
+    if isinstance(value, _OnDevice):
+        from .dist import device
+
+        return value.tensor.to(device())
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_local(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _local(v) for k, v in value.items()}
+    return value
+
+
+class _OnDevice:
+    """A GPU tensor's values on the CPU, for the way to another rank."""
+
+    def __init__(self, tensor, kind: str):
+        self.tensor, self.kind = tensor, kind
