@@ -28,9 +28,11 @@ def data_parallel(module, *args, **kwargs):
 
     if not (dist.is_available() and dist.is_initialized()):
         return torch.nn.DataParallel(module, *args, **kwargs)
+    from torch.nn.parallel import DistributedDataParallel
+
     module.to(device())
     wrapped = ddp(module)
-    if wrapped is not module:
+    if isinstance(wrapped, DistributedDataParallel):  # not FSDP's sharded module (NBDDP_STRATEGY=fsdp)
         wrapped.__dict__[UNWRAPPED] = lambda: as_the_notebook_had_it(wrapped)
     return wrapped
 
