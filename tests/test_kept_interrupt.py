@@ -23,6 +23,8 @@ HELD = ("%%ddp\nheld = sum(p.detach().double().sum().item() for p in model.param
         "step = trainer.state.global_step\nprint('held at step', step)")
 LOOP = "%%ddp\nimport time\nfor i in range(60):\n    time.sleep(1)\n    print('tick', i, flush=True)\n"
 SLOW_RANK1 = "%%ddp --timeout 8\nimport time\nif torch.distributed.get_rank() == 1:\n    time.sleep(60)\nprint('rank 0 done')\n"
+STUCK = ("%%ddp\nimport time\nprint('waiting', flush=True)\nif torch.distributed.get_rank() == 1:\n"
+         "    torch.distributed.all_reduce(torch.ones(1))\nelse:\n    time.sleep(60)\n")
 AFTER = ("%%ddp\nsame = sum(p.detach().double().sum().item() for p in model.parameters()) == held\n"
          "total = torch.ones(1)\ntorch.distributed.all_reduce(total)\n"
          "print('after', same, trainer.state.global_step == step, int(total.item()))")
@@ -76,7 +78,15 @@ def test_stop_keeps_the_ranks_in_the_keep_training_and_in_a_plain_loop(tmp_path)
         up_s = int(up[1] or 0) * 60 + int(up[2]) if up else -1
         # the ranks' start-up and training before the Stop count; the cell's conversion before launch does not
         assert since_kept + 3 <= up_s <= since_cell + 1, (text, since_kept, since_cell)
-        assert "every rank has exited" in execute(kc, "%ddp_stop")[1]
+
+        # a rank stuck inside a collective the interrupted rank left: the job is ended, said why and where
+        msg_id, text, _ = execute(kc, STUCK, until=lambda t: "waiting" in t)
+        km.interrupt_kernel()
+        said = _said(finish(kc, msg_id, timeout=60))
+        assert "JobInterrupted" in said and "Failed" not in said, said
+        assert "rank(s) 1 did not come back from the Stop: stuck inside a collective" in said, said
+        assert "rank 1 was at line 5 of this %%ddp cell (torch.distributed.all_reduce(torch.ones(1)))" in said, said
+        assert "no kept job" in execute(kc, "%ddp_status")[1]
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -141,6 +141,8 @@ class KeptJob:
                         waiting(r, now - first_at, answer)
             why = self._late(answer, ranks, now, failed_at, asked_stop, back_at)
             if why:
+                if asked_stop:
+                    self._where_missing(answer, ranks, follow)
                 self.end(why)
                 answer.ended = True
                 break
@@ -161,6 +163,16 @@ class KeptJob:
         if self.process.poll() is not None:
             return f"rank(s) {missing} did not answer (torchrun exited)"
         return None
+
+    def _where_missing(self, answer: Answer, ranks, follow, within_s: float = 1.0) -> None:
+        """Before a rank stuck after a Stop is ended: where it is (its reader thread answers while the main
+        thread waits in a collective), into ``Answer.where``."""
+        missing = [r for r in ranks if r not in answer.replies]
+        for r in missing:
+            self.ask_where(r)
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline and any(r not in answer.where for r in missing):
+            self._collect(answer, ranks, follow)
 
     def _agree(self, answer: Answer) -> None:
         """After a Stop every rank is back at the prompt: they must also agree in the process group (one

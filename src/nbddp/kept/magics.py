@@ -143,7 +143,9 @@ class KeptMagics(Magics):
         else:
             where = " after the cell had finished on every rank"
         if answer.ended:
-            return f"{what}{where}; the kept job was ended: {job.ended_because}"
+            stuck = "".join(f"; rank {r} was at {place(job, kept, self._label(job, kept), line)}"
+                            for r, line in sorted(answer.where.items()) if r not in answer.replies)
+            return f"{what}{where}; the kept job was ended: {job.ended_because}{stuck}"
         return f"{what}{where}, the ranks are kept: %%ddp cells run on them"
 
     @staticmethod
