@@ -73,8 +73,10 @@ def prediction_loop(loop: ast.AST) -> PredictLoop | None:
             found.setdefault(node.func.value.id, "list")
         elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
             found.setdefault(node.target.id, "sum")
-    targets = _stored(loop.target)
-    found = {n: kind for n, kind in found.items() if n not in targets}
+    augmented = {id(n.target) for n in inside if isinstance(n, ast.AugAssign)}
+    fresh = _stored(loop.target) | {n.id for n in inside if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+                                    and id(n) not in augmented}  # a list made anew for each row is the row's own
+    found = {n: kind for n, kind in found.items() if n not in fresh}
     return PredictLoop(found) if found else None
 
 
@@ -108,7 +110,7 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     loops cannot be split (``JobFacts.predict_refusals``), and the code after the last one on rank 0."""
     from .rank0 import plan_after_training
 
-    holding = [k for k, stmt in enumerate(top) if loops_in(stmt)]
+    holding = [k for k, stmt in enumerate(top) if loops_in(stmt) or _trainer_predicts(stmt, facts)]
     if not holding:
         return
     facts.predictions = [top[k] for k in holding]
@@ -122,6 +124,14 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     facts.tail -= set(facts.predictions)
 
 
+def _trainer_predicts(stmt: Statement, facts: JobFacts) -> bool:
+    """``trainer.predict(test_ds)`` / ``trainer.evaluate()``: the Trainer splits the rows over the ranks itself
+    (Accelerate's sharded loader) and gathers them in order, its padding rows dropped (``gather_for_metrics``),
+    so every rank holds the whole result: nothing to rewrite, only the code after on rank 0."""
+    return any(isinstance(c.func, ast.Attribute) and c.func.attr in ("predict", "evaluate")
+               and dotted_name(c.func.value) in facts.trainer_names for c in stmt.calls)
+
+
 def refusal(loop: ast.For, top: list[Statement], k: int) -> str | None:
     """Why ``loop`` (in ``top[k]``) cannot be split over the ranks, or None."""
     found = prediction_loop(loop)
@@ -129,7 +139,7 @@ def refusal(loop: ast.For, top: list[Statement], k: int) -> str | None:
     for node in _walk_body(loop.body):
         if isinstance(node, ast.Break) and _own_break(loop, node):
             return "it stops with break, after a number of rows that each rank would count on its own share"
-    carried = _carried(loop, accumulators)
+    carried = _carried(loop, accumulators) or _accumulator_read(loop, accumulators)
     if carried:
         return (f"{carried} carries a value from one row to the next, and each rank starts its share without the "
                 "rows before it; keep each row's prediction independent of the others'")
@@ -174,6 +184,21 @@ def _carried(loop: ast.For, accumulators: set[str]) -> str | None:
         for name in _reads_before_binds(stmt, bound):
             if name in candidates:
                 return name
+    return None
+
+
+def _accumulator_read(loop: ast.For, accumulators: set[str]) -> str | None:
+    """An accumulator the body reads other than to grow it (``submission.append([i, p]); i += 1``: a row
+    counter, ``len(preds)``): on another rank it would count from the start of that rank's share."""
+    growing: set[int] = set()
+    for node in _walk_body(loop.body):
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            growing.add(id(node.target))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LIST_GROWS:
+            growing.add(id(node.func.value))
+    for node in _walk_body(loop.body):
+        if isinstance(node, ast.Name) and node.id in accumulators and id(node) not in growing:
+            return node.id
     return None
 
 

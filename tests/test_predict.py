@@ -1,0 +1,124 @@
+"""Prediction on every rank, without launching: the converted script of a notebook that predicts and does not
+train, the refusals of loops the ranks cannot split, and the runtime's shares and gathers in one process."""
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nbddp.cells import Cell
+from nbddp.convert.script import convert_cells, convert_notebook
+from nbddp.display.view import QuietView
+from nbddp.errors import CellError
+from nbddp.job import run_job
+from nbddp.job_plan import PREDICT, decide_mode
+from nbddp.options import RunOptions
+from nbddp.runtime.predict import Rows, block
+
+CORPUS = Path(__file__).resolve().parent / "corpus" / "predict"
+
+SETUP = """import torch
+from torch.utils.data import DataLoader, TensorDataset
+model = torch.nn.Linear(4, 3)
+test_loader = DataLoader(TensorDataset(torch.randn(9, 4)), batch_size=2)
+xs = list(torch.randn(5, 4))"""
+
+
+def convert(*sources: str):
+    return convert_cells([Cell(k, src) for k, src in enumerate(sources, start=1)], origin="nb.ipynb")
+
+
+def test_a_loader_loop_is_split_its_lists_and_sums_gathered_and_the_code_after_runs_on_rank_0():
+    script = convert_notebook(CORPUS / "predict_classifier.ipynb")
+    text = script.text
+    assert script.predicts and not script.trains and decide_mode(script) == PREDICT
+    assert ("for xb, yb in (_nbddp_rows := _nbddp.predict.Rows(test_loader, preds=preds, correct=correct, "
+            "total=total, loss_sum=loss_sum)):") in text
+    assert "correct += _nbddp_rows.add('correct', (pred == yb).sum().item())" in text
+    assert "    else:\n        preds, correct, total, loss_sum, = _nbddp_rows.gathered()" in text
+    assert "for idx, row in (_nbddp_rows := _nbddp.predict.Rows(test_df.iterrows(), scores=scores)):" in text
+    assert "for prompt in (_nbddp_rows := _nbddp.predict.Rows(prompts, answers=answers)):" in text
+    tail = text.split("# [cell 4]\n")[1]
+    assert tail.startswith("if _nbddp.on_rank0():\n    labels = torch.cat(preds).tolist()")
+    assert "import nbddp.runtime.predict" in text
+    compile(text, "script.py", "exec")
+    assert not script.warnings
+
+
+def test_a_notebook_that_trains_is_not_in_predict_mode():
+    script = convert(SETUP, "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor (xb,) in test_loader:\n"
+                            "    loss = model(xb).sum()\n    loss.backward()\n    opt.step()")
+    assert script.trains and not script.predicts and "predict.Rows" not in script.text
+
+
+def test_enumerate_counts_from_each_rows_place_and_tqdm_stays():
+    script = convert(SETUP, "from tqdm import tqdm\nout = []\nfor i, x in enumerate(xs, 1):\n"
+                            "    out.append((i, model(x)))",
+                     "done = []\nfor x in tqdm(xs, desc='predict'):\n    done.append(model(x))")
+    assert "enumerate_from=1, out=out" in script.text
+    assert "for x in tqdm((_nbddp_rows := _nbddp.predict.Rows(xs, done=done)), desc='predict'):" in script.text
+
+
+def test_a_trainer_predict_is_left_to_the_trainer_and_what_follows_runs_on_rank_0():
+    script = convert("from transformers import Trainer, TrainingArguments\nimport pandas as pd\n"
+                     "trainer = Trainer(model=model, args=TrainingArguments('out'))",
+                     "out = trainer.predict(test_ds)\npreds = out.predictions.argmax(-1)",
+                     "pd.DataFrame({'label': preds}).to_csv('submission.csv', index=False)")
+    assert script.predicts and "predict.Rows" not in script.text
+    assert "if _nbddp.on_rank0():\n    pd.DataFrame" in script.text
+
+
+REFUSED = {
+    "carried": ("prev = torch.zeros(3)\nout = []\nfor x in xs:\n    prev = model(x) + prev\n    out.append(prev)",
+                3, "prev carries a value from one row to the next"),
+    "counter": ("i = 1\nsub = []\nfor (xb,) in test_loader:\n    sub.append([i, model(xb)])\n    i += 1",
+                3, "i carries a value from one row to the next"),
+    "break": ("out = []\nfor x in xs:\n    out.append(model(x))\n    if len(xs) > 3:\n        break", 2, "break"),
+    "writes": ("out = []\nf = open('p.txt', 'w')\nfor x in xs:\n    out.append(model(x))\n    f.write(str(x))",
+               3, "it writes into f row by row"),
+    "shuffled": ("loader = DataLoader(TensorDataset(torch.randn(9, 4)), batch_size=2, shuffle=True)\nout = []\n"
+                 "for (xb,) in loader:\n    out.append(model(xb))", 3, "random order"),
+    "sampled": ("import random\nout = []\nfor x in random.sample(xs, 3):\n    out.append(model(x))", 3,
+                "random order"),
+    "read after": ("out = []\nfor x in xs:\n    y = model(x)\n    out.append(y)\nprint(y.shape)", 2,
+                   "y is read after the loop"),
+}
+
+
+@pytest.mark.parametrize("reason", REFUSED)
+def test_a_loop_the_ranks_cannot_split_is_refused_at_its_cell_and_line(reason):
+    source, line, said = REFUSED[reason]
+    with pytest.raises(CellError) as caught:
+        convert(SETUP, source)
+    assert (caught.value.cell, caught.value.line) == (2, line)
+    assert said in str(caught.value) and "cannot split this prediction loop" in str(caught.value)
+
+
+def test_a_refusal_comes_before_anything_is_made(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nb = tmp_path / "nb.ipynb"
+    from conftest import write_notebook
+
+    write_notebook(nb, [SETUP, REFUSED["counter"][0]])
+    with pytest.raises(CellError, match="cell 2, line 3"):
+        run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView())
+    assert not (tmp_path / "runs").exists()
+
+
+@given(total=st.integers(0, 500), world=st.integers(1, 8))
+def test_the_blocks_are_contiguous_in_rank_order_and_cover_every_position(total, world):
+    blocks = [block(total, rank, world) for rank in range(world)]
+    assert blocks[0][0] == 0 and blocks[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert max(e - f for f, e in blocks) - min(e - f for f, e in blocks) <= 1
+
+
+def test_one_process_takes_every_row_and_replays_its_sums():
+    preds, total = [-1], 0.5
+    rows = Rows(iter("abc"), enumerate_from=10, preds=preds, total=total)
+    for i, ch in rows:
+        preds.append((i, ch))
+        total += rows.add("total", 0.25)
+    assert rows.gathered() == ([-1, (10, "a"), (11, "b"), (12, "c")], 1.25)
+    assert rows.gathered()[0] is preds
