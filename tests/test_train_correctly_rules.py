@@ -487,3 +487,19 @@ def test_off_rank_0_a_tracker_is_a_stand_in_that_takes_any_call(monkeypatch):
     assert rank0_mode("online") == "disabled"
     monkeypatch.setenv("RANK", "0")
     assert rank0_only(dict)(a=1) == {"a": 1} and rank0_mode("online") == "online"
+
+
+def test_a_figure_or_table_saved_in_the_training_loop_is_saved_by_rank_0(rewrite):
+    (_, code), changes = rewrite(
+        "model = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "train_loader = DataLoader(ds, batch_size=8, shuffle=True)",
+        """\
+        for epoch in range(2):
+            for xb, yb in train_loader:
+                model(xb).sum().backward()
+            plt.savefig(f"loss-{epoch}.png")
+            history.to_csv(f"history-{epoch}.csv")
+        """)
+    assert "    if _nbddp.on_rank0(): plt.savefig(f\"loss-{epoch}.png\")\n" in code
+    assert "    if _nbddp.on_rank0(): history.to_csv(f\"history-{epoch}.csv\")\n" in code
+    assert any(m == "plt.savefig in the training loop: rank 0 saves" for _, _, m in changes)

@@ -6,7 +6,7 @@ import ast
 import re
 
 from .. import ast_helpers
-from ..cst_helpers import cst, fixed_expression, is_attribute, is_name
+from ..cst_helpers import code_of, cst, fixed_expression, is_attribute, is_name
 from ..engine.rule import Rule
 from .rank_zero import MAIN_PROCESS_EXPR
 
@@ -23,7 +23,7 @@ class LoopOutputRule(Rule):
     # -- where it has work: Python's ast, before libcst reads anything
 
     name = "loop_output"
-    pattern = re.compile(r"\bprint\s*\(|torch\.save")
+    pattern = re.compile(r"\bprint\s*\(|torch\.save|\.savefig\s*\(|\.to_csv\s*\(")
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
@@ -38,7 +38,7 @@ class LoopOutputRule(Rule):
         )
         return trains and any(
             isinstance(c.func, ast.Name) and c.func.id == "print" or ast_helpers.dotted_name(c.func) == "torch.save"
-            for c in ast_helpers.calls(nodes)
+            or ast_helpers.last_name(c.func) in _SAVES for c in ast_helpers.calls(nodes)
         )
 
     # -- what it does: libcst
@@ -75,7 +75,8 @@ class LoopOutputRule(Rule):
 
     def leave_SimpleStatementLine(self, original, updated):
         if self._depth and len(updated.body) == 1 and _is_torch_save(updated.body[0]):
-            self.note(original, "torch.save in the training loop: rank 0 saves")
+            what = code_of(updated.body[0].value.func)
+            self.note(original, f"{what} in the training loop: rank 0 saves")
             return cst.If(
                 test=fixed_expression(MAIN_PROCESS_EXPR),
                 body=cst.SimpleStatementSuite(body=list(updated.body), trailing_whitespace=updated.trailing_whitespace),
@@ -84,9 +85,14 @@ class LoopOutputRule(Rule):
         return updated
 
 
+#: Other saves a training loop makes that every rank would write at once: a figure, a table. (Not a model's
+#: ``save_pretrained``: under FSDP its weights are sharded, and rank 0 alone cannot gather them.)
+_SAVES = frozenset({"savefig", "to_csv"})
+
+
 def _is_torch_save(small: cst.BaseSmallStatement) -> bool:
-    """A ``torch.save(…)`` expression statement."""
+    """A ``torch.save(…)`` expression statement, or one of ``_SAVES`` (``plt.savefig(f"epoch{e}.png")``)."""
     if not isinstance(small, cst.Expr) or not isinstance(small.value, cst.Call):
         return False
     func = small.value.func
-    return is_attribute(func, "save") and is_name(func.value, "torch")
+    return is_attribute(func, "save") and is_name(func.value, "torch") or is_attribute(func, *_SAVES)
