@@ -122,3 +122,17 @@ def test_one_process_takes_every_row_and_replays_its_sums():
         total += rows.add("total", 0.25)
     assert rows.gathered() == ([-1, (10, "a"), (11, "b"), (12, "c")], 1.25)
     assert rows.gathered()[0] is preds
+
+
+def test_a_tensor_sum_is_replayed_from_its_value_before_the_loop_and_an_unknown_accumulator_is_stopped():
+    import collections
+
+    import torch
+
+    total = torch.zeros(2)
+    rows = Rows([1, 2, 3], total=total)
+    for x in rows:
+        total += rows.add("total", torch.ones(2) * x)  # in place: the value before the loop was kept apart
+    assert rows.gathered()[0].tolist() == [6.0, 6.0]
+    with pytest.raises(TypeError, match="d accumulates .* but is a deque"):
+        Rows([1], d=collections.deque())

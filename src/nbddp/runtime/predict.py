@@ -43,7 +43,7 @@ class Rows:
         info = rank_info()
         self.rank, self.world = info.rank, info.world_size
         self.enumerate_from = enumerate_from
-        self.before = {name: (len(v) if isinstance(v, list) else v) for name, v in accumulators.items()}
+        self.before = {name: _before(name, v) for name, v in accumulators.items()}
         self.lists = {name: v for name, v in accumulators.items() if isinstance(v, list)}
         self.increments: dict[str, list] = {name: [] for name in accumulators if name not in self.lists}
         self.share, self.first, self.end, self.total, self.unit = self._share(iterable)
@@ -119,6 +119,20 @@ class Rows:
                         total += increment
                 out.append(total)
         return tuple(out)
+
+
+def _before(name: str, value):
+    """What an accumulator holds as the loop starts: a list's length, a sum's value (a copy of a tensor or
+    array, which ``+=`` changes in place). Anything else could not be put back together: stopped, said."""
+    if isinstance(value, list):
+        return len(value)
+    if isinstance(value, (int, float, complex)):
+        return value
+    if type(value).__module__.split(".")[0] in ("torch", "numpy") and hasattr(value, "__iadd__"):
+        return value.clone() if hasattr(value, "clone") else value.copy()
+    raise TypeError(f"nbddp: {name} accumulates a prediction loop's results but is a {type(value).__name__}: nbddp "
+                    "gathers lists (append, extend, +=) and sums of numbers, tensors or arrays (+=); make it a list "
+                    "and convert it after the loop")
 
 
 def _loader_share(loader, rank: int, world: int):
