@@ -34,6 +34,19 @@ def test_rank0s_names_reach_another_rank_as_rank0_holds_them(tmp_path):
 
 #: The kept job of the kernel tests' small plain loop (its random batches are alike on both ranks: allowed here).
 TRAIN = SMALL_TRAIN.replace("--keep", "--keep --allow-divergence")
+def test_another_rank_takes_rank0s_answer_once_it_is_there_and_the_last_reader_removes_it():
+    """The other ranks wait for rank 0's answer in Python, where a Stop can interrupt them (no collective)."""
+    import importlib
+
+    module = importlib.import_module("nbddp.runtime.from_rank0")
+    store = torch.distributed.HashStore()  # the process group's store, in this process
+    threading.Timer(0.05, store.set, ("nbddp/from_rank0/ddp-cell-1.py:3", b"answer")).start()
+    assert module._take(store, "nbddp/from_rank0/ddp-cell-1.py:3", readers=2) == b"answer"
+    assert store.check(["nbddp/from_rank0/ddp-cell-1.py:3"])  # one rank still to read it
+    assert module._take(store, "nbddp/from_rank0/ddp-cell-1.py:3", readers=2) == b"answer"
+    assert not store.check(["nbddp/from_rank0/ddp-cell-1.py:3"])
+
+
 NAMES = "%%ddp\nn_test = len(torch.arange(5))\nprint('n_test', n_test)\n"
 REDUCE = ("%%ddp\ntotal = torch.tensor([float(n_test)])\ntorch.distributed.all_reduce(total)\n"
           "print('total', total.item())\n")

@@ -16,8 +16,8 @@ cannot be sent (an open file) is a stand-in on the other ranks that says so when
 from __future__ import annotations
 
 import io
-import itertools
 import pickle
+import sys
 import time
 
 #: What a name was on rank 0 once its block ended: its value's bytes, the reason it cannot be sent, or unbound.
@@ -80,7 +80,6 @@ def unpack(packed: dict[str, tuple[str, object]], namespace: dict, device) -> No
 
 #: How often a rank waiting for rank 0's block looks for its answer, at most (seconds).
 _POLL_MAX_S = 0.05
-_blocks = itertools.count()  # every rank runs the same blocks in the same order: the same key for each
 
 
 class from_rank0:  # noqa: N801 - used as a statement in the converted cell, read as words there
@@ -94,6 +93,7 @@ class from_rank0:  # noqa: N801 - used as a statement in the converted cell, rea
         self.namespace, self.names = namespace, names
 
     def __enter__(self) -> from_rank0:
+        self.key = _key(sys._getframe(1))  # at the with line, on every rank alike
         return self
 
     def __exit__(self, kind, error, tb) -> bool:
@@ -103,7 +103,7 @@ class from_rank0:  # noqa: N801 - used as a statement in the converted cell, rea
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return False
-        key = f"nbddp/from_rank0/{next(_blocks)}"
+        key = self.key
         if isinstance(error, KeyboardInterrupt):
             return False  # a Stop interrupts every rank where it is (``serve``): rank 0 here, the others below
         store, info = _store(), rank_info()
@@ -119,6 +119,13 @@ class from_rank0:  # noqa: N801 - used as a statement in the converted cell, rea
             raise Rank0Failed(f"rank 0 failed here, in code it runs alone: {body}")
         unpack(body, self.namespace, info.device)
         return False
+
+
+def _key(frame) -> str:
+    """The block's key, where it runs: each ``%%ddp`` cell is a script file of its own (``ddp-cell-N.py``) and the
+    block a top-level statement of it, run once, so the key is the same on every rank and never reused. (A count
+    of blocks would part ways after a cell that failed on one rank before its block and ran through on another.)"""
+    return f"nbddp/from_rank0/{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _store():
