@@ -172,3 +172,52 @@ def test_the_last_trainer_step_said_is_the_last_completed_one(tmp_path, notebook
     assert result.last_step == (37, 200)
     assert "last Trainer step: 37 of 200" in where_ranks_were(result)
     assert no_rank_processes(str(result.run_dir))
+
+
+FILL_THE_RUNS_DISK = '''import os
+class FillTheDisk(TrainerCallback):
+    """At step 3, rank 0 fills the disk the run directory is on, as another program would."""
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3 and state.is_world_process_zero:
+            fd = os.open(os.path.join(os.environ["NBDDP_RUN_DIR"], "..", "ballast"), os.O_WRONLY | os.O_CREAT)
+            try:
+                while True:
+                    os.write(fd, b"x" * 4096)
+            except OSError:
+                os.close(fd)
+args = TrainingArguments(output_dir="out", max_steps=40, per_device_train_batch_size=1, save_strategy="no",
+                         report_to="none", use_cpu=True, logging_steps=1)
+trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[FillTheDisk()],
+                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+trainer.train()
+trainer.save_model("final")'''
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs, where this machine lets the tests mount one (root, with mount rights: not in most
+    containers), else the test is skipped: ``test_full_disk.py`` simulates the disk's refusal in the fast lane."""
+    import subprocess
+
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted here ({mount.stderr.strip() or mount.returncode}); "
+                    "test_full_disk.py simulates the full disk")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_a_full_runs_disk_drops_nbddps_records_and_the_training_finishes(tmp_path, notebook, reaper, small_disk):
+    """Rank 0 died printing its log at 60/60 before it saved the adapter; said as "torchrun exited with 1"."""
+    said = []
+    nb = notebook([TRAINER, FILL_THE_RUNS_DISK])
+    result = run_job(nb, RunOptions(nproc=2, runs_dir=small_disk), Said(said)).run
+    assert result.ok, "".join(map(str, said))[-3000:]
+    assert (tmp_path / "final" / "model.safetensors").is_file()  # what the training made is saved
+    assert (f"nbddp: warning: the disk of the run directory {result.run_dir} is full (" in "".join(said))
+    assert no_rank_processes(str(result.run_dir))

@@ -98,6 +98,28 @@ class RunResult:
         return find_rank_log(self.run_dir / "logs", rank, stream)
 
 
+#: Free bytes under which the disk of a run directory counts as full (a filesystem's last blocks go in bursts).
+FULL_BELOW_BYTES = 1 << 20
+
+
+def full_disk(run_dir: Path) -> str | None:
+    """The line that says the disk of ``run_dir`` is full, or None. Said at the job's end: the ranks drop the
+    logs and records the disk refuses (``runtime.records.append_line``, ``runtime.streams``) and go on, and
+    a warning of theirs would be dropped too, so it is the launcher that says which folder is full."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free >= FULL_BELOW_BYTES:
+        return None
+    return (f"\nnbddp: warning: the disk of the run directory {run_dir} is full ({free // 1024} KiB free): what the "
+            "ranks printed and nbddp's records of this job were dropped where the disk refused them (the steps and "
+            "losses shown may stop short). Free space there, or have run directories made elsewhere (--runs-dir "
+            "DIR, or NBDDP_RUNS)\n")
+
+
 def where_ranks_were(result: RunResult) -> list[str]:
     """Lines saying where each stopped rank was in the notebook and the last Trainer step, for a failure or a
     timeout. Ranks stopped outside the notebook's code (starting up, shutting down) are left out."""

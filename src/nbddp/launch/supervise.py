@@ -29,7 +29,7 @@ from ..runtime import records
 from ..runtime.sourcemap import read_source_map
 from . import warm_start
 from .planning import LaunchPlan, Sink, find_rank_log, newest_attempt, stdout_sink
-from .postmortem import RunResult, read_failure, read_stacks, where_ranks_were
+from .postmortem import RunResult, full_disk, read_failure, read_stacks, where_ranks_were
 
 #: Seconds between two looks at the log files.
 POLL_S = 0.05
@@ -127,8 +127,17 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
             sink("stderr", f"\nnbddp: the run directory {plan.run_dir} was deleted while the job ran, with every "
                            "rank's logs and records: by a shell line of the notebook (!rm -rf …) or another program? "
                            "Leave it out, or have run directories made elsewhere (--runs-dir DIR, or NBDDP_RUNS)\n")
+    _say_if_full(plan.run_dir, sink)
     stop.pass_on()
     return result
+
+
+def _say_if_full(run_dir: Path, sink: Sink) -> None:
+    """The job's end says so when the disk of its run directory is full (``postmortem.full_disk``)."""
+    line = full_disk(run_dir)
+    if line:
+        with contextlib.suppress(OSError):
+            sink("stderr", line)
 
 
 #: Seconds a kept job's ranks get, after a Stop, to stop their training at a step and finish the cells.

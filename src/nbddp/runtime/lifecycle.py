@@ -87,6 +87,8 @@ class Install:
 #: ``shims.apply_all`` in their own order) each answer to ``NBDDP_SHIM_<NAME>``; the features that had no switch
 #: (``saves``, ``notices``, ``unused_params``, ``launchers``) answer to the same family, on unless it says 0.
 INSTALLS: tuple[Install, ...] = (
+    Install("streams", "install", "before torch", "NBDDP_SHIM_STREAMS",
+            "printed output the disk refuses (full) is dropped, never raised in the training"),
     Install("rundir", "protect", "before torch", "NBDDP_RUN_DIR",
             "the notebook's code may not delete the run directory it runs in (unset: nothing protected)"),
     Install("notices", "quiet", "before torch", "NBDDP_SHIM_NOTICES",

@@ -6,6 +6,8 @@ Trainer's default callbacks) when the launcher set ``NBDDP_METRICS`` to a file p
 "begin" also says where the Trainer's ``output_dir`` is. "step" lines are written at most every
 ``STEP_INTERVAL_S``; the last completed step is also kept, at every step's end, in a small file beside them
 (``last_step_path``), overwritten in place, so a job stopped between two "step" lines still says its step.
+A line or step the disk refuses (full) is dropped with one warning (``records.append_line``): these records are
+a help to the job, never what ends its training.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import time
 
 from . import settings
-from .records import Event, last_step_path, write_last_step
+from .records import Event, append_line, dropped_write, last_step_path, write_last_step
 
 #: Least seconds between two "step" lines; "log", "begin" and "end" lines are always written.
 STEP_INTERVAL_S = 0.25
@@ -59,8 +61,7 @@ def make_callback(path: str):
                 return
             record = {"event": event, "step": state.global_step, "max_steps": state.max_steps,
                       "epoch": state.epoch, "time": time.time(), **extra}
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record, default=float) + "\n")
+            append_line(path, json.dumps(record, default=float))  # a full disk drops it: the training goes on
 
         def on_train_begin(self, args, state, control, **kwargs):
             self._write(state, Event.BEGIN, output_dir=os.path.abspath(args.output_dir or "."))
@@ -69,9 +70,12 @@ def make_callback(path: str):
             """One write per step, in place (``records.write_last_step``)."""
             if not state.is_world_process_zero:
                 return
-            if self._last_step_fd is None:
-                self._last_step_fd = os.open(last_step_path(path), os.O_WRONLY | os.O_CREAT, 0o600)
-            write_last_step(self._last_step_fd, state.global_step, state.max_steps)
+            try:
+                if self._last_step_fd is None:
+                    self._last_step_fd = os.open(last_step_path(path), os.O_WRONLY | os.O_CREAT, 0o600)
+                write_last_step(self._last_step_fd, state.global_step, state.max_steps)
+            except OSError as exc:  # a full disk, a deleted run directory: the step is not kept, the training goes on
+                dropped_write(last_step_path(path), exc)
 
         def on_step_end(self, args, state, control, **kwargs):
             self._note_step(state)

@@ -16,9 +16,12 @@ Imported in every rank: nothing here imports torch, IPython, nbformat or libcst.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,11 +44,56 @@ NOTICES_FILE = "notices.txt"
 
 def append_notice(run_dir: str | os.PathLike, line: str) -> None:
     """Add one line to a job's ``NOTICES_FILE``, in one append (lines of two writers never interleave)."""
-    fd = os.open(os.path.join(run_dir, NOTICES_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    append_line(os.path.join(run_dir, NOTICES_FILE), line, mode=0o600)
+
+
+# --- writes that never end a training -----------------------------------------------------------------------
+
+#: Paths (or stream names) a write to failed in this process: each is warned about once.
+_DROPPED: dict[str, str] = {}
+
+
+def append_line(path: str | os.PathLike, line: str, mode: int = 0o644) -> bool:
+    """Append one line to a record file in one write; False where it could not be written (a full disk, a
+    deleted folder): the line is dropped, with one warning per file (``dropped_write``), and nothing is raised.
+    A line the disk took only part of is cut back off, so a reader never meets half a line."""
+    data = (line.rstrip("\n") + "\n").encode("utf-8", "replace")
     try:
-        os.write(fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"))
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    except OSError as exc:
+        dropped_write(str(path), exc)
+        return False
+    size = None
+    try:
+        size = os.fstat(fd).st_size
+        if os.write(fd, data) < len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # the disk took part of it: it is full
+        return True
+    except OSError as exc:
+        if size is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+        dropped_write(str(path), exc)
+        return False
     finally:
         os.close(fd)
+
+
+def dropped_write(path: str, exc: OSError, warn: bool = True) -> None:
+    """Note that a write to ``path`` failed; the first time for that path, say so on stderr (``warn``), where
+    that can be written. nbddp's bookkeeping is a help to the job, never a reason to end it."""
+    if path in _DROPPED:
+        return
+    _DROPPED[path] = exc.strerror or str(exc)
+    if warn:
+        with contextlib.suppress(Exception):
+            print(f"nbddp: warning: cannot write {path} ({_DROPPED[path]}): nbddp drops what it writes there, and "
+                  "the training goes on", file=sys.stderr, flush=True)
+
+
+def dropped() -> dict[str, str]:
+    """Each path a write to failed in this process, with why (the first failure)."""
+    return dict(_DROPPED)
 
 
 class Event:

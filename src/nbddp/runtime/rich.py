@@ -136,8 +136,7 @@ def _send(data: dict, metadata: dict) -> bool:
     if settings.current().rich_display is not True or not path:  # NBDDP_RICH_DISPLAY
         return False
     record = {"event": records.Event.DISPLAY, "data": data, "metadata": metadata, "time": time.time()}
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record, default=str) + "\n")
+    records.append_line(path, json.dumps(record, default=str))  # a full disk drops it, never the training
     return True
 
 

@@ -66,7 +66,7 @@ TO_RANK: tuple[Setting, ...] = (
     Setting("NBDDP_REPLACE_TORCH", "flag", "", "a person (--env)", "runtime/shell_lines.py, launch/planning.py",
             "1: install lines that would replace the running torch stack are run"),
     Setting("NBDDP_SHIM_<NAME>", "flag", "", "options.py (--shim/--no-shim)", "runtime/shims/__init__.py",
-            "1 or 0: a shim on or off, whatever its detection says; also saves, notices, unused_params, launchers (0: off)"),
+            "1 or 0: a shim on or off, whatever its detection says; also saves, notices, unused_params, launchers, streams (0: off)"),
     Setting("NBDDP_KEEP_SOCKET", "path", "", "kept/channel.py (%%ddp_train --keep)", "runtime/serve.py",
             "the kernel's Unix socket a kept job's ranks serve cells through"),
     Setting("NBDDP_KEEP_KEY", "text", "", "kept/channel.py", "runtime/serve.py",
