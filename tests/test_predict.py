@@ -136,3 +136,10 @@ def test_a_tensor_sum_is_replayed_from_its_value_before_the_loop_and_an_unknown_
     assert rows.gathered()[0].tolist() == [6.0, 6.0]
     with pytest.raises(TypeError, match="d accumulates .* but is a deque"):
         Rows([1], d=collections.deque())
+
+
+def test_a_loop_over_sharded_weights_is_stopped_saying_what_runs_it(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("NBDDP_STRATEGY", "fsdp")
+    with pytest.raises(RuntimeError, match="--strategy split"):
+        Rows([1, 2, 3], out=[])

@@ -42,6 +42,7 @@ class Rows:
         self.loop = _loops
         info = rank_info()
         self.rank, self.world = info.rank, info.world_size
+        _check_strategy(self.world)
         self.enumerate_from = enumerate_from
         self.before = {name: _before(name, v) for name, v in accumulators.items()}
         self.lists = {name: v for name, v in accumulators.items() if isinstance(v, list)}
@@ -119,6 +120,18 @@ class Rows:
                         total += increment
                 out.append(total)
         return tuple(out)
+
+
+def _check_strategy(world: int) -> None:
+    """Sharded weights (FSDP, DeepSpeed) need every rank in every forward, and the ranks' blocks may differ by
+    a batch: such a loop would wait for a rank that has finished. Stopped here, saying what runs it."""
+    from . import settings
+
+    strategy = settings.current().strategy
+    if world > 1 and strategy in ("fsdp", "deepspeed"):
+        raise RuntimeError(f"nbddp: a prediction loop cannot be split over ranks whose model is sharded ({strategy}): "
+                           "run the notebook with --strategy split (the model's layers over every GPU, one process), "
+                           "or --strategy ddp where the model fits one GPU")
 
 
 def _before(name: str, value):
