@@ -77,3 +77,54 @@ def test_settling_freezes_the_heap_and_frees_what_was_dropped_since_at_the_next_
         gc.unfreeze()
 
 
+
+
+def test_a_stop_interrupts_a_cell_where_it_waits_and_the_rank_answers_where(tmp_path):
+    """The kernel's Stop reaches a cell sleeping in a plain loop at once (SIGINT to the main thread, not after the
+    sleep), answered as an interrupt at its line, not a failure; between cells the signal is let go."""
+    import signal
+    import threading
+    import time
+
+    from nbddp.runtime import serve
+    from nbddp.runtime.rank import rank_info
+
+    cell = tmp_path / "ddp-cell-1.py"
+    cell.write_text("import time\nfor i in range(60):\n    time.sleep(1)\n")
+    info = rank_info()
+    previous = signal.signal(signal.SIGINT, serve._interrupt_cell)
+    try:
+        seen = []
+        threading.Timer(0.3, lambda: seen.append(serve.where())).start()
+        threading.Timer(0.5, serve.interrupt).start()
+        began = time.monotonic()
+        reply = serve._handle(("run", str(cell), 1, 3), {}, info)
+        took = time.monotonic() - began
+        assert reply[0] == "interrupted" and "KeyboardInterrupt" in reply[1], reply
+        assert f'File "{cell}", line 3' in reply[1]
+        assert took < 0.9, took  # the sleep of 1 s was cut short
+        assert seen == [3]  # where the main thread was, as the reader thread answers it
+        serve._interrupt_cell(signal.SIGINT, None)  # no cell running: nothing raised
+        assert serve.agree() is None  # one process, no group: nothing to agree on
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        serve._stop_requested.clear()
+
+
+def test_a_stop_during_a_training_is_left_to_the_step_not_a_signal(tmp_path, monkeypatch):
+    from nbddp.runtime import serve
+
+    sent = []
+    monkeypatch.setattr(serve.signal, "pthread_kill", lambda *a: sent.append(a))
+    serve._cell_running.set()
+    serve._training.set()
+    try:
+        serve.interrupt()
+        assert serve._stop_requested.is_set() and not sent  # StopAtStep stops it at the agreed step
+        serve._training.clear()
+        serve.interrupt()
+        assert len(sent) == 1
+    finally:
+        serve._cell_running.clear()
+        serve._training.clear()
+        serve._stop_requested.clear()
