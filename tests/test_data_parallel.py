@@ -48,3 +48,28 @@ def test_data_parallel_trains_as_ddp_on_disjoint_rows(tmp_path):
     weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]
     assert weights[0] == weights[1]  # averaged gradients: one model
     assert "saved keys ['module.fc.bias', 'module.fc.weight']" in out  # DataParallel's keys, as in the kernel
+
+
+ACCELERATE_HELPER = [
+    "import json, os\nimport torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+    "from accelerate import Accelerator, notebook_launcher",
+    "torch.manual_seed(0)\nx = torch.randn(80, 4)\ny = x.sum(1, keepdim=True)\ndata = TensorDataset(torch.arange(80), x, y)",
+    "def make_loader(ds, bs, shuffle):\n    return DataLoader(ds, batch_size=bs, shuffle=shuffle)",
+    "def train_fn(lr):\n    accelerator = Accelerator(cpu=True)\n    train_dl = make_loader(data, 8, True)\n"
+    "    model = nn.Linear(4, 1)\n    optimizer = torch.optim.SGD(model.parameters(), lr=lr)\n"
+    "    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)\n    seen = []\n"
+    "    for ib, xb, yb in train_dl:\n        seen += ib.tolist()\n        loss = ((model(xb) - yb) ** 2).mean()\n"
+    "        accelerator.backward(loss)\n        optimizer.step()\n        optimizer.zero_grad()\n"
+    "    with open(f\"seen-{os.environ.get('RANK', '0')}.json\", 'w') as fh:\n        json.dump(seen, fh)",
+    "notebook_launcher(train_fn, (0.01,), num_processes=2)",
+]
+
+
+def test_a_helpers_loader_prepared_by_accelerate_is_sharded_once(tmp_path):
+    # the LMSYS kernel's shape: each rank trained 20 of 80 rows (nbddp's sampler under Accelerate's sharding)
+    chunks = []
+    job = run_job(write_notebook(tmp_path / "acc.ipynb", ACCELERATE_HELPER),
+                  RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
+    assert job.run.ok, "".join(chunks)[-3000:]
+    seen = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) == 40 and set(seen[0]).isdisjoint(seen[1])
