@@ -11,6 +11,11 @@ state carried from one row to the next other than an accumulator, a ``break`` (i
 a write into something other than an accumulator inside the loop (it would hold only this rank's rows), a
 name the loop binds read after it (each rank holds its own last row's), a shuffled loader (its order is not
 its rows').
+
+``trainer.predict``/``trainer.evaluate`` alone do not make a notebook predict here: the Trainer shards and
+gathers its rows itself, but on two ranks (transformers 5.24) its loss comes out doubled (``compute_loss``
+scales it by the process count for models that accept loss keywords and ignore ``num_items_in_batch``) and its
+last batch is padded with repeated rows, so its last logits differ in the last bits from one process's.
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     loops cannot be split (``JobFacts.predict_refusals``), and the code after the last one on rank 0."""
     from .rank0 import plan_after_training
 
-    holding = [k for k, stmt in enumerate(top) if loops_in(stmt) or _trainer_predicts(stmt, facts)]
+    holding = [k for k, stmt in enumerate(top) if loops_in(stmt)]
     if not holding:
         return
     facts.predictions = [top[k] for k in holding]
@@ -122,14 +127,6 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     plan_after_training(top, holding[0], holding[-1], facts)
     facts.rank0 -= set(facts.predictions)  # every rank runs its share and takes part in the gather
     facts.tail -= set(facts.predictions)
-
-
-def _trainer_predicts(stmt: Statement, facts: JobFacts) -> bool:
-    """``trainer.predict(test_ds)`` / ``trainer.evaluate()``: the Trainer splits the rows over the ranks itself
-    (Accelerate's sharded loader) and gathers them in order, its padding rows dropped (``gather_for_metrics``),
-    so every rank holds the whole result: nothing to rewrite, only the code after on rank 0."""
-    return any(isinstance(c.func, ast.Attribute) and c.func.attr in ("predict", "evaluate")
-               and dotted_name(c.func.value) in facts.trainer_names for c in stmt.calls)
 
 
 def refusal(loop: ast.For, top: list[Statement], k: int) -> str | None:
