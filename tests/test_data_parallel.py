@@ -1,6 +1,7 @@
 """A Kaggle 2×T4 notebook's ``nn.DataParallel`` on two gloo ranks: the converted script has no DataParallel
 around (or under) nbddp's DDP, each rank trains its own rows, the replicas agree, and the notebook's own
-``model.module`` and ``module.``-prefixed save work after training as in its kernel."""
+``model.module`` and ``module.``-prefixed save work after training as in its kernel. And Kaggle's other way to its
+second T4, Accelerate's ``notebook_launcher`` over a helper's loader: each rank trains its half, sharded once."""
 
 import json
 
