@@ -32,8 +32,6 @@ def test_rank0s_names_reach_another_rank_as_rank0_holds_them(tmp_path):
             use(other["fh"])
 
 
-#: The kept job of the kernel tests' small plain loop (its random batches are alike on both ranks: allowed here).
-TRAIN = SMALL_TRAIN.replace("--keep", "--keep --allow-divergence")
 def test_another_rank_takes_rank0s_answer_once_it_is_there_and_the_last_reader_removes_it():
     """The other ranks wait for rank 0's answer in Python, where a Stop can interrupt them (no collective)."""
     import importlib
@@ -61,7 +59,7 @@ FAILED_WRITE = "%%ddp\nwith open('no-such-folder/x.txt', 'w') as out:\n    out.w
 def test_a_name_a_ddp_cell_binds_is_on_every_rank_for_the_next_cells_all_reduce(tmp_path):
     nb, client = _client(tmp_path)
     with client.setup_kernel(env=kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))):
-        cells = _run(client, nb, ["%load_ext nbddp", SMALL_SETUP, TRAIN])
+        cells = _run(client, nb, ["%load_ext nbddp", SMALL_SETUP, SMALL_TRAIN])
         assert not any(errors(c) for c in cells), [errors(c) for c in cells]
 
         names, reduce, write, sent = _run(client, nb, [NAMES, REDUCE, WRITE, SENT])
