@@ -331,3 +331,37 @@ def test_two_nodes_on_loopback_train_together(tmp_path, notebook, reaper):
     assert "world 2 rank 0 sum 3" in said and "world 2 rank 1 sum 3" in said  # … and both contributed
     for k in (0, 1):
         assert no_rank_processes(str(tmp_path / f"node{k}"))
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """``ip:port`` of every TCP socket listening in ``pid`` and its descendants (the launcher, torchrun's agent,
+    the ranks)."""
+    family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    found = []
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found += [f"{c.laddr.ip}:{c.laddr.port}" for c in p.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def test_a_single_machine_job_listens_on_loopback_only(tmp_path, notebook, reaper):
+    """The rendezvous store, the ranks' shared store and gloo's sockets: none on a wildcard address, where
+    anyone who reaches the machine could connect (torch's TCPStore listens on every interface by itself)."""
+    import ipaddress
+
+    nb = notebook([IMPORTS, "t = torch.ones(1)\ndist.all_reduce(t)\n"  # every socket of the job is open by now
+                   f"open(os.path.join({str(tmp_path)!r}, f'joined{{dist.get_rank()}}'), 'w').close()\n"
+                   f"while not os.path.exists(os.path.join({str(tmp_path)!r}, 'go')):\n    time.sleep(0.05)"])
+    proc = nbddp_cli("run", "--every-rank", nb, "--nproc", "2", "--runs-dir", tmp_path / "runs", cwd=tmp_path)
+    try:
+        wait_for(lambda: all((tmp_path / f"joined{r}").exists() for r in (0, 1)) or proc.poll() is not None,
+                 120, "both ranks to join", lambda: still_running(str(tmp_path), proc.pid))
+        listening = listening_addresses(proc.pid)
+    finally:
+        (tmp_path / "go").touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert len(listening) >= 4, listening  # the two stores of torchrun's agent and each rank's gloo socket
+    wide = [a for a in listening if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
+    assert wide == [], f"listening beyond this machine: {wide} (all: {listening})"

@@ -113,8 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    from . import loopback
+
+    argv = loopback.install(sys.argv[1:] if argv is None else argv)  # a single-machine job: 127.0.0.1 only
     try:
-        torchrun_main(sys.argv[1:] if argv is None else argv)
+        torchrun_main(argv)
     except ChildFailedError as exc:
         path = os.environ.get("NBDDP_FAILURES")
         if path:
