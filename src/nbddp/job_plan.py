@@ -87,6 +87,14 @@ class JobPlan:
         return self.job.script
 
     @property
+    def label(self) -> str:
+        """The mode as a person names it: DDP (a training call found), every rank (asked for, or a kept job's
+        cells without one), launched."""
+        if self.mode == LAUNCHED:
+            return "launched"
+        return "DDP" if self.script.trains else "every rank"
+
+    @property
     def strategy(self) -> str | None:
         return self.env.get("NBDDP_STRATEGY")
 
@@ -94,7 +102,7 @@ class JobPlan:
         """The plan as a person reads it before anything starts (the dry runs print it)."""
         o = self.options
         lines = [f"nbddp: plan for {self.script.source_map.origin} (nothing started)",
-                 f"  mode:        {self.mode}: {self.why}"]
+                 f"  mode:        {self.label}: {self.why}"]
         why_n = ("--nproc" if o.nproc else "one per GPU" if self.machine.gpus else "two gloo processes: no GPU")
         if self.launched:
             lines.append(f"  processes:   1 runs the notebook; its launch command gets {self.launched} ({why_n})")
@@ -104,7 +112,7 @@ class JobPlan:
             lines.append(f"  processes:   {self.processes} ({why_n})")
         if self.decision is not None:
             said = self.decision.summary().splitlines()
-            lines.append("  strategy:    " + said[0].removeprefix("nbddp: "))
+            lines.append("  strategy:    " + said[0].removeprefix("nbddp: strategy "))
             lines += ["               " + line.removeprefix("nbddp: ") for line in said[1:]]
         free = self.machine.free_bytes
         lines.append(f"  machine:     {self.machine.gpus} GPU(s)"
@@ -154,7 +162,7 @@ def plan_job(source: JobSource, options: RunOptions | None = None, *, keep: bool
            if mode == PREDICT
            else "every cell on every rank, as asked (--every-rank)" if options.every_rank and not script.trains
            else "the ranks are kept up for later cells (--keep)" if not script.trains
-           else "DDP: the converted notebook on every rank")
+           else "the converted notebook on every rank, its training call distributed")
     processes = 1 if decision.strategy == "split" else machine.processes(options.nproc)
     env = {**options.rank_env, "NBDDP_STRATEGY": decision.strategy}
     return JobPlan(job, options, machine, mode, why, processes, env, decision=decision, keep=keep)
