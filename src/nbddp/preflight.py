@@ -102,7 +102,8 @@ def check_nodes(nnodes: str | int | None, node_rank: int | None, rdzv_endpoint: 
     if node_rank is not None and node_rank < 0:
         raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0 or more, not {node_rank}")
     if node_rank is not None and most is not None and node_rank >= most:
-        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0 to {most - 1}, not {node_rank}")
+        raise NbddpError(f"--node-rank takes this machine's rank among the nodes, from 0 to {most - 1}, "
+                         f"not {node_rank}")
     if rdzv_endpoint is not None:
         host, colon, port = str(rdzv_endpoint).rpartition(":") if ":" in str(rdzv_endpoint) else (rdzv_endpoint, "", "")
         bad_port = colon and not (port.isdigit() and 0 < int(port) < 65536)
@@ -134,7 +135,8 @@ def check_rendezvous(torchrun_args: list[str]) -> None:
     if most == 1 and node_rank is not None and node_rank.isdigit() and int(node_rank) > 0:
         raise NbddpError(f"--node-rank {node_rank} needs a job of more than one machine, but it runs on one (no "
                          "--nnodes): leave --node-rank out, or give --nnodes N and --rdzv-endpoint HOST:PORT")
-    if most > 1 and not (torchrun_option(torchrun_args, "rdzv-endpoint") or torchrun_option(torchrun_args, "master-addr")):
+    endpoint = torchrun_option(torchrun_args, "rdzv-endpoint") or torchrun_option(torchrun_args, "master-addr")
+    if most > 1 and not endpoint:
         raise NbddpError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (one machine's address and a free port, "
                          "the same on every machine): without it this machine waits for nodes that cannot find it")
 

@@ -6,8 +6,9 @@ the token formats of the services a fine-tune talks to (Hugging Face, Weights & 
 ``sk-…`` keys, GitHub, AWS) and for long literal values assigned to names such as ``*_token``,
 ``api_key`` or ``password``. A value the code computes from constants (``"hf_aBc" + "DeF…"``, adjacent
 literals, ``"".join([…])``, ``%``, ``.format``, f-strings, through names bound in any earlier cell) is folded
-from the cells' ast (``folding.py``) and checked as if written whole, at the line that builds it. ``check_secrets`` turns the first finding
-into a ``SecretError`` at its cell and line, with the way Kaggle keeps secrets out of code.
+from the cells' ast (``folding.py``) and checked as if written whole, at the line that builds it.
+``check_secrets`` turns the first finding into a ``SecretError`` at its cell and line, with the way Kaggle
+keeps secrets out of code.
 ``find_leftovers`` names what the export does not publish but the notebook file still holds: tokens in
 markdown, in outputs, in metadata and in cells tagged ``nbddp-skip``.
 """
