@@ -10,7 +10,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from conftest import ROOT
 from nbddp.errors import NbddpError
 from nbddp.job import run_job
-from nbddp.options import RunOptions
+from nbddp.options import RunOptions, switchable
 
 BAD = [
     (["--nproc", "0"], "--nproc takes a whole number of processes of at least 1, not 0"),
@@ -24,8 +24,7 @@ BAD = [
     (["--", "--master-port", "http"], "--master-port takes a port number from 1 to 65535, not 'http'"),
 ]
 
-SHIMS = "cuda_amp, ddp_defaults, grad_ckpt, launchers, loss_filter, no_checkpointing, notices, peft_kwargs, " \
-        "precision, saves, unsloth, unused_params, xformers_bias"
+SHIMS = ", ".join(switchable())  # the shims and the features with a switch of their own (saves, notices …)
 NODES_NEED_AN_ENDPOINT = ("--nnodes 2 needs --rdzv-endpoint HOST:PORT (one machine's address and a free port, the "
                           "same on every machine): without it this machine waits for nodes that cannot find it")
 ONE_NODE = ("--node-rank 5 needs a job of more than one machine, but it runs on one (no --nnodes): leave --node-rank "
@@ -100,6 +99,12 @@ def test_numbers_and_names_that_cannot_work_are_refused_in_one_line(monkeypatch,
 ])
 def test_jobs_across_machines_and_known_switches_pass(kwargs):
     RunOptions(**kwargs)
+
+
+def test_the_switch_names_are_the_shims_and_the_features_setup_installs_under_a_switch():
+    from nbddp.options import SHIM_NAMES
+
+    assert set(SHIM_NAMES) < set(switchable()) and {"saves", "notices", "launchers"} < set(switchable())
 
 
 def test_cpu_ranks_are_held_to_the_memory_there_is():
