@@ -39,7 +39,9 @@ def test_a_loader_loop_is_split_its_lists_and_sums_gathered_and_the_code_after_r
     assert "    else:\n        preds, correct, total, loss_sum, = _nbddp_rows.gathered()" in text
     assert "for idx, row in (_nbddp_rows := _nbddp.predict.Rows(test_df.iterrows(), scores=scores)):" in text
     assert "for prompt in (_nbddp_rows := _nbddp.predict.Rows(prompts, answers=answers)):" in text
-    tail = text.split("# [cell 4]\n")[1]
+    assert "for xb, _ in iter((_nbddp_rows := _nbddp.predict.Rows(loader, model_preds=model_preds))):" in text
+    assert "for member in members:\n    votes.append(inference(member, test_loader))" in text  # each call splits
+    tail = text.split("# [cell 5]\n")[1]
     assert tail.startswith("if _nbddp.on_rank0():\n    labels = torch.cat(preds).tolist()")
     assert "import nbddp.runtime.predict" in text
     compile(text, "script.py", "exec")
@@ -83,6 +85,10 @@ REFUSED = {
                  "for (xb,) in loader:\n    out.append(model(xb))", 3, "random order"),
     "sampled": ("import random\nout = []\nfor x in random.sample(xs, 3):\n    out.append(model(x))", 3,
                 "random order"),
+    "returns": ("def first_good(xs):\n    out = []\n    for x in xs:\n        out.append(model(x))\n"
+                "        if out[-1].sum() > 0:\n            return x", 3, "it returns from inside the loop"),
+    "hidden call": ("def predict_all(xs):\n    out = []\n    for x in xs:\n        out.append(model(x))\n"
+                    "    return out\ndef main():\n    return predict_all(xs)", 7, "called from inside another function"),
     "read after": ("out = []\nfor x in xs:\n    y = model(x)\n    out.append(y)\nprint(y.shape)", 2,
                    "y is read after the loop"),
 }

@@ -18,7 +18,7 @@ from test_predict import CORPUS
 pytestmark = pytest.mark.e2e
 
 NOTEBOOK = CORPUS / "predict_classifier.ipynb"
-WRITTEN = ("submission.csv", "metrics.json", "answers.json")
+WRITTEN = ("submission.csv", "metrics.json", "answers.json", "votes.csv")
 
 
 def one_process(folder):
@@ -43,7 +43,7 @@ def test_a_predicting_notebook_splits_its_rows_and_writes_what_one_process_write
     # each rank's share of each loop: disjoint, in rank order, together every batch or row
     shares = {r: [json.loads(ln) for ln in (result.run_dir / "shares" / f"rank{r}.jsonl").read_text().splitlines()]
               for r in (0, 1)}
-    assert [(s["unit"], s["total"]) for s in shares[0]] == [("batches", 8), ("rows", 11), ("rows", 7)]
+    assert [(s["unit"], s["total"]) for s in shares[0]] == [("batches", 8), ("rows", 11), ("rows", 7)] + [("batches", 8)] * 2
     for first, second in zip(shares[0], shares[1]):
         assert first["first"] == 0 and first["end"] == second["first"] < second["end"] == first["total"]
         assert 0 < first["end"]

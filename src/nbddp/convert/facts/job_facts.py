@@ -98,6 +98,11 @@ class JobFacts:
     kept_rank0: dict[Statement, list[str]] = field(default_factory=dict)
     #: the kept cell's statements whose values may differ between ranks, or that write on every rank → what is said
     kept_notes: dict[Statement, str] = field(default_factory=dict)
+    #: a kept job's own script (``%%ddp_train --keep``): its statements after the last training follow the kept
+    #: cell's rule too, since later cells run on every rank
+    kept_tail: bool = False
+    #: a plain loop's DDP models the kept rank-0 blocks see unwrapped, wrapped again as each block ends
+    kept_unwraps: list[str] = field(default_factory=list)
     #: top-level statement → model names wrapped in DDP right after it
     ddp_wrap_after: dict[Statement, list[str]] = field(default_factory=dict)
     #: plain PyTorch, inside a function or loop that builds and trains: (cell position, line of the statement
@@ -115,6 +120,8 @@ class JobFacts:
     #: share of (``predicts.py``), and why any such loop cannot be split (``predicts.PredictRefusal``)
     predictions: list[Statement] = field(default_factory=list)
     predict_refusals: list = field(default_factory=list)
+    #: top-level functions whose body holds a prediction loop, split each time they are called
+    predict_functions: frozenset[str] = frozenset()
     whole_model_saves: list[tuple[int, int]] = field(default_factory=list)
     rank0_forwards: list[tuple[int, int]] = field(default_factory=list)
 

@@ -60,14 +60,17 @@ class PredictRefusal:
     reason: str
 
 
-def prediction_loop(loop: ast.AST) -> PredictLoop | None:
+def prediction_loop(loop: ast.AST, splitting: frozenset[str] = frozenset()) -> PredictLoop | None:
     """The loop's accumulators where ``loop`` predicts (calls a model, accumulates its output), else None. A loop
-    that trains (``backward``) is the training rules'."""
+    that trains (``backward``) is the training rules'; one that calls a function of ``splitting`` (whose own loop
+    is split: ``for fold in folds: preds.append(inference(models[fold], loader))``) runs whole on every rank,
+    each call splitting its rows."""
     if not isinstance(loop, ast.For):
         return None
     inside = list(_walk_body(loop.body))
     calls = [n for n in inside if isinstance(n, ast.Call)]
-    if any(last_name(c.func) == "backward" for c in calls):
+    if any(last_name(c.func) == "backward" or isinstance(c.func, ast.Name) and c.func.id in splitting
+           for c in calls):
         return None
     if not any(_MODEL_CALL.search(dotted_name(c.func) or last_name(c.func) or "") for c in calls):
         return None
@@ -95,15 +98,15 @@ def _walk_body(body: list[ast.stmt]):
             todo.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
-def loops_in(stmt: Statement) -> list[ast.For]:
-    """The outermost prediction loops of a top-level statement, outside functions and classes."""
+def loops_in(nodes: list[ast.stmt], splitting: frozenset[str] = frozenset()) -> list[ast.For]:
+    """The outermost prediction loops of statements, outside the functions and classes they define."""
     out: list[ast.For] = []
-    todo = list(stmt.nodes)
+    todo = list(nodes)
     while todo:
         node = todo.pop(0)
         if isinstance(node, DEFS):
             continue
-        if isinstance(node, ast.For) and prediction_loop(node) is not None:
+        if isinstance(node, ast.For) and prediction_loop(node, splitting) is not None:
             out.append(node)
             continue
         todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
@@ -115,27 +118,54 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     loops cannot be split (``JobFacts.predict_refusals``), and the code after the last one on rank 0."""
     from .rank0 import plan_after_training
 
-    holding = [k for k, stmt in enumerate(top) if loops_in(stmt)]
+    defs = {stmt.nodes[0].name: stmt for stmt in top if isinstance(stmt.nodes[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+            and loops_in(stmt.nodes[0].body)}
+    facts.predict_functions = splitting = frozenset(defs)
+    holding = [k for k, stmt in enumerate(top) if stmt in defs.values() or loops_in(stmt.nodes, splitting)
+               or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)]
     if not holding:
         return
     facts.predictions = [top[k] for k in holding]
     for k in holding:
-        for loop in loops_in(top[k]):
-            reason = refusal(loop, top, k)
+        stmt = top[k]
+        function = stmt.nodes[0] if stmt in defs.values() else None
+        for loop in loops_in(function.body if function else stmt.nodes, splitting):
+            reason = refusal(loop, top, k, function)
             if reason is not None:
-                facts.predict_refusals.append(PredictRefusal(top[k].cell.position, loop.lineno, reason))
+                facts.predict_refusals.append(PredictRefusal(stmt.cell.position, loop.lineno, reason))
+    _refuse_hidden_calls(top, defs, facts)
     plan_after_training(top, holding[0], holding[-1], facts)
     facts.rank0 -= set(facts.predictions)  # every rank runs its share and takes part in the gather
     facts.tail -= set(facts.predictions)
 
 
-def refusal(loop: ast.For, top: list[Statement], k: int) -> str | None:
-    """Why ``loop`` (in ``top[k]``) cannot be split over the ranks, or None."""
+def _refuse_hidden_calls(top: list[Statement], defs: dict[str, Statement], facts: JobFacts) -> None:
+    """A function whose loop is split, called from another function's body: what runs after it there (on every
+    rank) is out of the facts' sight, so it is refused at that call."""
+    for stmt in top:
+        for node in stmt.nodes:
+            for inner in ast.walk(node):
+                if not isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    continue
+                for call in ast.walk(inner):
+                    if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in defs \
+                            and call.func.id != getattr(inner, "name", None):
+                        facts.predict_refusals.append(PredictRefusal(
+                            stmt.cell.position, call.lineno,
+                            f"{call.func.id}() splits its rows over the ranks, and is called from inside another "
+                            "function, whose code after the call nbddp cannot place on rank 0; call it from a cell's "
+                            "top level"))
+
+
+def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionDef | None = None) -> str | None:
+    """Why ``loop`` (in ``top[k]``, inside ``function`` where given) cannot be split over the ranks, or None."""
     found = prediction_loop(loop)
     accumulators = set(found.accumulators)
     for node in _walk_body(loop.body):
         if isinstance(node, ast.Break) and _own_break(loop, node):
             return "it stops with break, after a number of rows that each rank would count on its own share"
+        if isinstance(node, (ast.Return, ast.Yield, ast.YieldFrom)):
+            return "it returns from inside the loop, after a number of rows that each rank would count on its own share"
     carried = _carried(loop, accumulators) or _accumulator_read(loop, accumulators)
     if carried:
         return (f"{carried} carries a value from one row to the next, and each rank starts its share without the "
@@ -144,11 +174,11 @@ def refusal(loop: ast.For, top: list[Statement], k: int) -> str | None:
     if written:
         return (f"it writes into {written} row by row, which would hold only each rank's own rows; append to a "
                 "list named before the loop (preds.append(…)) and build it after the loop")
-    shuffled = _shuffled(loop.iter, top[:k + 1])
+    shuffled = _shuffled(loop.iter, top[:k + 1] if function is None else [])
     if shuffled:
         return (f"{shuffled} gives its rows in a random order, which each rank would draw for itself; predict in "
                 "the rows' order (shuffle=False)")
-    after = _read_after(loop, accumulators, top[k + 1:])
+    after = _read_after(loop, accumulators, top[k + 1:]) if function is None else _read_later(loop, accumulators, function)
     if after:
         return (f"{after} is read after the loop, where it holds the last row of each rank's share, not the last "
                 "row; take what is needed from an accumulated list instead")
@@ -302,6 +332,18 @@ def _shuffled(iterated: ast.AST, before: list[Statement]) -> str | None:
                         return f"{name} (DataLoader(…, shuffle={ast.unparse(shuffle)}))"
         return None
     return None
+
+
+def _read_later(loop: ast.For, accumulators: set[str], function: ast.FunctionDef) -> str | None:
+    """In a function: a name the loop binds (not an accumulator) whose first use after the loop reads it."""
+    bound = ({n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+             | _stored(loop.target)) - accumulators
+    later = sorted((n.lineno, n.col_offset, isinstance(n.ctx, ast.Load), n.id) for n in _walk_body(function.body)
+                   if isinstance(n, ast.Name) and n.id in bound and n.lineno > loop.end_lineno)
+    first: dict[str, bool] = {}
+    for _, _, load, name in later:
+        first.setdefault(name, load)
+    return next((name for name, load in sorted(first.items()) if load), None)
 
 
 def _read_after(loop: ast.For, accumulators: set[str], after: list[Statement]) -> str | None:

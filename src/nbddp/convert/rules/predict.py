@@ -46,14 +46,16 @@ class PredictRule(Rule):
         self._loop: tuple[cst.For, PredictLoop] | None = None
 
     def visit_FunctionDef(self, node) -> bool:
-        return False  # a function's loops are not the notebook's rows (left whole)
+        # a function whose body holds a prediction loop splits it each call (``JobFacts.predict_functions``);
+        # another function's loops are left whole
+        return self._loop is None and node.name.value in self.facts.predict_functions
 
     def visit_ClassDef(self, node) -> bool:
         return False
 
     def visit_For(self, node: cst.For) -> bool:
         if self._loop is None:
-            found = _prediction_loop(node)
+            found = _prediction_loop(node, self.facts.predict_functions)
             if found is not None:
                 self._loop = (node, found)
         return True
@@ -81,19 +83,19 @@ class PredictRule(Rule):
         return updated.with_changes(value=call)
 
 
-def _prediction_loop(node: cst.For) -> PredictLoop | None:
+def _prediction_loop(node: cst.For, splitting: frozenset[str]) -> PredictLoop | None:
     """``facts.predicts.prediction_loop`` of this loop, read back with ``ast`` (one decision for facts and rule)."""
     try:
         tree = ast.parse(code_of(node.with_changes(leading_lines=[])))
     except SyntaxError:
         return None
-    return prediction_loop(tree.body[0])
+    return prediction_loop(tree.body[0], splitting)
 
 
 def _rows(iterated: cst.BaseExpression, names: list[str]) -> cst.BaseExpression:
-    """``(_nbddp_rows := _nbddp.predict.Rows(X, acc=acc, …))`` in place of ``X``; inside ``tqdm(…)`` the
-    progress bar stays, and ``enumerate(X, k)`` counts from each row's place in the whole."""
-    if isinstance(iterated, cst.Call) and last_name(iterated.func) == "tqdm" and iterated.args:
+    """``(_nbddp_rows := _nbddp.predict.Rows(X, acc=acc, …))`` in place of ``X``; inside ``tqdm(…)`` (and
+    ``iter(…)``, so a DataLoader is shared as one, not read whole) the progress bar stays, and ``enumerate(X, k)`` counts from each row's place in the whole."""
+    if isinstance(iterated, cst.Call) and last_name(iterated.func) in ("tqdm", "iter") and iterated.args:
         first = iterated.args[0]
         return iterated.with_changes(args=[first.with_changes(value=_rows(first.value, names)), *iterated.args[1:]])
     start = None
