@@ -122,15 +122,16 @@ class NbddpMagics(Magics):
         check_output_file(args.save, "--save")
         selection = kernel = None
         if cell is None:
-            prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells), None
+            prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells, keep=args.keep), None
         else:
             kernel = self.record.snapshot(self._execution_count(), f"%%ddp_train {line}\n{cell}")
             selection = select_cells(
                 line, cell, source=args.source, registered=self.registry.cells, kernel=kernel,
                 notebook=find_notebook(self.shell.user_ns, os.environ, Path.cwd()),
             )
-            print(selection.report(per_cell=args.dry_run))
-            prepared, label = prepare_job(selection, skip_bad_cells=args.skip_bad_cells), cell_label(selection.cells, selection.numbering)
+            print(selection.report())  # with --dry-run the plan says where each cell's code came from
+            prepared = prepare_job(selection, skip_bad_cells=args.skip_bad_cells, keep=args.keep)
+            label = cell_label(selection.cells, selection.numbering)
         self._show_script(prepared.script, args)
         self._check_idle_limit(args)
         if args.dry_run:  # the plan the run would follow, refused as the run would be; nothing stopped or started
