@@ -23,6 +23,7 @@ HELD = ("%%ddp\nheld = sum(p.detach().double().sum().item() for p in model.param
         "step = trainer.state.global_step\nprint('held at step', step)")
 LOOP = "%%ddp\nimport time\nfor i in range(60):\n    time.sleep(1)\n    print('tick', i, flush=True)\n"
 SLOW_RANK1 = "%%ddp --timeout 8\nimport time\nif torch.distributed.get_rank() == 1:\n    time.sleep(60)\nprint('rank 0 done')\n"
+EVALUATE = "%%ddp\nprint('evaluating', flush=True)\nmetrics = trainer.evaluate()\n"
 STUCK = ("%%ddp\nimport time\nprint('waiting', flush=True)\nif torch.distributed.get_rank() == 1:\n"
          "    torch.distributed.all_reduce(torch.ones(1))\nelse:\n    time.sleep(60)\n")
 AFTER = ("%%ddp\nsame = sum(p.detach().double().sum().item() for p in model.parameters()) == held\n"
@@ -50,6 +51,17 @@ def test_stop_keeps_the_ranks_in_the_keep_training_and_in_a_plain_loop(tmp_path)
         assert "JobInterrupted" in said and "the ranks are kept" in said and "Failed" not in said, said
         status, text, errors = execute(kc, HELD)
         assert status == "ok" and re.search(r"held at step [1-9]", text), (text, errors)
+
+        # Stop during an evaluation: every rank stops at the same prediction step, none left inside a gather
+        prepared = ("%%ddp\nimport datasets\n"
+                    "trainer.eval_dataset = datasets.concatenate_datasets([trainer.train_dataset] * 100)")
+        assert execute(kc, prepared)[0] == "ok"  # prepared already: the Stop comes inside the evaluation loop
+        msg_id, text, _ = execute(kc, EVALUATE, until=lambda t: "evaluating" in t)
+        time.sleep(1.5)
+        km.interrupt_kernel()
+        said = _said(finish(kc, msg_id, timeout=60))
+        assert "interrupted at line 3 of this %%ddp cell (metrics = trainer.evaluate()), the ranks are kept" \
+            in said, said
 
         # Stop during a plain loop: every rank interrupted where it is, the cell over within a second or so
         msg_id, text, _ = execute(kc, LOOP, until=lambda t: "tick 1" in t)

@@ -296,9 +296,37 @@ def _install_stop_callback(namespace: dict) -> None:
     callback = _stop_callback()
     if not any(isinstance(cb, type(callback)) for cb in hf_trainer.DEFAULT_CALLBACKS):
         hf_trainer.DEFAULT_CALLBACKS.append(type(callback))
+    from .patching import wrap
+
+    wrap(Trainer, "evaluation_loop", _evaluation_takes_the_stop)
     for value in list(namespace.values()):
         if isinstance(value, Trainer) and not any(isinstance(cb, type(callback)) for cb in value.callback_handler.callbacks):
             value.add_callback(type(callback))
+
+
+#: Set while a Trainer evaluates outside a training: its Stop comes at an agreed prediction step (``StopAtStep``).
+_evaluating = threading.Event()
+
+
+def _evaluation_takes_the_stop(original):
+    """``Trainer.evaluation_loop`` (``evaluate``, ``predict``) outside a training: a Stop is taken at a prediction
+    step all ranks agree on, where each raises ``KeyboardInterrupt`` together, not by a signal that could leave one
+    rank inside a gather the others never enter. Inside ``train()`` the training's own stop stands."""
+    def evaluation_loop(self, *args, **kwargs):
+        if _training.is_set() or not _cell_running.is_set():  # in a training, or in the notebook's own cells
+            return original(self, *args, **kwargs)
+        for cb in self.callback_handler.callbacks:
+            if hasattr(cb, "begin_evaluation"):
+                cb.begin_evaluation()
+        _training.set()
+        _evaluating.set()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _evaluating.clear()
+            _training.clear()
+
+    return evaluation_loop
 
 
 #: Seconds of training between two looks at the stop flag: each look is one all-reduce that every rank must
@@ -352,6 +380,30 @@ def _stop_callback():
         class StopAtStep(TrainerCallback):
             def __init__(self):
                 self.schedule = StopSchedule()
+                self.evaluation, self.predicted = StopSchedule(), 0
+
+            def begin_evaluation(self):
+                self.predicted = 0
+                self.evaluation.begin(0)
+
+            def on_prediction_step(self, args, state, control, **kwargs):
+                if not _evaluating.is_set():
+                    return control
+                self.predicted += 1
+                if self.evaluation.due(self.predicted) and self._agreed_stop(self.evaluation, self.predicted):
+                    raise KeyboardInterrupt  # on every rank at this step: none is left inside a gather
+                return control
+
+            @staticmethod
+            def _agreed_stop(schedule, step) -> bool:
+                """The stop flag and the next look, agreed by every rank in one all-reduce (MAX)."""
+                values = torch.tensor([1.0 if _asked_to_stop() else 0.0, float(schedule.proposal(step))],
+                                      device=rank_info().device)
+                if dist.is_available() and dist.is_initialized():
+                    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+                flag, interval = values.tolist()
+                schedule.agreed(step, int(interval))
+                return flag > 0
 
             def on_train_begin(self, args, state, control, **kwargs):
                 self.schedule.begin(state.global_step)
@@ -363,13 +415,7 @@ def _stop_callback():
             def on_step_end(self, args, state, control, **kwargs):
                 if not self.schedule.due(state.global_step):
                     return control
-                values = torch.tensor([1.0 if _asked_to_stop() else 0.0,
-                                       float(self.schedule.proposal(state.global_step))], device=rank_info().device)
-                if dist.is_available() and dist.is_initialized():
-                    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-                flag, interval = values.tolist()
-                self.schedule.agreed(state.global_step, int(interval))
-                if flag > 0:
+                if self._agreed_stop(self.schedule, state.global_step):
                     _stop_requested.set()
                     control.should_training_stop = True
                 return control
