@@ -121,6 +121,7 @@ def _message(a: int, b: int) -> str:
         "the training loop from a DataLoader (DataLoader(dataset, batch_size=…, shuffle=True): nbddp gives each "
         "rank its own share), or give it sampler=_nbddp.distributed_sampler(dataset, shuffle=True); a loop "
         "slicing tensors by index can take its rank's rows with X[_nbddp.rank_info().rank::"
-        "_nbddp.rank_info().world_size]. If every rank is meant to read the same samples, run with "
+        "_nbddp.rank_info().world_size]; inputs drawn at random in the loop are alike too (nbddp seeds every "
+        "rank the same): draw each rank's own. If every rank is meant to read the same samples, run with "
         "--allow-divergence (NBDDP_ALLOW_DIVERGENCE=1)."
     )
