@@ -151,3 +151,15 @@ def test_a_loop_over_sharded_weights_is_stopped_saying_what_runs_it(monkeypatch)
     monkeypatch.setenv("NBDDP_STRATEGY", "fsdp")
     with pytest.raises(RuntimeError, match="--strategy split"):
         Rows([1, 2, 3], out=[])
+
+
+def test_each_kind_of_rows_is_shared_as_iterating_it_gives_them(monkeypatch):
+    import pandas as pd
+    import torch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")  # the second of two ranks: the second block
+    frame = pd.DataFrame({"a": [1, 2, 3], "b": [4, 5, 6]})
+    for rows, expected in ((frame, ["b"]), (frame["a"], [2, 3]), (range(3), [1, 2]),
+                           ({"k": 1}, ["k"]), (torch.arange(3), [1, 2]), (iter("abcd"), ["c", "d"])):
+        assert [x.item() if hasattr(x, "item") else x for x in Rows(rows)] == expected

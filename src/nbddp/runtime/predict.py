@@ -27,7 +27,7 @@ _loops = 0
 
 def block(total: int, rank: int, world: int) -> tuple[int, int]:
     """The first and end position of rank ``rank``'s contiguous block of ``total`` positions in ``world``
-    blocks: as equal as they come, the earlier ranks one more where they do not divide."""
+    blocks: as equal as they come, the later ranks one more where they do not divide."""
     return total * rank // world, total * (rank + 1) // world
 
 
@@ -176,7 +176,10 @@ def _loader_share(loader, rank: int, world: int):
 
 
 def _sliceable(rows) -> bool:
-    return hasattr(rows, "__len__") and hasattr(rows, "__getitem__") and not isinstance(rows, (dict, str, bytes))
+    """Rows that slicing by position gives as iterating gives them (not a mapping's keys, nor a DataFrame's
+    column names, which iterating it yields)."""
+    return (hasattr(rows, "__len__") and hasattr(rows, "__getitem__") and not hasattr(rows, "columns")
+            and not isinstance(rows, (dict, str, bytes)))
 
 
 def _slice(rows, first: int, end: int):
