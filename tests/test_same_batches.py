@@ -2,7 +2,7 @@
 
 import torch
 
-from nbddp.runtime.same_batches import digest, repeated
+from nbddp.runtime.same_batches import digest, nothing_to_split, repeated
 
 
 def test_the_same_batch_digests_alike_and_another_batch_differently():
@@ -23,3 +23,9 @@ def test_two_ranks_with_every_digest_equal_are_named_only_where_the_batches_coul
     assert repeated([[1.0, 2.0, 3.0, 0.0], [1.0, 2.0, 4.0, 0.0]]) is None  # one batch differs: sharded
     assert repeated([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]) is None  # one distinct row: nothing to split
     assert repeated([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0], [2.0, 0.0]]) == (1, 3)
+
+
+def test_batches_of_one_row_each_hold_rows_to_split_where_they_differ():
+    one, other = digest(((torch.ones(1, 4),), {})), digest(((torch.zeros(1, 4),), {}))
+    assert nothing_to_split([one, one, one])  # a data set of one row
+    assert not nothing_to_split([one, other, one])  # batch_size=1 over varying rows

@@ -37,16 +37,6 @@ def watch(wrapper) -> None:
         _handles.append(wrapper.register_forward_pre_hook(_before_forward, with_kwargs=True))
 
 
-def reset() -> None:
-    """Forget the digests and hooks (for tests)."""
-    global _compared
-    for handle in _handles:
-        handle.remove()
-    _handles.clear()
-    _digests.clear()
-    _compared = False
-
-
 def _before_forward(module, args, kwargs) -> None:
     import torch
 
@@ -89,7 +79,7 @@ def _compare() -> None:
     for handle in _handles:
         handle.remove()
     _handles.clear()
-    mine = torch.tensor([d for d, _ in _digests] + [float(all(s for _, s in _digests))], dtype=torch.float64)
+    mine = torch.tensor([d for d, _ in _digests] + [float(nothing_to_split(_digests))], dtype=torch.float64)
     mine = mine.to(collective_device())
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
@@ -98,6 +88,12 @@ def _compare() -> None:
     pair = repeated(ranks)
     if pair is not None:
         raise SameBatches(_message(*pair))
+
+
+def nothing_to_split(digests: list[tuple[float, bool]]) -> bool:
+    """One distinct row in all the compared batches: each holds a single distinct row, and every one is the same
+    (batches of one row each that differ, as with ``batch_size=1``, hold rows to split)."""
+    return all(single for _, single in digests) and len({d for d, _ in digests}) == 1
 
 
 def repeated(ranks: list[list[float]]) -> tuple[int, int] | None:
