@@ -777,3 +777,16 @@ def test_a_helpers_loader_reaches_accelerate_without_nbddps_sampler():
             "_nbddp.for_accelerate(valid_loader))") in cells[2]
     said = [(line, m) for rule, line, m in changes if rule == "accelerate"]
     assert [line for line, _ in said] == [7, 7] and "train_loader" in said[0][1]
+
+
+def test_a_helpers_loader_prepared_at_the_top_level_reaches_accelerate_without_nbddps_sampler():
+    cells, changes = rewrite(
+        ACCELERATE_IN_A_LAUNCHER[0], ACCELERATE_IN_A_LAUNCHER[1],
+        "accelerator = Accelerator()\ntrain_loader = make_loader(train_df, 8, True)\nmodel = Net()\n"
+        "optimizer = AdamW(model.parameters())\n",
+        "model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)\n",
+        "for batch in train_loader:\n    loss = crit(model(batch['x']), batch['y'])\n    accelerator.backward(loss)\n"
+        "    optimizer.step()\n",
+    )
+    assert "_nbddp.for_accelerate(train_loader)" in cells[3] and "_nbddp.for_accelerate(optimizer)" not in cells[3]
+    assert any(rule == "accelerate" and "train_loader" in m for rule, _, m in changes)

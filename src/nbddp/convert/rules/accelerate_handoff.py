@@ -23,8 +23,10 @@ class AccelerateHandoffRule(Rule):
 
     The same for a loader a function of the notebook returns (``train_dl = make_loader(df, shuffle=True)``,
     then ``accelerator.prepare(…, train_dl)``, as a Kaggle kernel does inside its ``notebook_launcher``
-    function): the sampler rule gave the loader in that function a ``DistributedSampler``, which Accelerate
-    must not get under its own sharding (``_made_by_a_call``; ``for_accelerate`` leaves anything else as it is).
+    function), or at the top level a loader ``prepare`` takes that the training iterates (the facts do not say
+    where a name bound in another cell came from): the sampler rule gave the loader in that function a ``DistributedSampler``, which
+    Accelerate must not get under its own sharding (``_made_by_a_call``; ``for_accelerate`` leaves anything
+    else as it is).
     """
 
     # -- where it has work: Python's ast, before libcst reads anything
@@ -38,9 +40,14 @@ class AccelerateHandoffRule(Rule):
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        made = _made_by_a_call(nodes, facts) if facts.plain_loop else set()
-        return any(cls._handed(call, facts) or set(cls._prepared(call, facts)) & made
-                   for call in ast_helpers.calls(nodes))
+        if not facts.plain_loop:
+            return any(cls._handed(call, facts) for call in ast_helpers.calls(nodes))
+        made = _made_by_a_call(nodes, facts)
+        in_functions = {id(n) for f in nodes if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for n in ast.walk(f)}
+        at_top = _loaders_at_the_top(facts)
+        return any(cls._handed(call, facts) or set(cls._prepared(call, facts)) & (
+            made if id(call) in in_functions else at_top) for call in ast_helpers.calls(nodes))
 
     @staticmethod
     def _prepared(call: ast.Call, facts) -> list[str]:
@@ -85,11 +92,16 @@ class AccelerateHandoffRule(Rule):
         for name in handed:
             self.note(original, f"{name} goes to Accelerate as the notebook made it (no nbddp DistributedSampler "
                                 "or DDP wrapper): Accelerate distributes it itself; the plain loops above are nbddp's")
-        made = self._made[-1] - self.facts.handed_to_accelerate - self.facts.optimizers
-        updated, handed = wrap_named_arguments(updated, made, "_nbddp.for_accelerate")
+        if not self.facts.plain_loop:
+            return updated
+        # in a function, what a function of the notebook made; at the top level, the loaders the training
+        # iterates (one a notebook function made in another cell: the facts keep no record of where it came from)
+        made = self._made[-1] if len(self._made) > 1 else _loaders_at_the_top(self.facts)
+        updated, handed = wrap_named_arguments(
+            updated, made - self.facts.handed_to_accelerate - self.facts.optimizers, "_nbddp.for_accelerate")
         for name in handed:
-            self.note(original, f"{name} goes to Accelerate without the DistributedSampler nbddp gave the loader "
-                                "its function makes (where it has one): Accelerate shards it itself")
+            self.note(original, f"{name} goes to Accelerate as the notebook made it (nbddp's DistributedSampler or "
+                                "DDP wrapper taken off, where it has one): Accelerate distributes it itself")
         return updated
 
 
@@ -100,6 +112,12 @@ def _names(target: cst.BaseExpression) -> list[cst.Name]:
     if isinstance(target, (cst.Tuple, cst.List)):
         return [n for element in target.elements for n in _names(element.value)]
     return []
+
+
+def _loaders_at_the_top(facts) -> set[str]:
+    """The top-level names ``prepare`` takes that the training iterates, but not those a ``DataLoader(…)`` call
+    made and the sampler rule left whole: loaders a call of a notebook function (or another helper) made."""
+    return (facts.accelerate_prepared & facts.train_iterated) - facts.optimizers - facts.whole_loaders
 
 
 def _a_function_of_the_notebook(name: str, facts) -> bool:
