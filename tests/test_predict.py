@@ -89,6 +89,8 @@ REFUSED = {
                 "        if out[-1].sum() > 0:\n            return x", 3, "it returns from inside the loop"),
     "hidden call": ("def predict_all(xs):\n    out = []\n    for x in xs:\n        out.append(model(x))\n"
                     "    return out\ndef main():\n    return predict_all(xs)", 7, "called from inside another function"),
+    "samples": ("out = []\nfor x in xs:\n    out.append(model.generate(x, do_sample=True))", 2, "draws random numbers"),
+    "noise": ("out = []\nfor x in xs:\n    out.append(model(x + torch.randn(4)))", 2, "torch.randn(…) draws random"),
     "read after": ("out = []\nfor x in xs:\n    y = model(x)\n    out.append(y)\nprint(y.shape)", 2,
                    "y is read after the loop"),
 }
@@ -163,3 +165,18 @@ def test_each_kind_of_rows_is_shared_as_iterating_it_gives_them(monkeypatch):
     for rows, expected in ((frame, ["b"]), (frame["a"], [2, 3]), (range(3), [1, 2]),
                            ({"k": 1}, ["k"]), (torch.arange(3), [1, 2]), (iter("abcd"), ["c", "d"])):
         assert [x.item() if hasattr(x, "item") else x for x in Rows(rows)] == expected
+
+
+def test_a_row_that_draws_random_numbers_stops_the_split_loop(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    drawn = []
+    with pytest.raises(RuntimeError, match="draws random numbers"):
+        for x in Rows([1, 2, 3, 4], drawn=drawn):
+            drawn.append(torch.rand(1))  # sampling: row 2 would draw another number than in one process
+    assert len(drawn) == 1
+    steady = []
+    for x in Rows([1, 2, 3, 4], steady=steady):
+        steady.append(torch.ones(1) * x)
+    assert len(steady) == 2  # the first of two ranks: its block, undisturbed

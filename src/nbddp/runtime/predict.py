@@ -63,9 +63,26 @@ class Rows:
         return _slice(rows, first, end), first, end, len(rows), "rows"
 
     def __iter__(self):
-        if self.enumerate_from is None:
-            return iter(self.share)
-        return iter(enumerate(self.share, self.enumerate_from + self.first))
+        rows = iter(self.share) if self.enumerate_from is None else \
+            iter(enumerate(self.share, self.enumerate_from + self.first))
+        return rows if self.world < 2 else self._unrandom(rows)
+
+    def _unrandom(self, rows):
+        """The rows, stopped where one of them drew from a global random generator (sampling, noise, dropout of a
+        model not in eval mode): split, each rank's rows would draw other numbers than in one process, whose
+        later rows draw where the earlier ones left the generator."""
+        state = _random_state()
+        for row in rows:
+            yield row
+            now = _random_state()
+            if now != state:
+                raise RuntimeError(
+                    "nbddp: a row of this prediction loop draws random numbers (sampling such as do_sample=True, "
+                    "noise, dropout of a model not in eval mode): split over the ranks, its rows would draw other "
+                    "numbers than in one process. Make each row's result its own (do_sample=False, model.eval(), a "
+                    "generator seeded per row: generator=torch.Generator().manual_seed(i)), or run the notebook in "
+                    "one process")
+            state = now
 
     def __len__(self):
         return len(self.share)
@@ -120,6 +137,25 @@ class Rows:
                         total += increment
                 out.append(total)
         return tuple(out)
+
+
+def _random_state() -> tuple:
+    """Where the global random generators stand: Python's, NumPy's, torch's on the CPU and on each GPU in use."""
+    import random
+
+    import torch
+
+    states = [random.getstate(), torch.get_rng_state().numpy().tobytes()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy
+
+        kind, keys, pos, gauss, cached = numpy.random.get_state()
+        states.append((kind, keys.tobytes(), pos, gauss, cached))
+    except ImportError:
+        pass
+    return tuple(states)
 
 
 def _check_strategy(world: int) -> None:

@@ -174,6 +174,11 @@ def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionD
     if written:
         return (f"it writes into {written} row by row, which would hold only each rank's own rows; append to a "
                 "list named before the loop (preds.append(…)) and build it after the loop")
+    drawn = _draws(loop)
+    if drawn:
+        return (f"{drawn} draws random numbers in each row, which split over the ranks would differ from one "
+                "process's (its later rows draw where the earlier ones left the generator); make each row's result "
+                "its own (do_sample=False, a generator seeded per row) or run the notebook in one process")
     shuffled = _shuffled(loop.iter, top[:k + 1] if function is None else [])
     if shuffled:
         return (f"{shuffled} gives its rows in a random order, which each rank would draw for itself; predict in "
@@ -182,6 +187,28 @@ def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionD
     if after:
         return (f"{after} is read after the loop, where it holds the last row of each rank's share, not the last "
                 "row; take what is needed from an accumulated list instead")
+    return None
+
+
+#: Calls that draw from a global random generator (``torch.randn``, ``np.random.normal``, ``random.choice``).
+_RANDOM_HEADS = ("torch.rand", "np.random.", "numpy.random.", "random.")
+#: Calls that seed a row by itself: its draws are then its own, not the previous rows'.
+_SEEDS = frozenset({"manual_seed", "seed", "set_seed", "seed_everything"})
+
+
+def _draws(loop: ast.For) -> str | None:
+    """A call in the body that samples (``do_sample=True``) or draws from a global generator, unless the body
+    seeds each row itself; what the static reading misses, the runtime stops (``runtime/predict.py``)."""
+    calls = [n for n in _walk_body(loop.body) if isinstance(n, ast.Call)]
+    if any(last_name(c.func) in _SEEDS for c in calls):
+        return None
+    for call in calls:
+        sample = keyword(call, "do_sample")
+        if sample is not None and not (isinstance(sample.value, ast.Constant) and not sample.value.value):
+            return ast.unparse(call.func) + "(…, do_sample=…)"
+        name = dotted_name(call.func) or ""
+        if name.startswith(_RANDOM_HEADS) and keyword(call, "generator") is None:
+            return name + "(…)"
     return None
 
 
