@@ -59,7 +59,7 @@ def test_a_kept_cell_writes_and_pushes_once_and_sends_what_they_bind(tmp_path):
     ]
     # the cell says so as it runs, at the line the person sees (the %%ddp line is line 1)
     assert kept.script.warnings[-1] == ("this %%ddp cell, line 3: runs on rank 0 only, as it writes or pushes, then "
-                                        "commit, fh sent from rank 0 to every rank (a %%ddp cell's other statements "
+                                        "commit, fh sent from rank 0 to every rank (in a kept job the other statements "
                                         "run on every rank)")
     source_map = read_source_map(kept.path)
     mapped = [source_map.lookup(n) for n in range(kept.first, kept.last + 1)]
@@ -94,3 +94,23 @@ def test_a_jobs_script_keeps_its_after_training_rule(tmp_path):
     """The kept rule is the %%ddp cell's alone: the same code as a job's last cell still runs on rank 0."""
     whole = convert_cells([*HISTORY, Cell(3, "x = 1\nprint(x)")], origin=HISTORY[0].origin)
     assert "if _nbddp.on_rank0():\n    x = 1\n    print(x)" in whole.text
+
+
+def test_a_kept_jobs_own_code_after_training_runs_on_every_rank_but_its_writes():
+    """%%ddp_train --keep: the cells after it run on every rank, so what its code after training binds must be
+    there too (the script's after-training rule would leave it on rank 0)."""
+    cells = [HISTORY[0], Cell(2, "trainer.train()\nrows = 8\nprint(rows)\nmodel.save_pretrained('lora')")]
+    kept = convert_cells(cells, origin=HISTORY[0].origin, kept_tail=True)
+    assert ("trainer.train()\nrows = 8\nprint(rows)\nwith _nbddp.from_rank0(globals()):  # [nbddp] it writes or pushes: "
+            "once, on rank 0\n    if _nbddp.on_rank0():\n        model.save_pretrained('lora')\n") in kept.text
+    assert "if _nbddp.on_rank0():\n    rows = 8" in convert_cells(cells, origin=HISTORY[0].origin).text  # a job's
+
+
+def test_a_plain_loops_kept_write_sees_the_model_unwrapped_and_every_rank_keeps_the_wrapper():
+    cells = [Cell(1, "import torch\nmodel = torch.nn.Linear(4, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)"),
+             Cell(2, "for _ in range(3):\n    loss = model(torch.randn(8, 4)).pow(2).mean()\n    optimizer.zero_grad()\n"
+                     "    loss.backward()\n    optimizer.step()\ntorch.save(model.state_dict(), 'small.pt')")]
+    text = convert_cells(cells, kept_tail=True).text
+    assert ("with _nbddp.from_rank0(globals(), unwrapped=('model',)):  # [nbddp] it writes or pushes: once, on rank 0\n"
+            "    if _nbddp.on_rank0():\n        torch.save(_nbddp.unwrap(model).state_dict(), 'small.pt')\n") in text
+    assert "model = _nbddp.unwrap(model)" not in text  # which would leave rank 0 alone with the bare model

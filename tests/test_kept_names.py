@@ -45,9 +45,31 @@ def test_another_rank_takes_rank0s_answer_once_it_is_there_and_the_last_reader_r
     assert not store.check(["nbddp/from_rank0/ddp-cell-1.py:3"])
 
 
+def test_a_kept_block_sees_the_model_unwrapped_and_leaves_it_wrapped():
+    """Rank 0's write sees the model as the notebook had it (saves its own keys; no DDP forward on rank 0 alone);
+    afterwards every rank holds the wrapper again, so a later training still syncs."""
+    from nbddp.runtime import from_rank0
+
+    class Wrapper:  # as runtime/dist.unwrap knows a wrapper that says what the notebook had (DataParallel's)
+        def __init__(self, inner):
+            self._nbddp_unwrapped = lambda: inner
+
+    inner = torch.nn.Linear(2, 1)
+    namespace = {"model": Wrapper(inner)}
+    wrapper = namespace["model"]
+    with from_rank0(namespace, unwrapped=("model",)):
+        assert namespace["model"] is inner
+    assert namespace["model"] is wrapper
+    with from_rank0(namespace, "model", unwrapped=("model",)):  # rebound in the block: kept (and sent) as bound
+        namespace["model"] = replaced = torch.nn.Linear(2, 1)
+    assert namespace["model"] is replaced
+
+
+#: The kept job, with code after its training: what it binds is on every rank too, and its save is rank 0's.
+TRAIN = SMALL_TRAIN + "rows = 8\nprint('rows', rows)\ntorch.save(model.state_dict(), 'small.pt')\n"
 NAMES = "%%ddp\nn_test = len(torch.arange(5))\nprint('n_test', n_test)\n"
-REDUCE = ("%%ddp\ntotal = torch.tensor([float(n_test)])\ntorch.distributed.all_reduce(total)\n"
-          "print('total', total.item())\n")
+REDUCE = ("%%ddp\ntotal = torch.tensor([float(n_test + rows), float(isinstance(model, torch.nn.parallel.DistributedDataParallel))])\n"
+          "torch.distributed.all_reduce(total)\nprint('total', total.tolist())\n")
 WRITE = "%%ddp\nwith open('kept-notes.txt', 'a') as fh:\n    written = fh.write('kept\\n')\nprint('wrote', written)\n"
 SENT = ("%%ddp\nsent = torch.tensor([float(written), float('rank 0 only' in repr(fh) or fh.closed)])\n"
         "torch.distributed.all_reduce(sent)\nprint('sent', sent.tolist())\n")
@@ -59,13 +81,15 @@ FAILED_WRITE = "%%ddp\nwith open('no-such-folder/x.txt', 'w') as out:\n    out.w
 def test_a_name_a_ddp_cell_binds_is_on_every_rank_for_the_next_cells_all_reduce(tmp_path):
     nb, client = _client(tmp_path)
     with client.setup_kernel(env=kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))):
-        cells = _run(client, nb, ["%load_ext nbddp", SMALL_SETUP, SMALL_TRAIN])
+        cells = _run(client, nb, ["%load_ext nbddp", SMALL_SETUP, TRAIN])
         assert not any(errors(c) for c in cells), [errors(c) for c in cells]
 
         names, reduce, write, sent = _run(client, nb, [NAMES, REDUCE, WRITE, SENT])
         assert not any(errors(c) for c in (names, reduce, write, sent)), [errors(c) for c in (names, reduce, write, sent)]
         assert "n_test 5" in stream(names, "stdout") and "on rank 0" not in stream(names, "stdout")
-        assert "total 10.0" in stream(reduce, "stdout")  # rank 1 held n_test too, as the kernel's process would
+        # rank 1 held n_test and rows too, as the kernel's process would, and its model is still DDP's
+        assert "total [26.0, 2.0]" in stream(reduce, "stdout")
+        assert sorted(torch.load(tmp_path / "small.pt")) == ["bias", "weight"]  # saved by rank 0, the model's own keys
         # the write ran once, on rank 0, and said so; what it bound reached rank 1 (the open file as a stand-in)
         assert (tmp_path / "kept-notes.txt").read_text() == "kept\n"
         assert ("nbddp: warning: this %%ddp cell, line 2: runs on rank 0 only, as it writes or pushes, then fh, "

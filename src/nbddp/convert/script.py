@@ -90,11 +90,13 @@ class Script:
         return path
 
 
-def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False) -> Script:
-    """Read a notebook with nbformat and convert its code cells (what was repaired to read it: warnings)."""
+def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False, kept_tail: bool = False) -> Script:
+    """Read a notebook with nbformat and convert its code cells (what was repaired to read it: warnings);
+    ``kept_tail``: as ``convert_cells``'s."""
     with _collector_paused():
         cells, notes = load_notebook(path)
-        return convert_cells(cells, origin=Path(path).name, skip_bad_cells=skip_bad_cells, notes=notes)
+        return convert_cells(cells, origin=Path(path).name, skip_bad_cells=skip_bad_cells, notes=notes,
+                             kept_tail=kept_tail)
 
 
 @contextlib.contextmanager
@@ -119,7 +121,7 @@ def _collector_paused():
 
 def convert_cells(
     cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False, precheck: bool = True,
-    notes: tuple[str, ...] = (), launcher_facts: bool = True, kept_cell: bool = False,
+    notes: tuple[str, ...] = (), launcher_facts: bool = True, kept_cell: bool = False, kept_tail: bool = False,
 ) -> Script:
     """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
 
@@ -130,20 +132,21 @@ def convert_cells(
     warnings from reading the notebook, listed first. ``launcher_facts=False`` leaves out what only a launch
     reads (``Script.shape``, ``Script.output_targets``: one more parse of the whole script), for a kept job's
     ``%%ddp`` cell, which launches nothing. ``kept_cell``: the last cell is such a ``%%ddp`` cell, whose
-    statements run on every rank but its writes (``facts/kept.py``), not as code after training.
+    statements run on every rank but its writes (``facts/kept.py``), not as code after training; ``kept_tail``:
+    the cells of a kept job (``--keep``), whose code after the last training follows that rule too.
     """
     with _collector_paused():
-        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes, launcher_facts, kept_cell)
+        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes, launcher_facts, kept_cell, kept_tail)
 
 
 def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool, notes=(),
-                   launcher_facts: bool = True, kept_cell: bool = False) -> Script:
+                   launcher_facts: bool = True, kept_cell: bool = False, kept_tail: bool = False) -> Script:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     warnings: list[str] = list(notes)
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
     check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
-    facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None)
+    facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None, kept_tail=kept_tail)
     refuse_unsplittable(facts, cleaned)  # a prediction loop the ranks cannot split: refused at its cell and line
     launches = find_launches(cells) if facts.last_training is None else ()
     if launches:

@@ -89,18 +89,39 @@ class from_rank0:  # noqa: N801 - used as a statement in the converted cell, rea
     sleep between looks), so a Stop interrupts them where they wait, as it interrupts rank 0 in its block;
     an interrupted rank sends and takes nothing. The last rank to read removes the answer from the store."""
 
-    def __init__(self, namespace: dict, *names: str):
-        self.namespace, self.names = namespace, names
+    def __init__(self, namespace: dict, *names: str, unwrapped: tuple[str, ...] = ()):
+        self.namespace, self.names, self.unwrapped = namespace, names, unwrapped
+        self.wrappers: dict[str, tuple[object, object]] = {}
 
     def __enter__(self) -> from_rank0:
         self.key = _key(sys._getframe(1))  # at the with line, on every rank alike
+        self._unwrap()
         return self
+
+    def _unwrap(self) -> None:
+        """A plain loop's DDP models (``unwrapped``) as the notebook had them inside the block, as the script's
+        rank-0 code has them after training: rank 0 alone cannot run a DDP forward, and a state dict saved has
+        the model's own keys. Each is its wrapper again as the block ends, so a later training syncs."""
+        from .dist import unwrap
+
+        for name in self.unwrapped:
+            wrapper = self.namespace.get(name)
+            inner = unwrap(wrapper)
+            if inner is not wrapper:
+                self.wrappers[name] = (wrapper, inner)
+                self.namespace[name] = inner
+
+    def _rewrap(self) -> None:
+        for name, (wrapper, inner) in self.wrappers.items():
+            if self.namespace.get(name) is inner:  # not rebound in the block (a rebound name is sent instead)
+                self.namespace[name] = wrapper
 
     def __exit__(self, kind, error, tb) -> bool:
         import torch.distributed as dist
 
         from .rank import rank_info
 
+        self._rewrap()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return False
         key = self.key

@@ -36,9 +36,14 @@ _RANDOM_MODULES = ("random.", "np.random.", "numpy.random.")
 
 
 def plan_kept_cell(top: list[Statement], facts: JobFacts) -> None:
-    """Undo the job's after-training plan for the kept cell's statements, then guard only its writes; its
-    dataset preparation goes under ``main_process_first`` as a job's does."""
+    """Undo the job's after-training plan for the kept cell's statements (and, in a kept job's own script, for
+    those after its last training), then guard only their writes; their dataset preparation goes under
+    ``main_process_first`` as a job's does."""
     kept = [stmt for stmt in top if stmt.cell.position == facts.kept_cell]
+    if facts.kept_tail and facts.training:
+        kept += top[top.index(facts.training[-1]) + 1:]
+    if facts.plain_loop:
+        facts.kept_unwraps = sorted(facts.wrapped_whole & facts.module_names)
     for stmt in kept:
         for planned in (facts.rank0, facts.tail, facts.shared_saves):
             planned.discard(stmt)

@@ -83,7 +83,9 @@ class RankZeroRule(BlockRule):
         names = self._kept_names(run)
         sent = f"; {', '.join(names)} sent to every rank" if names else ""
         guard = cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=self.inside(run)))
-        context = ", ".join(["globals()", *(repr(n) for n in names)])
+        unwraps = self.facts.kept_unwraps
+        context = ", ".join(["globals()", *(repr(n) for n in names)]
+                            + ([f"unwrapped={tuple(unwraps)!r}"] if unwraps else []))
         header = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "),
                                         comment=cst.Comment(f"# [nbddp] it writes or pushes: once, on rank 0{sent}"))
         return cst.With(items=[cst.WithItem(item=fixed_expression(f"{KEPT_EXPR}({context})"))],
@@ -93,7 +95,7 @@ class RankZeroRule(BlockRule):
         if self.statement(run[0]) in self.facts.kept_rank0:
             names = self._kept_names(run)
             sent = f", then {', '.join(names)} sent from rank 0 to every rank" if names else ""
-            return (f"runs on rank 0 only, as it writes or pushes{sent} (a %%ddp cell's other statements run on "
+            return (f"runs on rank 0 only, as it writes or pushes{sent} (in a kept job the other statements run on "
                     "every rank)")
         if any(self.statement(s) in self.facts.shared_saves for s in run):
             return "runs on rank 0 only, once as in the kernel, and every rank waits for it (what it writes, downloads " \
