@@ -14,10 +14,12 @@ from nbddp.agent.loopback import is_loopback, loopback_rendezvous, loopback_stor
     (["--master-port=29511", "train.py"], True),  # torchrun's static rendezvous at its default 127.0.0.1
     (["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "train.py"], False),
     (["--nnodes=2", "--master-addr=10.0.0.1", "--master-port=29500", "train.py"], False),
+    (["--nnodes=2", "--node-rank=0", "--master-port=29500", "train.py"], False),  # a static master serving others
+    (["--nnodes=2", "--node-rank=1", "--master-addr=127.0.0.1", "train.py"], True),  # two nodes on this machine
     (["--nnodes=2", "--master-addr=10.0.0.1", "train.py", "--rdzv-endpoint=127.0.0.1:1"], False),  # the script's
 ])
 def test_only_a_rendezvous_of_this_machine_is_kept_on_loopback(argv, local):
-    assert loopback_rendezvous(torchrun_args(argv)) is local
+    assert loopback_rendezvous(torchrun_args(argv), argv) is local
 
 
 def test_is_loopback_reads_addresses_not_names():

@@ -95,6 +95,7 @@ def test_numbers_and_names_that_cannot_work_are_refused_in_one_line(monkeypatch,
 @pytest.mark.parametrize("kwargs", [
     dict(nnodes=2, rdzv_endpoint="host:29400", node_rank=1),
     dict(torchrun_args=["--nnodes=2", "--node-rank=1", "--master-addr=host", "--master-port=29500"]),  # static
+    dict(torchrun_args=["--nnodes=2", "--node-rank=0", "--master-port=29533"]),  # the static master, serving
     dict(node_rank=0), dict(shim=["SAVES"], no_shim=["grad_ckpt", "notices"]),
 ])
 def test_jobs_across_machines_and_known_switches_pass(kwargs):

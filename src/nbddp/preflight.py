@@ -126,16 +126,17 @@ def check_torchrun_args(torchrun_args: list[str]) -> None:
 
 
 def check_rendezvous(torchrun_args: list[str]) -> None:
-    """A job's machines must find each other: more than one node needs a rendezvous endpoint (``--rdzv-endpoint``,
-    or torchrun's static ``--master-addr``), else torchrun waits on this machine for nodes that cannot reach it;
-    one node has only node rank 0. ``torchrun_args`` are all of torchrun's (the options' and those after ``--``)."""
+    """A job's machines must find each other: more than one node needs a meeting point (``--rdzv-endpoint``, or
+    torchrun's static ``--master-addr``/``--master-port``, which the master node gives alone), else torchrun waits
+    on this machine for nodes that cannot reach it; one node has only node rank 0. ``torchrun_args`` are all of
+    torchrun's (the options' and those after ``--``)."""
     nnodes, node_rank = torchrun_option(torchrun_args, "nnodes"), torchrun_option(torchrun_args, "node-rank")
     m = _NODES.fullmatch(str(nnodes or "1").strip())
     most = int(m.group(2) or m.group(1)) if m else 1
     if most == 1 and node_rank is not None and node_rank.isdigit() and int(node_rank) > 0:
         raise NbddpError(f"--node-rank {node_rank} needs a job of more than one machine, but it runs on one (no "
                          "--nnodes): leave --node-rank out, or give --nnodes N and --rdzv-endpoint HOST:PORT")
-    endpoint = torchrun_option(torchrun_args, "rdzv-endpoint") or torchrun_option(torchrun_args, "master-addr")
+    endpoint = any(torchrun_option(torchrun_args, name) for name in ("rdzv-endpoint", "master-addr", "master-port"))
     if most > 1 and not endpoint:
         raise NbddpError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (one machine's address and a free port, "
                          "the same on every machine): without it this machine waits for nodes that cannot find it")

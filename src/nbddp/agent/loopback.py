@@ -31,7 +31,7 @@ def install(argv: list[str]) -> list[str]:
     """torchrun's arguments with the node's address on loopback, where the rendezvous is on this machine only;
     from then on every store server for a loopback host listens on loopback (and gloo too)."""
     args = torchrun_args(argv)
-    if args is None or not loopback_rendezvous(args):
+    if args is None or not loopback_rendezvous(args, argv):
         return argv
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
@@ -55,14 +55,18 @@ def torchrun_args(argv: list[str]):
         return None
 
 
-def loopback_rendezvous(args) -> bool:
-    """Whether torchrun's parsed arguments make a rendezvous of this machine's processes only: ``--standalone``,
-    an endpoint on loopback, or the static rendezvous at a loopback ``--master-addr`` (torchrun's default)."""
+def loopback_rendezvous(args, argv: list[str]) -> bool:
+    """Whether torchrun's arguments (``args`` as its parser reads ``argv``) make a rendezvous of this machine's
+    processes only: ``--standalone``, an endpoint on loopback, or the static rendezvous at a loopback
+    ``--master-addr`` — torchrun's default 127.0.0.1 for one node; for several, only where it is given (the
+    master node of a static job leaves it out and serves the others)."""
     if args.standalone:
         return True
     endpoint = args.rdzv_endpoint
     if not endpoint:
-        return args.rdzv_backend == "static" and is_loopback(args.master_addr)
+        several = str(args.nnodes).rsplit(":", 1)[-1].strip() not in ("1", "")
+        given = any(a.split("=", 1)[0] in ("--master-addr", "--master_addr") for a in argv)
+        return args.rdzv_backend == "static" and is_loopback(args.master_addr) and (given or not several)
     host = endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 or endpoint.startswith("[") else endpoint
     return is_loopback(host.strip("[]"))
 
