@@ -97,18 +97,20 @@ def _run(args) -> int:
     from .options import RunOptions
 
     options = RunOptions.parse(args, args.torchrun_args)
-    prepared = prepare_job(args.notebook, skip_bad_cells=options.skip_bad_cells)
+    source = args.notebook
+    if args.show_script or args.dry_run:  # converted first, to show; run_job takes the converted job on
+        source = prepare_job(args.notebook, skip_bad_cells=options.skip_bad_cells)
     if args.show_script:
-        print(prepared.script.text)
+        print(source.script.text)
     if args.dry_run:  # the plan the run would follow, refused as it would be; nothing made or started
-        plan = plan_job(prepared, options)
-        for w in prepared.script.warnings:
+        plan = plan_job(source, options)
+        for w in source.script.warnings:
             print(f"nbddp: warning: {w}", file=sys.stderr)
         print(plan.describe())
         return 0
     view = TerminalView()  # the bar on one line, the metrics as a table, nothing printed on a bar's line
     with warm_start.not_for_one_launch():  # a warm process would import what the one agent does, no less
-        job = run_job(prepared, options, view)
+        job = run_job(source, options, view)
     result = job.run
     view.finish(result)  # rank 0's consequent traceback folded to one line
     for w in job.script.warnings:
