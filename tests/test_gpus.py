@@ -42,3 +42,21 @@ def test_visible_gpus_asks_nvidia_smi(tmp_path, monkeypatch):
     assert gpus.visible_gpus() == (TWO[1],)
     smi.write_text("#!/bin/sh\nexit 9\n")
     assert gpus.visible_gpus() is None
+
+
+def test_one_reading_gives_the_count_and_the_free_memory(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(gpus, "query", lambda timeout_s=10.0: asked.append(1) or QUERY)
+    monkeypatch.setattr(gpus, "GPU_DEVICE_FILES", (str(tmp_path / "none"),))
+    monkeypatch.delenv("NBDDP_GPU_COUNT", raising=False)
+    monkeypatch.delenv("NBDDP_GPU_MEMORY_GIB", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus.read_machine() == gpus.Machine(0) and asked == []  # no driver: nothing asked
+    (tmp_path / "none").write_text("")
+    assert gpus.read_machine() == gpus.Machine(2, (15095 * 2**20, 14000 * 2**20)) and len(asked) == 1
+    monkeypatch.setenv("NBDDP_GPU_MEMORY_GIB", "10")
+    assert gpus.read_machine().free_bytes == (10 * 2**30,) * 2 and len(asked) == 2
+    monkeypatch.setenv("NBDDP_GPU_COUNT", "4")  # a machine stated whole: nothing asked
+    assert gpus.read_machine() == gpus.Machine(4, (10 * 2**30,) * 4) and len(asked) == 2
+    assert gpus.read_machine(memory=False) == gpus.Machine(4)
+    assert (gpus.Machine(4).processes(), gpus.Machine(4).processes(3), gpus.Machine(0).processes()) == (4, 3, 2)
