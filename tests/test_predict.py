@@ -180,3 +180,13 @@ def test_a_row_that_draws_random_numbers_stops_the_split_loop(monkeypatch):
     for x in Rows([1, 2, 3, 4], steady=steady):
         steady.append(torch.ones(1) * x)
     assert len(steady) == 2  # the first of two ranks: its block, undisturbed
+
+
+def test_a_public_notebook_that_only_predicts_splits_its_loop_over_the_urls():
+    # huggingface/cookbook's information extraction notebook (tests/corpus/public/MANIFEST.json): a Haystack
+    # pipeline fetches each URL and extracts with NuExtract; nbddp refused it before (no training call found)
+    script = convert_notebook(CORPUS.parent / "public" / "hf_cookbook" / "information_extraction_haystack_nuextract.ipynb")
+    assert decide_mode(script) == PREDICT
+    assert "for url in tqdm((_nbddp_rows := _nbddp.predict.Rows(urls, extracted_data=extracted_data))):" in script.text
+    assert "else:\n    extracted_data, = _nbddp_rows.gathered()" in script.text
+    assert "# [cell 29]\nif _nbddp.on_rank0():\n    extracted_data[:2]" in script.text

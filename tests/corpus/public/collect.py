@@ -91,6 +91,7 @@ PATHS = {
     ],
     "huggingface/cookbook": [
         "notebooks/en/fine_tuning_code_llm_on_single_gpu.ipynb",
+        "notebooks/en/information_extraction_haystack_nuextract.ipynb",  # predicts only (issue 42)
         "notebooks/en/fine_tuning_llm_grpo_trl.ipynb",
         "notebooks/en/fine_tuning_smol_vlm_sft_trl.ipynb",
         "notebooks/en/fine_tuning_vit_custom_dataset.ipynb",
