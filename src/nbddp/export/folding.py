@@ -33,23 +33,29 @@ class StringFolder:
     def __init__(self) -> None:
         self.names: dict[str, str] = {}
 
-    def built(self, tree: ast.AST) -> Iterator[tuple[ast.AST, str]]:
+    def built(self, tree: ast.AST) -> list[tuple[ast.AST, str]]:
         """``(node, value)`` for each outermost expression (or ``+=`` statement) of ``tree`` that folds to a
         string made of more than one piece, in source order; binds and forgets names on the way."""
-        if isinstance(tree, ast.Name) and not isinstance(tree.ctx, ast.Load):
-            self.names.pop(tree.id, None)  # assigned, deleted or a loop variable: no longer a known constant
+        found: list[tuple[ast.AST, str]] = []
+        self._walk(tree, found)
+        return found
+
+    def _walk(self, node: ast.AST, found: list) -> None:
+        # one recursive call a node, appending (a generator chain as deep as the tree cost a third more time)
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            self.names.pop(node.id, None)  # assigned, deleted or a loop variable: no longer a known constant
             return
-        if isinstance(tree, ast.expr):
-            value = self.fold(tree)
+        if isinstance(node, ast.expr):
+            value = self.fold(node)
             if value is not None:
-                if _pieced(tree):
-                    yield tree, value
+                if _pieced(node):
+                    found.append((node, value))
                 return
-        binding = self._binding(tree)  # read with the names as they are before this statement
-        if isinstance(tree, ast.AugAssign) and binding:
-            yield tree, next(iter(binding.values()))
-        for child in _children(tree):
-            yield from self.built(child)
+        binding = self._binding(node)  # read with the names as they are before this statement
+        if isinstance(node, ast.AugAssign) and binding:
+            found.append((node, next(iter(binding.values()))))
+        for child in _children(node):
+            self._walk(child, found)
         self.names.update(binding)
 
     def fold(self, node: ast.AST) -> str | None:
