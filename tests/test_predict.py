@@ -91,6 +91,8 @@ REFUSED = {
                     "    return out\ndef main():\n    return predict_all(xs)", 7, "called from inside another function"),
     "samples": ("out = []\nfor x in xs:\n    out.append(model.generate(x, do_sample=True))", 2, "draws random numbers"),
     "noise": ("out = []\nfor x in xs:\n    out.append(model(x + torch.randn(4)))", 2, "torch.randn(…) draws random"),
+    "generator": ("g = torch.Generator().manual_seed(0)\nout = []\nfor x in xs:\n    out.append(pipe(x, generator=g))",
+                  3, "generator=g), a generator made before the loop, draws random numbers"),
     "read after": ("out = []\nfor x in xs:\n    y = model(x)\n    out.append(y)\nprint(y.shape)", 2,
                    "y is read after the loop"),
 }
@@ -190,3 +192,11 @@ def test_a_public_notebook_that_only_predicts_splits_its_loop_over_the_urls():
     assert "for url in tqdm((_nbddp_rows := _nbddp.predict.Rows(urls, extracted_data=extracted_data))):" in script.text
     assert "else:\n    extracted_data, = _nbddp_rows.gathered()" in script.text
     assert "# [cell 29]\nif _nbddp.on_rank0():\n    extracted_data[:2]" in script.text
+
+
+def test_between_two_prediction_loops_what_writes_runs_on_rank_0_and_what_a_later_loop_needs_on_every_rank():
+    script = convert(SETUP, "out = []\nfor x in xs:\n    out.append(model(x))\nopen('first.txt', 'w').write(str(out))\n"
+                            "model.eval()\nscale = 2",
+                     "more = []\nfor x in xs:\n    more.append(model(x) * scale)\nprint(len(more))")
+    assert "if _nbddp.on_rank0():\n    open('first.txt', 'w').write(str(out))\nmodel.eval()\nscale = 2" in script.text
+    assert "if _nbddp.on_rank0():\n    print(len(more))" in script.text

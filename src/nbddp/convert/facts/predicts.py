@@ -116,8 +116,6 @@ def loops_in(nodes: list[ast.stmt], splitting: frozenset[str] = frozenset()) -> 
 def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     """Where the notebook trains nowhere: its prediction statements (``JobFacts.predictions``), why any of their
     loops cannot be split (``JobFacts.predict_refusals``), and the code after the last one on rank 0."""
-    from .rank0 import plan_after_training
-
     defs = {stmt.nodes[0].name: stmt for stmt in top if isinstance(stmt.nodes[0], (ast.FunctionDef, ast.AsyncFunctionDef))
             and loops_in(stmt.nodes[0].body)}
     facts.predict_functions = splitting = frozenset(defs)
@@ -134,9 +132,35 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
             if reason is not None:
                 facts.predict_refusals.append(PredictRefusal(stmt.cell.position, loop.lineno, reason))
     _refuse_hidden_calls(top, defs, facts)
-    plan_after_training(top, holding[0], holding[-1], facts)
-    facts.rank0 -= set(facts.predictions)  # every rank runs its share and takes part in the gather
-    facts.tail -= set(facts.predictions)
+    _plan_rank0(top, holding, facts)
+
+
+def _plan_rank0(top: list[Statement], holding: list[int], facts: JobFacts) -> None:
+    """From the first prediction statement on, what runs on rank 0 only: every statement but the prediction
+    statements and what they need, read backwards: a statement binding or reading a name a later every-rank
+    statement reads (reading it may change it: ``model.eval()``), or making a collective call. So the files
+    written between two prediction loops (``display_images(images, path)``) are written once too."""
+    from .training import is_collective_call
+
+    last = holding[-1]
+    predicting = set(facts.predictions)
+    needed: set[str] = set()
+    for k in range(len(top) - 1, holding[0] - 1, -1):
+        stmt = top[k]
+        if stmt in predicting:
+            reason = None
+        elif any(is_collective_call(c, facts) for c in stmt.calls):
+            reason = "a collective call needs every rank"
+        elif (stmt.binds | stmt.reads) & needed:
+            reason = f"{', '.join(sorted((stmt.binds | stmt.reads) & needed))}: a later prediction loop uses it"
+        else:
+            facts.rank0.add(stmt)
+            if k > last:
+                facts.tail.add(stmt)
+            continue
+        if reason is not None and k > last:
+            facts.all_ranks[stmt] = reason
+        needed = (needed - stmt.binds) | stmt.reads
 
 
 def _refuse_hidden_calls(top: list[Statement], defs: dict[str, Statement], facts: JobFacts) -> None:
@@ -202,7 +226,11 @@ def _draws(loop: ast.For) -> str | None:
     calls = [n for n in _walk_body(loop.body) if isinstance(n, ast.Call)]
     if any(last_name(c.func) in _SEEDS for c in calls):
         return None
+    bound = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     for call in calls:
+        generator = keyword(call, "generator")
+        if generator is not None and isinstance(generator.value, ast.Name) and generator.value.id not in bound:
+            return f"{ast.unparse(call.func)}(…, generator={generator.value.id}), a generator made before the loop,"
         sample = keyword(call, "do_sample")
         if sample is not None and not (isinstance(sample.value, ast.Constant) and not sample.value.value):
             return ast.unparse(call.func) + "(…, do_sample=…)"
