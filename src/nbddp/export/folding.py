@@ -32,6 +32,7 @@ class StringFolder:
 
     def __init__(self) -> None:
         self.names: dict[str, str] = {}
+        self._folded: tuple[ast.AST | None, str | None] = (None, None)  # an assignment's value, folded once
 
     def built(self, tree: ast.AST) -> list[tuple[ast.AST, str]]:
         """``(node, value)`` for each outermost expression (or ``+=`` statement) of ``tree`` that folds to a
@@ -41,12 +42,12 @@ class StringFolder:
         return found
 
     def _walk(self, node: ast.AST, found: list) -> None:
-        # one recursive call a node, appending (a generator chain as deep as the tree cost a third more time)
+        # one recursive call a node, appending: a chain of generators as deep as the tree cost more
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
             self.names.pop(node.id, None)  # assigned, deleted or a loop variable: no longer a known constant
             return
         if isinstance(node, ast.expr):
-            value = self.fold(node)
+            value = self._folded[1] if self._folded[0] is node else self.fold(node)
             if value is not None:
                 if _pieced(node):
                     found.append((node, value))
@@ -145,9 +146,11 @@ class StringFolder:
         """The names a statement binds to a constant string (with the names known before it)."""
         if isinstance(node, ast.Assign):
             value = self.fold(node.value)
+            self._folded = (node.value, value)  # its walk, next, reads it from here
             return {t.id: value for t in node.targets if isinstance(t, ast.Name)} if value is not None else {}
         if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and isinstance(node.target, ast.Name) and node.value:
             value = self.fold(node.value)
+            self._folded = (node.value, value)
             return {node.target.id: value} if value is not None else {}
         if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
             value = _concat(self.names.get(node.target.id), self.fold(node.value))
