@@ -298,7 +298,7 @@ def test_a_kept_job_trains_again_generates_pulls_and_stops(lab, browser):
     assert second_loss < first_loss  # trained on from the first training's weights
     assert out[6].count("generated: Q: 12+7=? A:") == 1, out[6]  # rank 0 alone prints it
     assert "pulled 10 losses" in out[8], out[8]
-    assert re.search(r"nbddp: kept job, 2 rank\(s\), up \d+ s, idle \d+ s", out[9]), out[9]
+    assert re.search(r"nbddp: kept job, 2 rank\(s\), up (\d+ min )?\d+ s, idle (\d+ min )?\d+ s", out[9]), out[9]
     assert re.search(r"rank 0: pid \d+, cpu", out[9]) and re.search(r"rank 1: pid \d+, cpu", out[9]), out[9]
     for i in (2, 4):  # each training cell stays a few outputs, its summary in sight
         assert page.locator(".jp-Notebook .jp-Cell").nth(i).locator(".jp-OutputArea-child").count() <= 10
@@ -306,6 +306,40 @@ def test_a_kept_job_trains_again_generates_pulls_and_stops(lab, browser):
     assert shot(page, "kept-trained-again").stat().st_size > 10_000
     last_cell(page).scroll_into_view_if_needed()
     assert shot(page, "kept-pulled-status-stopped").stat().st_size > 10_000
+    deadline = time.monotonic() + 10
+    while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert no_rank_processes(str(root / "nbddp_runs"))
+    page.close()
+
+
+def test_the_stop_button_in_a_kept_cell_keeps_the_ranks(lab, browser):
+    """Stop on a plain loop in a %%ddp cell: every rank interrupted where it is, the cell says where, not in the
+    words of a failure, and the ranks stay up for the next cell."""
+    from test_kept_interrupt import LOOP
+    from test_kept_kernel import SMALL_SETUP, SMALL_TRAIN, STOP
+
+    root = lab[0]
+    page = open_notebook(browser, lab, "kept-stop.ipynb", ["%load_ext nbddp", SMALL_SETUP, SMALL_TRAIN, LOOP, STOP])
+    deadline = time.monotonic() + 300
+    while "tick 1" not in cell_text(page, 3):
+        assert time.monotonic() < deadline, cell_text(page, 3)
+        time.sleep(0.2)
+    pressed = time.monotonic()
+    page.locator('.jp-NotebookPanel-toolbar [data-command="notebook:interrupt-kernel"]').first.click()
+    while "JobInterrupted" not in cell_text(page, 3):
+        assert time.monotonic() - pressed < 30, cell_text(page, 3)
+        time.sleep(0.1)
+    shown = cell_text(page, 3)
+    assert "interrupted at line 4 of this %%ddp cell (time.sleep(1)), the ranks are kept" in shown, shown
+    assert "Failed" not in shown and "tick 58" not in shown, shown
+    assert time.monotonic() - pressed < 10
+    shot(page, "kept-stopped")
+    assert not no_rank_processes(str(root / "nbddp_runs"))  # the ranks are still up
+    kernel_idle(page)  # the run stopped at the interrupted cell: %ddp_stop, run by hand, ends the ranks
+    page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = 4;"
+                  " window.jupyterapp.commands.execute('notebook:run-cell'); }")
+    assert "every rank has exited" in wait_for_text(page, r"every rank has exited|Error", 60)
     deadline = time.monotonic() + 10
     while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
         time.sleep(0.5)
