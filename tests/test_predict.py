@@ -58,7 +58,7 @@ def test_enumerate_counts_from_each_rows_place_and_tqdm_stays():
     script = convert(SETUP, "from tqdm import tqdm\nout = []\nfor i, x in enumerate(xs, 1):\n"
                             "    out.append((i, model(x)))",
                      "done = []\nfor x in tqdm(xs, desc='predict'):\n    done.append(model(x))")
-    assert "enumerate_from=1, out=out" in script.text
+    assert "_nbddp.predict.Rows(xs, 1, out=out)" in script.text
     assert "for x in tqdm((_nbddp_rows := _nbddp.predict.Rows(xs, done=done)), desc='predict'):" in script.text
 
 
@@ -128,7 +128,7 @@ def test_the_blocks_are_contiguous_in_rank_order_and_cover_every_position(total,
 
 def test_one_process_takes_every_row_and_replays_its_sums():
     preds, total = [-1], 0.5
-    rows = Rows(iter("abc"), enumerate_from=10, preds=preds, total=total)
+    rows = Rows(iter("abc"), 10, preds=preds, total=total)
     for i, ch in rows:
         preds.append((i, ch))
         total += rows.add("total", 0.25)
@@ -175,7 +175,7 @@ def test_a_row_that_draws_random_numbers_stops_the_split_loop(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     drawn = []
     with pytest.raises(RuntimeError, match="draws random numbers"):
-        for x in Rows([1, 2, 3, 4], drawn=drawn):
+        for x in Rows([1, 2, 3, 4], iterable=[], drawn=drawn):  # any name may accumulate
             drawn.append(torch.rand(1))  # sampling: row 2 would draw another number than in one process
     assert len(drawn) == 1
     steady = []

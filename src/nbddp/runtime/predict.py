@@ -34,7 +34,7 @@ def block(total: int, rank: int, world: int) -> tuple[int, int]:
 class Rows:
     """One prediction loop on this rank: what it iterates (its share) and what it accumulates (``gathered``)."""
 
-    def __init__(self, iterable, enumerate_from: int | None = None, **accumulators):
+    def __init__(self, iterable, enumerate_from: int | None = None, /, **accumulators):  # any name accumulates
         from .dist import rank_info
 
         global _loops
