@@ -169,12 +169,19 @@ def test_ranks_training_on_the_same_batches_stop_at_the_forward_with_the_fix(tmp
     assert (result.failure.cell, result.failure.line) == (4, 3)
 
 
-def test_the_net_checks_stay_quiet_for_a_converted_loop(tmp_path, notebook):
+#: After training, a metric over the training loader (rank 0's code) counts what it saw.
+COUNTED = ("def count_examples(model, loader):\n    with torch.no_grad():\n"
+           "        return sum(len(model(xb)) for xb, yb in loader)\n"
+           "print(f'examples counted {count_examples(model, train_loader)}')")
+
+
+def test_the_net_checks_stay_quiet_for_a_converted_loop_and_its_metric_counts_the_whole_set(tmp_path, notebook):
     script, result, out = run(tmp_path, notebook([IMPORTS, DATA, NET + "\nmodel = Net()\n"
                                                   "optimizer = torch.optim.SGD(model.parameters(), lr=0.01)",
-                                                  loop("model", "optimizer")]))
+                                                  loop("model", "optimizer"), COUNTED]))
     assert result.ok, (out[-3000:], result.failure)
     assert "nbddp: warning" not in out
+    assert "examples counted 64" in out  # as in the kernel: not rank 0's share of 32
 
 
 # ------------------------------------------------------------------------- 6. parameters DDP never sees used
