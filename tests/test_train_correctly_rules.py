@@ -393,7 +393,7 @@ def test_a_loop_over_batch_numbers_and_a_loop_over_samples_are_sharded_too(rewri
         """\
         def train(model, X, y, samples):
             for epoch in range(2):
-                for b in range(len(X) // 8):
+                for b in tqdm(range(len(X) // 8), desc="batches"):
                     out = model(X[b * 8:(b + 1) * 8])
                     loss = out.sum()
                     loss.backward()
@@ -406,7 +406,7 @@ def test_a_loop_over_batch_numbers_and_a_loop_over_samples_are_sharded_too(rewri
 
         train(model, X, y, samples)
         """)
-    assert "for b in _nbddp.shard_range(range(len(X) // 8)):" in code
+    assert 'for b in tqdm(_nbddp.shard_range(range(len(X) // 8)), desc="batches"):' in code
     assert "for k, (xs, ys) in enumerate(_nbddp.shard_items(samples)):" in code
     assert "for xs, ys in zip(_nbddp.shard_items(X_list), _nbddp.shard_items(y_list)):" in code
 

@@ -28,18 +28,24 @@ def shardable_loop(loop: ast.AST, facts: JobFacts) -> str | None:
     """
     if not isinstance(loop, ast.For) or not _trains_innermost(loop, facts):
         return None
-    if _is_range(loop.iter) and isinstance(loop.target, ast.Name) and _slices_with(loop, loop.target.id):
-        return "range"
+    if _is_range(_unwrapped(loop.iter)) and isinstance(loop.target, ast.Name) and _slices_with(loop, loop.target.id):
+        return "range"  # ``range(…)``, ``tqdm(range(…))``
     names = _zipped(loop.iter) or [loader_name(loop.iter)]
     if all(n is not None and not _a_loader(n, facts) and n != "range" for n in names):
         return "items"
     return None
 
 
-def _zipped(expr: ast.AST) -> list[str | None] | None:
-    """The sequences ``zip(X, Y)`` walks together (each sharded alike), inside ``enumerate``/``tqdm`` too."""
+def _unwrapped(expr: ast.AST) -> ast.AST:
+    """What ``enumerate``/``tqdm``/``iter`` wrap (``tqdm(range(…))`` → ``range(…)``)."""
     while isinstance(expr, ast.Call) and expr.args and last_name(expr.func) in ("enumerate", "tqdm", "iter"):
         expr = expr.args[0]
+    return expr
+
+
+def _zipped(expr: ast.AST) -> list[str | None] | None:
+    """The sequences ``zip(X, Y)`` walks together (each sharded alike), inside ``enumerate``/``tqdm`` too."""
+    expr = _unwrapped(expr)
     if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "zip" and expr.args \
             and not expr.keywords:
         return [a.id if isinstance(a, ast.Name) else None for a in expr.args]

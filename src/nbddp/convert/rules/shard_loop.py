@@ -58,8 +58,8 @@ class ShardLoopRule(Rule):
 
 
 def _sharded(kind: str, iterated: cst.BaseExpression) -> cst.BaseExpression:
-    """``shard_range(range(…))``; for samples, the sequence inside ``enumerate``/``tqdm`` is the one sharded."""
-    if kind == "items" and isinstance(iterated, cst.Call) and iterated.args and \
+    """``shard_range(range(…))``, ``shard_items(samples)``: what ``enumerate``/``tqdm`` wrap is the one sharded."""
+    if isinstance(iterated, cst.Call) and iterated.args and \
             isinstance(iterated.func, cst.Name) and iterated.func.value in ("enumerate", "tqdm", "iter"):
         first = iterated.args[0]
         args = [first.with_changes(value=_sharded(kind, first.value)), *iterated.args[1:]]
