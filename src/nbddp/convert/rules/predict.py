@@ -124,4 +124,4 @@ def refuse_unsplittable(facts, cleaned) -> None:
     lines = clean.cell.source.splitlines()
     source = lines[line - 1] if line and line <= len(lines) else ""
     raise CellError(f"nbddp cannot split this prediction loop over the GPUs: {refusal.reason}. Or run the "
-                    "notebook in one process", cell=clean.cell.index, line=line, source=source)
+                    "notebook in its kernel, in one process", cell=clean.cell.index, line=line, source=source)
