@@ -93,6 +93,8 @@ REFUSED = {
     "noise": ("out = []\nfor x in xs:\n    out.append(model(x + torch.randn(4)))", 2, "torch.randn(…) draws random"),
     "generator": ("g = torch.Generator().manual_seed(0)\nout = []\nfor x in xs:\n    out.append(pipe(x, generator=g))",
                   3, "generator=g), a generator made before the loop, draws random numbers"),
+    "appends after": ("out = []\nwith torch.no_grad():\n    for x in xs:\n        out.append(model(x))\n"
+                      "    open('log.txt', 'a').write(str(out))", 3, "would append once per rank"),
     "read after": ("out = []\nfor x in xs:\n    y = model(x)\n    out.append(y)\nprint(y.shape)", 2,
                    "y is read after the loop"),
 }

@@ -207,6 +207,10 @@ def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionD
     if shuffled:
         return (f"{shuffled} gives its rows in a random order, which each rank would draw for itself; predict in "
                 "the rows' order (shuffle=False)")
+    appended = _appends_after(loop, function.body if function is not None else top[k].nodes)
+    if appended:
+        return (f"{appended} after it, in the same block, runs on every rank and would append once per rank; "
+                "write in a cell of its own after the loop (it runs on rank 0)")
     after = _read_after(loop, accumulators, top[k + 1:]) if function is None else _read_later(loop, accumulators, function)
     if after:
         return (f"{after} is read after the loop, where it holds the last row of each rank's share, not the last "
@@ -237,6 +241,20 @@ def _draws(loop: ast.For) -> str | None:
         name = dotted_name(call.func) or ""
         if name.startswith(_RANDOM_HEADS) and keyword(call, "generator") is None:
             return name + "(…)"
+    return None
+
+
+def _appends_after(loop: ast.For, container: list[ast.stmt]) -> str | None:
+    """A write appending to a file after ``loop`` in the statement or function holding it (``open(p, "a")``,
+    ``to_csv(p, mode="a")``): that code runs on every rank, and each rank's append would land in the file."""
+    for node in (n for stmt in container for n in ast.walk(stmt)):
+        if not isinstance(node, ast.Call) or node.lineno <= loop.end_lineno:
+            continue
+        mode = keyword(node, "mode")
+        value = mode.value if mode is not None else (node.args[1] if last_name(node.func) == "open"
+                                                     and len(node.args) > 1 else None)
+        if isinstance(value, ast.Constant) and isinstance(value.value, str) and "a" in value.value:
+            return ast.unparse(node)
     return None
 
 
