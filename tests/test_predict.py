@@ -202,3 +202,16 @@ def test_between_two_prediction_loops_what_writes_runs_on_rank_0_and_what_a_late
                      "more = []\nfor x in xs:\n    more.append(model(x) * scale)\nprint(len(more))")
     assert "if _nbddp.on_rank0():\n    open('first.txt', 'w').write(str(out))\nmodel.eval()\nscale = 2" in script.text
     assert "if _nbddp.on_rank0():\n    print(len(more))" in script.text
+
+
+def test_a_progress_bar_inside_enumerate_is_shared_as_what_it_wraps(monkeypatch):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from tqdm.auto import tqdm
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2)
+    rows = Rows(tqdm(loader, disable=True), 0)  # enumerate(tqdm(loader)): the loader's share, not every batch read
+    assert rows.unit == "batches" and (rows.first, rows.end) == (2, 4)
+    assert [(i, b.tolist()) for i, (b,) in rows] == [(2, [4, 5]), (3, [6, 7])]

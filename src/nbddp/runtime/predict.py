@@ -54,7 +54,8 @@ class Rows:
 
     def _share(self, iterable):
         """This rank's share of ``iterable``: (the share, its first and end position, the whole count, the unit)."""
-        iterable = getattr(iterable, "iterable", iterable) if type(iterable).__name__ == "tqdm" else iterable
+        if type(iterable).__module__.split(".")[0] == "tqdm":  # a progress bar (tqdm, tqdm.auto's): its rows
+            iterable = getattr(iterable, "iterable", iterable)
         loader = _loader_share(iterable, self.rank, self.world)
         if loader is not None:
             return loader
