@@ -103,6 +103,8 @@ def _rows(iterated: cst.BaseExpression, names: list[str]) -> cst.BaseExpression:
         start = next((code_of(a.value) for a in iterated.args[1:2]), None) or next(
             (code_of(a.value) for a in iterated.args if a.keyword is not None and a.keyword.value == "start"), "0")
         iterated = iterated.args[0].value
+        while isinstance(iterated, cst.Call) and last_name(iterated.func) == "iter" and len(iterated.args) == 1:
+            iterated = iterated.args[0].value  # enumerate(iter(loader)): the loader, shared as one
     counted = f", {start}" if start is not None else ""  # Rows' second argument, given by place
     kept = "".join(f", {n}={n}" for n in names)
     return cst.parse_expression(f"({ROWS} := _nbddp.predict.Rows({code_of(iterated)}{counted}{kept}))")
