@@ -59,8 +59,8 @@ def test_enumerate_counts_from_each_rows_place_and_tqdm_stays():
                             "    out.append((i, model(x)))",
                      "done = []\nfor x in tqdm(xs, desc='predict'):\n    done.append(model(x))")
     assert "_nbddp.predict.Rows(xs, 1, out=out)" in script.text
-    script = convert(SETUP, "out = []\nfor i, (xb,) in enumerate(iter(test_loader)):\n    out.append(model(xb))")
-    assert "for i, (xb,) in (_nbddp_rows := _nbddp.predict.Rows(test_loader, 0, out=out)):" in script.text
+    batches = convert(SETUP, "out = []\nfor i, (xb,) in enumerate(iter(test_loader)):\n    out.append(model(xb))")
+    assert "for i, (xb,) in (_nbddp_rows := _nbddp.predict.Rows(test_loader, 0, out=out)):" in batches.text
     assert "for x in tqdm((_nbddp_rows := _nbddp.predict.Rows(xs, done=done)), desc='predict'):" in script.text
 
 
