@@ -2,7 +2,8 @@
 Playwright; no browser is downloaded): a 2000-step %%ddp_train on the embedded model stays a few outputs with
 its summary in sight, a run failing at step 300 on rank 1 shows its one mapped traceback, the stop button
 ends every rank, a cell edited and run without saving is trained as it ran, and a kept job (``--keep``, ``%%ddp``
-training and generation, ``%ddp_pull``, ``%ddp_status``, ``%ddp_stop``) shows each cell's output. Screenshots are kept in
+training and generation, ``%ddp_pull``, ``%ddp_status``, ``%ddp_stop``) shows each cell's output; Stop in a kept
+``%%ddp`` loop and in the ``--keep`` training keeps the ranks. Screenshots are kept in
 build/browser-test/. Run with ``make test-browser``."""
 
 from __future__ import annotations
@@ -340,6 +341,38 @@ def test_the_stop_button_in_a_kept_cell_keeps_the_ranks(lab, browser):
     page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = 4;"
                   " window.jupyterapp.commands.execute('notebook:run-cell'); }")
     assert "every rank has exited" in wait_for_text(page, r"every rank has exited|Error", 60)
+    deadline = time.monotonic() + 10
+    while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert no_rank_processes(str(root / "nbddp_runs"))
+    page.close()
+
+
+def test_the_stop_button_in_the_keep_training_keeps_the_ranks(lab, browser):
+    """Stop during the --keep cell's own training: the ranks stop together at a step and stay up, said so."""
+    from test_kept_interrupt import LONG_SETUP, TRAIN
+    from test_kept_kernel import STILL, STOP
+
+    root = lab[0]
+    page = open_notebook(browser, lab, "keep-stop.ipynb", ["%load_ext nbddp", LONG_SETUP, TRAIN, STILL, STOP])
+    deadline = time.monotonic() + 300
+    while not re.search(r"training · step [1-9]\d*/100000", cell_text(page, 2)):
+        assert time.monotonic() < deadline, cell_text(page, 2)
+        time.sleep(0.2)
+    page.locator('.jp-NotebookPanel-toolbar [data-command="notebook:interrupt-kernel"]').first.click()
+    pressed = time.monotonic()
+    while "JobInterrupted" not in cell_text(page, 2):
+        assert time.monotonic() - pressed < 90, cell_text(page, 2)
+        time.sleep(0.2)
+    shown = cell_text(page, 2)
+    assert "the training stopped together at step" in shown and "the ranks are kept" in shown, shown
+    assert "Failed" not in shown and "stay up" in shown, shown
+    shot(page, "keep-training-stopped")
+    kernel_idle(page)  # the run stopped at the interrupted cell: the next two run by hand
+    page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = 3;"
+                  " window.jupyterapp.commands.execute('notebook:run-all-below'); }")
+    assert "every rank has exited" in wait_for_text(page, r"every rank has exited|Error", 120)
+    assert "still kept, world 2" in cell_text(page, 3)
     deadline = time.monotonic() + 10
     while not no_rank_processes(str(root / "nbddp_runs")) and time.monotonic() < deadline:
         time.sleep(0.5)
