@@ -315,7 +315,8 @@ def _python(body_src: str, body: list[str], cell: Cell, offset: int, lines: list
         return new_src, None, ast.parse(new_src)
     if (by_line := _transform_escape_lines(body)) is not None:
         transformed, tree = by_line
-        return transformed, align(body, transformed.splitlines()), tree
+        lines_out = transformed.splitlines()
+        return transformed, _line_for_line(body, lines_out) or align(body, lines_out), tree
     try:
         transformed = _transformer().transform_cell(body_src)
     except SyntaxError as exc:  # TransformerManager raises on some malformed magics
@@ -399,6 +400,13 @@ def _transform_escape_lines(body: list[str]) -> tuple[str, ast.Module] | None:
     calls = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
              and n.func.id == "get_ipython"}
     return (code, tree) if calls.issuperset(rewritten) else None
+
+
+def _line_for_line(body: list[str], transformed: list[str]) -> list[int | None] | None:
+    """The line map of ``_transform_escape_lines``'s result where it kept one line for each body line (its
+    leading blank lines dropped), known without a diff; None where a continued escape became one line."""
+    start = next((i for i, line in enumerate(body) if line.strip()), len(body))
+    return list(range(start, len(body))) if len(transformed) == len(body) - start else None
 
 
 def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> int:
