@@ -38,3 +38,11 @@ def test_an_escape_continued_over_lines_is_still_aligned():
     cleaned = clean.clean_cell(Cell(1, "!echo a \\\n  b\nx = 1\n!ls"))
     assert cleaned.code.splitlines()[1:] == ["x = 1", cleaned.code.splitlines()[2]]
     assert cleaned.line_map[1:] == (3, 4)
+
+
+def test_a_very_long_cell_is_said_before_it_converts(monkeypatch, capsys):
+    monkeypatch.setattr(clean, "LONG_CELL_LINES", 1_000)
+    clean.clean_cell(Cell(3, "\n".join(["x = 1"] * 999)))
+    assert capsys.readouterr().err == ""
+    clean.clean_cell(Cell(3, "\n".join(["x = 1"] * 1_200)))
+    assert capsys.readouterr().err.startswith("nbddp: cell 3 holds 1,200 lines: converting it takes a while")

@@ -19,6 +19,7 @@ import ast
 import functools
 import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 
 from ..cells import Cell
@@ -96,6 +97,7 @@ def clean_cell(cell: Cell, bound: set[str] | None = None) -> CleanCell:
     but IPython's automagic runs as a magic (``cd /kaggle/working``, ``ls``) is read as IPython reads it only
     then: a name the kernel holds would keep it Python."""
     lines = cell.source.splitlines()
+    _say_when_long(cell, len(lines))
     first = next((i for i, ln in enumerate(lines) if ln.strip() and not FORM_LINE.match(ln)), None)
     if first is not None and lines[first].lstrip().startswith("%%"):
         return _magic_cell(cell, lines, first, bound)
@@ -407,6 +409,19 @@ def _line_for_line(body: list[str], transformed: list[str]) -> list[int | None] 
     leading blank lines dropped), known without a diff; None where a continued escape became one line."""
     start = next((i for i, line in enumerate(body) if line.strip()), len(body))
     return list(range(start, len(body))) if len(transformed) == len(body) - start else None
+
+
+#: Lines from which a cell's conversion is said before it starts: the converter's passes are linear, but a cell
+#: of 873,000 lines (a pasted data file) still takes tens of seconds, which would otherwise pass in silence.
+LONG_CELL_LINES = 100_000
+
+
+def _say_when_long(cell: Cell, count: int) -> None:
+    """One line on stderr before a very long cell converts, so the wait is not taken for a hang."""
+    if count >= LONG_CELL_LINES:
+        print(f"nbddp: cell {cell.index} holds {count:,} lines: converting it takes a while (about 30 s a million "
+              "lines); code that long is usually data, which a file the notebook reads keeps out of the script",
+              file=sys.stderr, flush=True)
 
 
 def _body_line(t_map: list[int | None], transformed_line: int, offset: int) -> int:
