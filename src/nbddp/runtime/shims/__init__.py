@@ -27,6 +27,7 @@ SHIMS: tuple[str, ...] = (
     "grad_ckpt",  # then DDP × checkpointing
     "ddp_defaults",  # performance defaults that cannot change the result
     "loss_filter",  # the Trainer's per-step NaN check, without a host wait
+    "token_average",  # the Trainer's loss × processes undone for a model that ignores the token count
 )
 
 
