@@ -1,7 +1,8 @@
 """Line alignment between two versions of a piece of code, the basis of every source map.
 
 Rewrites keep most lines and change, add or indent a few. Aligning on the stripped text maps each kept
-line exactly; a changed line maps to the line it replaced; an added line maps to the kept line before it.
+line exactly; a changed line maps to the line it replaced (not to a blank line before it, which IPython drops
+at a cell's start); an added line maps to the kept line before it.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ def align(before: list[str], after: list[str]) -> list[int | None]:
         if tag == "equal":
             for k in range(b1 - b0):
                 out[b0 + k] = a0 + k
-        elif tag == "replace":
+        elif tag == "replace":  # code replaces code: blank lines leading the old block (dropped) are skipped
+            first = next((i for i in range(a0, a1) if a[i]), a0) if b[b0] else a0
             for k in range(b1 - b0):
-                out[b0 + k] = min(a0 + k, a1 - 1)
+                out[b0 + k] = min(first + k, a1 - 1)
         elif tag == "insert" and a0 > 0:
             for k in range(b1 - b0):
                 out[b0 + k] = a0 - 1
     return out
-
 
 
 def _shifted(opcodes, by: int):
