@@ -217,3 +217,29 @@ def test_a_progress_bar_inside_enumerate_is_shared_as_what_it_wraps(monkeypatch)
     rows = Rows(tqdm(loader, disable=True), 0)  # enumerate(tqdm(loader)): the loader's share, not every batch read
     assert rows.unit == "batches" and (rows.first, rows.end) == (2, 4)
     assert [(i, b.tolist()) for i, (b,) in rows] == [(2, [4, 5]), (3, [6, 7])]
+
+
+@pytest.mark.parametrize("loop", [REFUSED["counter"][0], "out = []\nfor x in xs:\n    out.append(model(x))"])
+def test_every_rank_runs_a_predicting_notebook_whole_on_every_rank_split_or_not(tmp_path, loop):
+    # --every-rank is the escape hatch: no prediction split, no refusal, every cell on every rank as before
+    from conftest import write_notebook
+    from nbddp.gpus import Machine
+    from nbddp.job_plan import EVERY_RANK, plan_job
+
+    nb = tmp_path / "nb.ipynb"
+    write_notebook(nb, [SETUP, loop, "print(len(out))"])
+    planned = plan_job(nb, RunOptions(nproc=2, every_rank=True), machine=Machine(0))
+    assert planned.mode == EVERY_RANK and not planned.job.script.predicts
+    assert "predict.Rows" not in planned.job.script.text and "on_rank0" not in planned.job.script.text
+
+
+def test_every_rank_dry_run_from_the_command_line_shows_the_notebook_whole(tmp_path, capsys):
+    # nbddp run --every-rank --dry-run converts before planning: the switch goes with the conversion
+    from conftest import write_notebook
+    from nbddp import cli
+
+    nb = tmp_path / "nb.ipynb"
+    write_notebook(nb, [SETUP, REFUSED["counter"][0], "print(len(sub))"])
+    assert cli.main(["run", str(nb), "--every-rank", "--dry-run", "--show-script", "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "for (xb,) in test_loader:" in out and "predict.Rows" not in out

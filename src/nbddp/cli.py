@@ -99,7 +99,7 @@ def _run(args) -> int:
     options = RunOptions.parse(args, args.torchrun_args)
     source = args.notebook
     if args.show_script or args.dry_run:  # converted first, to show; run_job takes the converted job on
-        source = prepare_job(args.notebook, skip_bad_cells=options.skip_bad_cells)
+        source = prepare_job(args.notebook, skip_bad_cells=options.skip_bad_cells, every_rank=options.every_rank)
     if args.show_script:
         print(source.script.text)
     if args.dry_run:  # the plan the run would follow, refused as it would be; nothing made or started

@@ -40,23 +40,28 @@ class Job:
 JobSource = Union[str, os.PathLike, Selection, Sequence[Cell], Job, "JobPlan"]
 
 
-def prepare_job(source: JobSource, *, skip_bad_cells: bool = False, keep: bool = False) -> Job:
+def prepare_job(source: JobSource, *, skip_bad_cells: bool = False, keep: bool = False,
+                every_rank: bool = False) -> Job:
     """Convert ``source``: a notebook file's ranks start in its folder, as its kernel would, and its run
     directory takes its name; cells (a kernel's ``Selection``) start here, named after their notebook file
     or ``kernel``. ``keep`` (``--keep``): later cells run on every rank, so the code after the last training
-    runs there too, but its writes (``convert_cells(kept_tail=True)``)."""
+    runs there too, but its writes (``convert_cells(kept_tail=True)``). ``every_rank`` (``--every-rank``): a
+    notebook that does not train is converted whole, its prediction loops unsplit."""
     if isinstance(source, JobPlan):
         return source.job
     if isinstance(source, Job):
         return source
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        return Job(convert_notebook(path, skip_bad_cells=skip_bad_cells, kept_tail=keep), path.resolve().parent,
+        return Job(convert_notebook(path, skip_bad_cells=skip_bad_cells, kept_tail=keep, every_rank=every_rank),
+                   path.resolve().parent,
                    path.stem)
     if isinstance(source, Selection):
-        script = convert_cells(list(source.cells), origin=source.origin, skip_bad_cells=skip_bad_cells, kept_tail=keep)
+        script = convert_cells(list(source.cells), origin=source.origin, skip_bad_cells=skip_bad_cells, kept_tail=keep,
+                               every_rank=every_rank)
         return Job(script, Path.cwd(), Path(source.origin).stem if source.source == "notebook" else "kernel", source)
-    return Job(convert_cells(list(source), skip_bad_cells=skip_bad_cells, kept_tail=keep), Path.cwd(), "job")
+    return Job(convert_cells(list(source), skip_bad_cells=skip_bad_cells, kept_tail=keep, every_rank=every_rank),
+               Path.cwd(), "job")
 
 
 #: The modes a job runs in (``JobPlan.mode``).
@@ -146,7 +151,7 @@ def plan_job(source: JobSource, options: RunOptions | None = None, *, keep: bool
     if isinstance(source, JobPlan):
         return source
     options = options or RunOptions()
-    job = prepare_job(source, skip_bad_cells=options.skip_bad_cells, keep=keep)
+    job = prepare_job(source, skip_bad_cells=options.skip_bad_cells, keep=keep, every_rank=options.every_rank)
     script = job.script
     mode = decide_mode(script, options.every_rank, keep=keep)
     if mode == LAUNCHED:

@@ -122,7 +122,8 @@ class NbddpMagics(Magics):
         check_output_file(args.save, "--save")
         selection = kernel = None
         if cell is None:
-            prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells, keep=args.keep), None
+            prepared, label = prepare_job(args.notebook, skip_bad_cells=args.skip_bad_cells, keep=args.keep,
+                                          every_rank=options.every_rank), None
         else:
             kernel = self.record.snapshot(self._execution_count(), f"%%ddp_train {line}\n{cell}")
             selection = select_cells(
@@ -130,7 +131,8 @@ class NbddpMagics(Magics):
                 notebook=find_notebook(self.shell.user_ns, os.environ, Path.cwd()),
             )
             print(selection.report())  # with --dry-run the plan says where each cell's code came from
-            prepared = prepare_job(selection, skip_bad_cells=args.skip_bad_cells, keep=args.keep)
+            prepared = prepare_job(selection, skip_bad_cells=args.skip_bad_cells, keep=args.keep,
+                                   every_rank=options.every_rank)
             label = cell_label(selection.cells, selection.numbering)
         self._show_script(prepared.script, args)
         self._check_idle_limit(args)

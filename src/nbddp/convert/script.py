@@ -90,13 +90,14 @@ class Script:
         return path
 
 
-def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False, kept_tail: bool = False) -> Script:
+def convert_notebook(path: str | Path, *, skip_bad_cells: bool = False, kept_tail: bool = False,
+                     every_rank: bool = False) -> Script:
     """Read a notebook with nbformat and convert its code cells (what was repaired to read it: warnings);
-    ``kept_tail``: as ``convert_cells``'s."""
+    ``kept_tail``, ``every_rank``: as ``convert_cells``'s."""
     with _collector_paused():
         cells, notes = load_notebook(path)
         return convert_cells(cells, origin=Path(path).name, skip_bad_cells=skip_bad_cells, notes=notes,
-                             kept_tail=kept_tail)
+                             kept_tail=kept_tail, every_rank=every_rank)
 
 
 @contextlib.contextmanager
@@ -122,6 +123,7 @@ def _collector_paused():
 def convert_cells(
     cells: list[Cell], *, origin: str = "<cells>", skip_bad_cells: bool = False, precheck: bool = True,
     notes: tuple[str, ...] = (), launcher_facts: bool = True, kept_cell: bool = False, kept_tail: bool = False,
+    every_rank: bool = False,
 ) -> Script:
     """Clean every cell, apply the rewrite rules, and assemble the script with its source map.
 
@@ -133,20 +135,24 @@ def convert_cells(
     reads (``Script.shape``, ``Script.output_targets``: one more parse of the whole script), for a kept job's
     ``%%ddp`` cell, which launches nothing. ``kept_cell``: the last cell is such a ``%%ddp`` cell, whose
     statements run on every rank but its writes (``facts/kept.py``), not as code after training; ``kept_tail``:
-    the cells of a kept job (``--keep``), whose code after the last training follows that rule too.
+    the cells of a kept job (``--keep``), whose code after the last training follows that rule too;
+    ``every_rank`` (``--every-rank``): a notebook that does not train is left whole, its prediction loops unsplit.
     """
     with _collector_paused():
-        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes, launcher_facts, kept_cell, kept_tail)
+        return _convert_cells(cells, origin, skip_bad_cells, precheck, notes, launcher_facts, kept_cell, kept_tail,
+                              every_rank)
 
 
 def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, precheck: bool, notes=(),
-                   launcher_facts: bool = True, kept_cell: bool = False, kept_tail: bool = False) -> Script:
+                   launcher_facts: bool = True, kept_cell: bool = False, kept_tail: bool = False,
+                   every_rank: bool = False) -> Script:
     if not any(c.source.strip() for c in cells):
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     warnings: list[str] = list(notes)
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
     check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
-    facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None, kept_tail=kept_tail)
+    facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None, kept_tail=kept_tail,
+                         every_rank=every_rank)
     refuse_unsplittable(facts, cleaned)  # a prediction loop the ranks cannot split: refused at its cell and line
     launches = find_launches(cells) if facts.last_training is None else ()
     if launches:

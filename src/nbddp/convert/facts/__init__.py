@@ -35,10 +35,12 @@ from .training import is_plain_loop, is_training_call, plan_trainers, plan_train
 __all__ = ["JobFacts", "gather_facts"]
 
 
-def gather_facts(cells: list[CellCode], kept_cell: int | None = None, kept_tail: bool = False) -> JobFacts:
+def gather_facts(cells: list[CellCode], kept_cell: int | None = None, kept_tail: bool = False,
+                 every_rank: bool = False) -> JobFacts:
     """Look at every cell once and decide what the statement rules do; ``kept_cell``: the position of a kept
     job's ``%%ddp`` cell, ``kept_tail``: a kept job's own cells, whose code after the last training is planned
-    by ``kept.plan_kept_cell`` as well, instead of as code after training."""
+    by ``kept.plan_kept_cell`` as well, instead of as code after training; ``every_rank`` (``--every-rank``): a
+    notebook that does not train runs whole on every rank, its prediction loops left unsplit."""
     facts = JobFacts(kept_cell=kept_cell, kept_tail=kept_tail)
     defs: dict[str, list[ast.Call]] = {}  # function name → the calls in its body
     top = [stmt for cell in cells for stmt in cell.statements]
@@ -55,7 +57,7 @@ def gather_facts(cells: list[CellCode], kept_cell: int | None = None, kept_tail:
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:
         _plan_around_training(top, trains, facts)
-    elif kept_cell is None:
+    elif kept_cell is None and not every_rank:
         plan_predictions(top, facts)  # a notebook that only predicts: its loops split over the ranks
     if kept_cell is not None or kept_tail:
         plan_kept_cell(top, facts)
