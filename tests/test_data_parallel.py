@@ -15,9 +15,11 @@ from views import Said
 pytestmark = pytest.mark.e2e
 
 NOTEBOOK = [
-    "import json, os\nimport torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, TensorDataset",
+    "import json, os\nimport torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+    "torch.cuda.device_count = lambda: 2  # the kernel's two T4s, counted on a machine without them",
     "torch.manual_seed(0)\nx = torch.randn(64, 4)\ny = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])\n"
-    "data = TensorDataset(torch.arange(64), x, y)\ntrain_loader = DataLoader(data, batch_size=8, shuffle=True)",
+    "data = TensorDataset(torch.arange(64), x, y)\n"
+    "train_loader = DataLoader(data, batch_size=4 * torch.cuda.device_count(), shuffle=True)",
     "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 1)\n"
     "    def forward(self, x):\n        return self.fc(x)\n"
     "device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')\n"
@@ -25,7 +27,7 @@ NOTEBOOK = [
     "model = Net()\nmodel = nn.DataParallel(model, device_ids=list(range(n_gpus)))\nmodel.to(device)\n"
     "optimizer = torch.optim.SGD(model.parameters(), lr=0.05)",
     "seen = []\nfor epoch in range(2):\n    for ib, xb, yb in train_loader:\n        if epoch == 0:\n"
-    "            seen += ib.tolist()\n        loss = ((model(xb.to(device)) - yb.to(device)) ** 2).mean()\n"
+    "            seen.append(ib.tolist())\n        loss = ((model(xb.to(device)) - yb.to(device)) ** 2).mean()\n"
     "        optimizer.zero_grad()\n        loss.backward()\n        optimizer.step()\n"
     "    if epoch == 1:\n        with open(f\"seen-{os.environ['RANK']}.json\", 'w') as fh:\n            json.dump(seen, fh)\n"
     "        with open(f\"weights-{os.environ['RANK']}.json\", 'w') as fh:\n"
@@ -43,7 +45,10 @@ def test_data_parallel_trains_as_ddp_on_disjoint_rows(tmp_path):
     text = "\n".join(line for line in job.script.text.splitlines() if not line.lstrip().startswith("#"))
     assert "nn.DataParallel(" not in text and "_nbddp.data_parallel(model, device_ids=" in text
     assert job.run.ok, out[-3000:]
-    seen = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
+    batches = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
+    # the kernel's step was 4 * 2 GPUs = 8 rows; each rank takes 4 of them (its device_count() is 1), not 8
+    assert [len(batch) for batch in batches[0] + batches[1]] == [4] * 16
+    seen = [sum(batches[rank], []) for rank in (0, 1)]
     assert len(seen[0]) == len(seen[1]) == 32 and set(seen[0]).isdisjoint(seen[1])
     assert set(seen[0]) | set(seen[1]) == set(range(64))
     weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]

@@ -211,6 +211,31 @@ def test_data_parallel_becomes_ddp_over_the_ranks(call, kept):
     assert len(said) == 1 and said[0][0] == 3 and "DistributedDataParallel" in said[0][1]
 
 
+@pytest.mark.parametrize("count", ["torch.cuda.device_count()", "cuda.device_count()"])
+def test_the_notebooks_device_count_is_the_gpus_this_rank_uses(count):
+    # the kernel's 32 * 2 GPUs was one step of 64 split by DataParallel; each rank counting 2 took 64 (step 128)
+    cells, changes = rewrite(f"bs = 32 * {count}\nloader = DataLoader(ds, batch_size=bs, shuffle=True)\n",
+                             "model = Net().to(device)\n" + DP_LOOP)
+    assert cells[0].startswith("bs = 32 * _nbddp.device_count()\n")
+    said = [(line, message) for rule, line, message in changes if rule == "device_count"]
+    assert len(said) == 1 and said[0][0] == 1 and "the GPUs this rank uses" in said[0][1]
+
+
+def test_device_count_imported_from_torch_cuda_is_rebound_to_the_ranks_count():
+    cells, changes = rewrite("from torch.cuda import device_count as n_gpu, is_available\nbs = 32 * n_gpu()\n"
+                             "loader = DataLoader(ds, batch_size=bs, shuffle=True)\n", "model = Net()\n" + DP_LOOP)
+    assert cells[0].startswith("from torch.cuda import device_count as n_gpu, is_available; "
+                               "n_gpu = _nbddp.device_count\n")
+    assert [line for rule, line, _ in changes if rule == "device_count"] == [1]
+
+
+def test_a_trainers_device_count_stays_torchs():
+    # per_device_train_batch_size is per GPU in the kernel's DataParallel Trainer as in a rank
+    src = "args = TrainingArguments(per_device_train_batch_size=64 // torch.cuda.device_count())\n"
+    cells, changes = rewrite(src, "trainer = Trainer(model=m, args=args)\ntrainer.train()\n")
+    assert "64 // torch.cuda.device_count()" in cells[0] and not [c for c in changes if c[0] == "device_count"]
+
+
 def test_distributed_data_parallel_and_isinstance_checks_stay():
     src = ("model = DistributedDataParallel(model, device_ids=[rank])\n"
            "inner = model.module if isinstance(model, nn.DataParallel) else model\n")

@@ -19,7 +19,7 @@ from .dist import (
     set_epoch,
     unwrap,
 )
-from .data_parallel import data_parallel
+from .data_parallel import data_parallel, device_count
 from .from_rank0 import from_rank0
 from .handoff import for_accelerate
 from .lifecycle import cleanup, setup
@@ -38,6 +38,7 @@ __all__ = [
     "data_parallel",
     "ddp",
     "device",
+    "device_count",
     "device_map",
     "distributed_sampler",
     "display",

@@ -37,6 +37,19 @@ def data_parallel(module, *args, **kwargs):
     return wrapped
 
 
+def device_count() -> int:
+    """The GPUs this rank uses, for the notebook's own ``torch.cuda.device_count()`` (``rules/device_count.py``).
+
+    1 in a rank of a process group with GPUs: it trains on its own one, and work the kernel sized for every
+    GPU of one process (``32 * device_count()``) is that rank's share. A single process (``split``, plain
+    ``python``) uses every GPU it sees, and without CUDA torch's 0 stays."""
+    import torch
+    import torch.distributed as dist
+
+    count = torch.cuda.device_count()
+    return min(count, 1) if dist.is_available() and dist.is_initialized() else count
+
+
 def as_the_notebook_had_it(model):
     """Rank 0's model after training, for a DataParallel the notebook made: a one-GPU DataParallel around the
     module DDP trained (no collective in its forward; ``.module`` and the ``module.`` keys as in the kernel)."""

@@ -15,6 +15,7 @@ from .autocast import AutocastRule
 from .data_parallel import DataParallelRule
 from .ddp_wrap import DDPWrapRule
 from .device import DeviceRule
+from .device_count import DeviceCountRule
 from .device_map import DeviceMapRule
 from .launcher import LauncherRule
 from .loop_output import LoopOutputRule
@@ -38,6 +39,7 @@ RULES: tuple[type[Rule], ...] = (
     DeviceMapRule,
     DeviceRule,
     DataParallelRule,
+    DeviceCountRule,
     AutocastRule,
     TrainerConfigRule,
     DistributedSamplerRule,
