@@ -14,6 +14,7 @@ import pytest
 from nbddp.cells import Cell
 from nbddp.kept.cell import convert_kept_cell
 from nbddp.kept.channel import Channel, peer_uid
+from nbddp.runtime.kept_protocol import Ended, Hello, Run, Status
 from nbddp.runtime.serve import KEY_ENV, SOCKET_ENV
 
 
@@ -52,13 +53,13 @@ def test_ranks_with_the_key_are_known_by_their_rank_and_uid(channel):
     clients = []
     for rank in (1, 0):
         conn = Client(channel.address, family="AF_UNIX", authkey=channel.key)
-        conn.send(("hello", rank, 1000 + rank, "cpu"))
+        conn.send(Hello(rank, 1000 + rank, "cpu"))
         clients.append(conn)
     assert _wait(channel.ready)
     assert channel.info == {0: (1000, "cpu"), 1: (1001, "cpu")}
     assert all(peer_uid(conn) == os.getuid() for conn in channel.ranks.values())
-    channel.ranks[1].send(("status",))
-    assert clients[0].recv() == ("status",)  # the connection that said rank 1
+    channel.ranks[1].send(Status())
+    assert clients[0].recv() == Status()  # the connection that said rank 1
     for conn in clients:
         conn.close()
 
@@ -126,7 +127,7 @@ def test_a_rank_gone_between_the_look_and_the_send_ends_the_request_as_a_gone_jo
     monkeypatch.setattr(controller.atexit, "register", lambda func: func)
     job = KeptJob(process=Torchrun(), channel=Channel(), run_dir=tmp_path, cells=[], cwd=tmp_path)
     with pytest.raises(KeptJobGone, match="its ranks exited"):
-        job.request(("run", "x = 1"))
+        job.request(Run("cell.py", 1, 1))
     assert job.channel.closed is False  # ended by the ranks themselves: nothing left to end here
 
 
@@ -140,7 +141,7 @@ def test_a_connection_that_never_answers_the_handshake_does_not_keep_the_ranks_o
         silent.connect(ch.address)  # connects, then says nothing
         time_before = time.monotonic()
         rank = Client(ch.address, family="AF_UNIX", authkey=ch.key)
-        rank.send(("hello", 0, 1000, "cpu"))
+        rank.send(Hello(0, 1000, "cpu"))
         assert _wait(ch.ready, within_s=2.0)
         assert time.monotonic() - time_before < 2.0
         assert _wait(lambda: "no handshake" in ch.refused, within_s=3.0), ch.refused  # the silent one, let go
@@ -194,9 +195,9 @@ def test_after_the_idle_limit_the_next_request_says_so_not_a_guess(tmp_path, mon
     ch = Channel(1, idle_limit_s=12)
     try:
         rank = Client(ch.address, family="AF_UNIX", authkey=ch.key)
-        rank.send(("hello", 0, 1000, "cpu"))
+        rank.send(Hello(0, 1000, "cpu"))
         assert _wait(ch.ready)
-        rank.send(("ended", "the idle limit ended it: no request for 0.2 min (--idle-limit)"))
+        rank.send(Ended("the idle limit ended it: no request for 0.2 min (--idle-limit)"))
         rank.close()
         job = KeptJob(process=Torchrun(), channel=ch, run_dir=tmp_path, cells=[], cwd=tmp_path)
         with pytest.raises(KeptJobGone, match=r"the idle limit ended it: no request for 0\.2 min"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+from nbddp.runtime.kept_protocol import Interrupted, Run
 from nbddp.runtime.serve import MAX_STOP_INTERVAL, STOP_CHECK_S, StopSchedule, settle_heap
 
 
@@ -98,10 +99,10 @@ def test_a_stop_interrupts_a_cell_where_it_waits_and_the_rank_answers_where(tmp_
         threading.Timer(0.3, lambda: seen.append(serve.where())).start()
         threading.Timer(0.5, serve.interrupt).start()
         began = time.monotonic()
-        reply = serve._handle(("run", str(cell), 1, 3), {}, info)
+        reply = serve._handle(Run(str(cell), 1, 3), {}, info)
         took = time.monotonic() - began
-        assert reply[0] == "interrupted" and "KeyboardInterrupt" in reply[1], reply
-        assert f'File "{cell}", line 3' in reply[1]
+        assert isinstance(reply, Interrupted) and "KeyboardInterrupt" in reply.traceback, reply
+        assert f'File "{cell}", line 3' in reply.traceback
         assert took < 0.9, took  # the sleep of 1 s was cut short
         assert seen == [3]  # where the main thread was, as the reader thread answers it
         serve._interrupt_cell(signal.SIGINT, None)  # no cell running: nothing raised

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from ..runtime.kept_protocol import Ended, Hello
 from ..runtime.serve import IDLE_ENV, KEY_ENV, SOCKET_ENV, STOP_FILE
 
 #: Seconds a connection gets to prove the key and say its rank.
@@ -165,13 +166,13 @@ class Channel:
             _receive_timeout(conn, self.handshake_s)
             deliver_challenge(conn, self.key)  # raises on a wrong key (AuthenticationError)
             answer_challenge(conn, self.key)
-            kind, rank, pid, device = conn.recv()
+            hello = conn.recv()
             _receive_timeout(conn, 0)
             with self._lock:
-                if kind != "hello" or rank in self.ranks or self._closed:
-                    raise ChannelError(f"unexpected greeting {kind!r} from rank {rank}")
-                self.info[rank] = (pid, device)
-                self.ranks[rank] = conn
+                if not isinstance(hello, Hello) or hello.rank in self.ranks or self._closed:
+                    raise ChannelError(f"unexpected greeting {hello!r}")
+                self.info[hello.rank] = (hello.pid, hello.device)
+                self.ranks[hello.rank] = conn
         except Exception as exc:
             why = "no handshake" if isinstance(exc, (BlockingIOError, TimeoutError)) else str(exc)
             self.refused.append(why if why else type(exc).__name__)
@@ -183,8 +184,8 @@ class Channel:
             try:
                 while conn.poll():
                     message = conn.recv()
-                    if message[0] == "ended":
-                        return message[1]
+                    if isinstance(message, Ended):
+                        return message.why
             except (EOFError, OSError):
                 continue
         return None

@@ -6,7 +6,7 @@ runs), while rank 0's output files are followed as a job's are. A rank that fail
 running (waiting in a collective for it) cannot be brought back safely: the others get ``GRACE_S`` to
 finish, then the job is ended and the failing rank named. An interrupt (the kernel's Stop, or ``--timeout``)
 interrupts every rank where it is — a training stops together at the next Trainer step (``runtime/serve.py``)
-— and the ranks are kept once every one came back to the prompt and they agree (``("agree",)``: one
+— and the ranks are kept once every one came back to the prompt and they agree (``Agree``: one
 all-reduce). A rank that does not come back within ``GRACE_S`` of another (stuck in a collective the others
 left, or in native code), or at all within ``STOP_WAIT_S``, ends the job, said so.
 """
@@ -28,6 +28,7 @@ from ..errors import NbddpError
 from ..launch import terminate_tree
 from ..launch.supervise import POLL_S, Follower, MetricsReader
 from ..runtime import records
+from ..runtime.kept_protocol import Agree, At, Ended, Failed, Interrupt, Interrupted, Ok, Reply, Stop, Where
 from .channel import Channel
 
 #: Seconds the other ranks get to answer once one rank's cell failed.
@@ -46,7 +47,7 @@ class KeptJobGone(NbddpError):
 class Answer:
     """Each rank's reply to one request; ``ended`` says the job was ended while waiting."""
 
-    replies: dict[int, tuple] = field(default_factory=dict)
+    replies: dict[int, Reply] = field(default_factory=dict)
     where: dict[int, int] = field(default_factory=dict)  # rank → the script line it was at, when asked
     interrupted: bool = False
     timed_out: bool = False
@@ -98,7 +99,7 @@ class KeptJob:
             raise KeptJobGone(f"the kept job has ended: {self.ended_because}. "
                               "Run %%ddp_train --keep again to start another")
 
-    def request(self, message: tuple, *, ranks=None, follow=None, timeout_s: float | None = None,
+    def request(self, message, *, ranks=None, follow=None, timeout_s: float | None = None,
                 waiting=None) -> Answer:
         """Send ``message`` to ``ranks`` (all by default) and wait for each answer; ``follow`` is polled
         meanwhile (rank 0's output). Ctrl-C, or ``timeout_s`` passing, interrupts the ranks where they are (a
@@ -126,10 +127,10 @@ class KeptJob:
                     for r in ranks:
                         if r not in answer.replies:
                             with contextlib.suppress(OSError):
-                                self.channel.ranks[r].send(("interrupt",))
+                                self.channel.ranks[r].send(Interrupt())
                 continue
             now = time.monotonic()
-            if failed_at is None and any(rep[0] == "error" for rep in answer.replies.values()):
+            if failed_at is None and any(isinstance(rep, Failed) for rep in answer.replies.values()):
                 failed_at = now
             if asked_stop and back_at is None and len(answer.replies) > before:
                 back_at = now
@@ -177,10 +178,10 @@ class KeptJob:
     def _agree(self, answer: Answer) -> None:
         """After a Stop every rank is back at the prompt: they must also agree in the process group (one
         all-reduce, ``serve.agree``) before the next cell's collectives, else the job is ended."""
-        replies: dict[int, tuple] = {}
+        replies: dict[int, Reply] = {}
         try:
             for conn in self.channel.ranks.values():
-                conn.send(("agree",))
+                conn.send(Agree())
             deadline = time.monotonic() + AGREE_WAIT_S
             while len(replies) < self.nproc and time.monotonic() < deadline:
                 conns = {c: r for r, c in self.channel.ranks.items() if r not in replies}
@@ -188,7 +189,7 @@ class KeptJob:
                     replies[conns[conn]] = conn.recv()
         except (EOFError, OSError):
             pass
-        bad = [rep[1] or "" for rep in replies.values() if rep[0] != "ok" or rep[1]]
+        bad = [_complaint(rep) for rep in replies.values() if _complaint(rep) is not None]
         if len(replies) < self.nproc or bad:
             self.end(bad[0] if bad else "the ranks did not all answer the check after the Stop")
             answer.ended = True
@@ -196,7 +197,7 @@ class KeptJob:
     def ask_where(self, rank: int) -> None:
         """Ask a rank still running a cell where it is; its answer lands in ``Answer.where``."""
         with contextlib.suppress(OSError):
-            self.channel.ranks[rank].send(("where",))
+            self.channel.ranks[rank].send(Where())
 
     def _gone_meanwhile(self, rank: int) -> None:
         """A rank's connection closed under a request: the job has ended, or is ended now; said as ``check_alive``
@@ -213,14 +214,14 @@ class KeptJob:
             try:
                 reply = conn.recv()
             except (EOFError, OSError):
-                reply = ("error", f"rank {conns[conn]} exited", "")
-            if reply[0] == "where":  # where a rank still running is (``ask_where``), not its answer
-                if reply[1] is not None:
-                    answer.where[conns[conn]] = reply[1]
+                reply = Failed(f"rank {conns[conn]} exited")
+            if isinstance(reply, At):  # where a rank still running is (``ask_where``), not its answer
+                if reply.line is not None:
+                    answer.where[conns[conn]] = reply.line
                 continue
-            if reply[0] == "ended":  # the rank ended itself as the request came (the idle limit)
-                self.ended_because = self.ended_because or reply[1]
-                reply = ("error", reply[1], "")
+            if isinstance(reply, Ended):  # the rank ended itself as the request came (the idle limit)
+                self.ended_because = self.ended_because or reply.why
+                reply = Failed(reply.why)
             answer.replies[conns[conn]] = reply
         if follow:
             follow()
@@ -238,7 +239,7 @@ class KeptJob:
             return
         for conn in self.channel.ranks.values():
             with contextlib.suppress(OSError):
-                conn.send(("stop",))
+                conn.send(Stop())
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
         self.end("stopped (%ddp_stop)")
@@ -256,3 +257,15 @@ class KeptJob:
             f.sink = sink
         metrics.callback = on_metrics
         return followers, metrics
+
+
+def _complaint(reply: Reply) -> str | None:
+    """What a rank's answer to ``Agree`` says is wrong, or None when the rank agrees."""
+    match reply:
+        case Ok(value):
+            return value or None
+        case Failed(message):
+            return message
+        case Interrupted(traceback):
+            return traceback
+    return ""

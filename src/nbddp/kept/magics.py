@@ -20,6 +20,7 @@ from ..errors import JobFailed, JobInterrupted, NbddpError
 from ..guard import guard
 from ..job import JobResult
 from ..launch import RankFailure, RunResult, map_traceback
+from ..runtime.kept_protocol import Failed, Interrupted, Ok, Pull, Push, Run, Status
 from ..runtime.sourcemap import read_source_map
 from .cell import convert_kept_cell
 from .changed import refuse_changed
@@ -96,13 +97,13 @@ class KeptMagics(Magics):
 
         started = time.monotonic()
         waits = Waits(job, kept, self._label(job, kept))
-        answer = job.request(("run", str(kept.path), kept.first, kept.last), follow=follow,
+        answer = job.request(Run(str(kept.path), kept.first, kept.last), follow=follow,
                              timeout_s=args.timeout, waiting=waits.note)
         for f in followers:
             f.poll(final=True)
         metrics.poll()
         failure = self._failure(answer, kept)
-        stopped = answer.interrupted or any(rep[0] == "interrupted" or (rep[0] == "ok" and rep[1])
+        stopped = answer.interrupted or any(isinstance(rep, Interrupted) or _stopped_at_step(rep)
                                             for rep in answer.replies.values())
         run = RunResult(returncode=1 if failure or answer.ended else 0, run_dir=job.run_dir, script=kept.path,
                         duration_s=time.monotonic() - started, log_history=tuple(metrics.records),
@@ -134,11 +135,11 @@ class KeptMagics(Magics):
         """What an interrupted cell says: where the ranks were stopped, and whether they are kept (an interrupt
         is not a failure: never said as one)."""
         what = f"timed out after {timeout_s:g} s (--timeout)" if answer.timed_out else "interrupted"
-        places = [place(job, kept, self._label(job, kept), rep[1])
-                  for _, rep in sorted(answer.replies.items()) if rep[0] == "interrupted"]
+        places = [place(job, kept, self._label(job, kept), rep.traceback)
+                  for _, rep in sorted(answer.replies.items()) if isinstance(rep, Interrupted)]
         if places:
             where = f" at {places[0]}"
-        elif any(rep[0] == "ok" and rep[1] for rep in answer.replies.values()):
+        elif any(_stopped_at_step(rep) for rep in answer.replies.values()):
             where = ": the training stopped together at a step boundary"
         else:
             where = " after the cell had finished on every rank"
@@ -155,11 +156,12 @@ class KeptMagics(Magics):
 
     @staticmethod
     def _failure(answer, kept) -> RankFailure | None:
-        errors = sorted((r, rep) for r, rep in answer.replies.items() if rep[0] == "error")
+        errors = sorted((r, rep) for r, rep in answer.replies.items() if isinstance(rep, Failed))
         if not errors:
             return None
-        rank, (_, message, tb) = errors[0]
-        text, cell, line = map_traceback(tb, kept.path, read_source_map(kept.path))
+        rank, failed = errors[0]
+        message = failed.message
+        text, cell, line = map_traceback(failed.traceback, kept.path, read_source_map(kept.path))
         source = ""
         if cell == kept.cell.index and line:
             source = kept.cell.source.splitlines()[line - 1] if line <= len(kept.cell.source.splitlines()) else ""
@@ -176,10 +178,10 @@ class KeptMagics(Magics):
         job = self._job()
         if args.rank not in job.channel.ranks:
             raise UsageError(f"--rank takes 0 to {job.nproc - 1}, not {args.rank}")
-        reply = job.request(("pull", args.name), ranks=[args.rank]).replies[args.rank]
-        if reply[0] == "error":
-            raise NbddpError(f"%ddp_pull {args.name}: rank {args.rank}: {reply[1]}")
-        self.shell.user_ns[args.name] = reply[1]
+        reply = job.request(Pull(args.name), ranks=[args.rank]).replies[args.rank]
+        if not isinstance(reply, Ok):
+            raise NbddpError(f"%ddp_pull {args.name}: rank {args.rank}: {_said(reply)}")
+        self.shell.user_ns[args.name] = reply.value
 
     @magic_arguments()
     @argument("name", help="a variable of this kernel")
@@ -195,8 +197,8 @@ class KeptMagics(Magics):
             pickle.dumps(value)
         except Exception as exc:
             raise NbddpError(f"%ddp_push {args.name}: the value cannot be sent to the ranks: {type(exc).__name__}: {exc}") from None
-        answer = self._job().request(("push", args.name, value))
-        bad = [f"rank {r}: {rep[1]}" for r, rep in sorted(answer.replies.items()) if rep[0] == "error"]
+        answer = self._job().request(Push(args.name, value))
+        bad = [f"rank {r}: {rep.message}" for r, rep in sorted(answer.replies.items()) if isinstance(rep, Failed)]
         if bad:
             raise NbddpError(f"%ddp_push {args.name}: " + "; ".join(bad))
         ranks = ", ".join(str(r) for r in sorted(answer.replies))
@@ -212,14 +214,14 @@ class KeptMagics(Magics):
             return
         job = self.job
         idle = time.monotonic() - job.last_used
-        answer = job.request(("status",))
+        answer = job.request(Status())
         print(f"nbddp: kept job, {job.nproc} rank(s), up {_duration(job.up_s())}, idle {_duration(idle)}"
               f"{_limit(job)}; run directory {job.run_dir}")
         for rank, reply in sorted(answer.replies.items()):
-            if reply[0] != "ok":
-                print(f"  rank {rank}: {reply[1]}")
+            if not isinstance(reply, Ok):
+                print(f"  rank {rank}: {_said(reply)}")
                 continue
-            s = reply[1]
+            s = reply.value
             gpu = f", GPU memory {s['gpu_memory'] / 2**30:.2f} GiB" if s.get("gpu_memory") is not None else ""
             print(f"  rank {rank}: pid {s['pid']}, {s['device']}, host memory {s['rss'] / 2**30:.2f} GiB{gpu}")
 
@@ -297,3 +299,13 @@ def _duration(seconds: float) -> str:
 def _limit(job: KeptJob) -> str:
     limit = job.channel.idle_limit_s
     return f" (ended after {limit / 60:g} min idle)" if limit else " (no idle limit)"
+
+
+def _stopped_at_step(reply) -> bool:
+    """A cell's answer saying its training stopped at an agreed step (the Stop reached it there)."""
+    return isinstance(reply, Ok) and bool(reply.value)
+
+
+def _said(reply) -> str:
+    """What a rank's answer that is not ``Ok`` says: a failure's message, an interrupted cell's traceback."""
+    return reply.message if isinstance(reply, Failed) else reply.traceback

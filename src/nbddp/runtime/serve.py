@@ -7,13 +7,12 @@ checks this process' uid. A reader thread takes every message, so a stop request
 cell: the Trainer then stops at a step boundary, all ranks together (``StopAtStep``: one all-reduce about
 every ``STOP_CHECK_S`` of training, at steps the ranks agree on). The rank ends with its kernel: the socket
 closing (a restart, a killed kernel) ends it at once; so do
-``%ddp_stop`` and the idle limit (``NBDDP_KEEP_IDLE``, seconds without a message). Messages are tuples:
-``("run", path, first, last)`` runs lines first..last of a converted cell's script, ``("pull", name)``,
-``("push", name, value)``, ``("status",)``, ``("agree",)``, ``("stop",)``, and ``("where",)`` (answered at once by
-the reader thread: the running cell's line, ``("where", line)``); the others are answered ``("ok", value)``,
-``("error", message, traceback)`` or, for a cell the kernel's Stop cut short, ``("interrupted", traceback)``.
+``%ddp_stop`` and the idle limit (``NBDDP_KEEP_IDLE``, seconds without a message). The messages are the types
+of ``kept_protocol``: ``Run`` lines of a converted cell's script, ``Pull``, ``Push``, ``Status``, ``Agree``,
+``Stop``, and ``Where`` (answered at once by the reader thread: the running cell's line, ``At``); the others are
+answered ``Ok``, ``Failed`` or, for a cell the kernel's Stop cut short, ``Interrupted``.
 
-Stop (``("interrupt",)``, read by the reader thread): a training stops at the next agreed step (above); any other
+Stop (``Interrupt``, read by the reader thread): a training stops at the next agreed step (above); any other
 code gets a ``KeyboardInterrupt`` where it is (SIGINT to the main thread, so a ``time.sleep`` or a blocking read
 returns at once), and the rank answers and waits for the next request with its namespace intact. The kernel then
 asks every rank to ``agree`` (one all-reduce with a timeout): a collective that one rank left mid-way shows there.
@@ -34,6 +33,8 @@ import threading
 import time
 import traceback
 
+from .kept_protocol import (Agree, At, Ended, Failed, Hello, Interrupt, Interrupted, Ok, Pull, Push, Reply, Run,
+                            Status, Stop, Where)
 from .rank import rank_info
 
 #: The environment a kept rank reads.
@@ -67,7 +68,7 @@ def serve(namespace: dict) -> None:
     _stop_file = None  # from here a Stop comes on the channel
     signal.signal(signal.SIGINT, _interrupt_cell)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ[KEY_ENV]))
-    conn.send(("hello", info.rank, os.getpid(), _device_name(info.device)))
+    conn.send(Hello(info.rank, os.getpid(), _device_name(info.device)))
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(conn, inbox), daemon=True, name="nbddp-keep-reader").start()
     _install_stop_callback(namespace)
@@ -89,15 +90,15 @@ def serve(namespace: dict) -> None:
                 continue
             if info.is_main:
                 print(f"nbddp: the kept job was idle for {idle_s / 60:g} min (--idle-limit): ending it", flush=True)
-            _send(conn, ("ended", f"the idle limit ended it: no request for {idle_s / 60:g} min (--idle-limit)"))
+            _send(conn, Ended(f"the idle limit ended it: no request for {idle_s / 60:g} min (--idle-limit)"))
             return
-        if message is None or message[0] == "stop":
+        if message is None or isinstance(message, Stop):
             return
         _stop_requested.clear()
         reply = _handle(message, namespace, info)
         _flush()
         _send(conn, reply)
-        last, unsettled = time.monotonic(), settle and message[0] in ("run", "push")
+        last, unsettled = time.monotonic(), settle and isinstance(message, (Run, Push))
 
 
 #: Seconds without a request after a cell before the rank settles its heap (``settle_heap``).
@@ -124,7 +125,7 @@ _send_lock = threading.Lock()  # the reader thread answers "where" while the mai
 _cell_path: str | None = None  # the converted cell running now
 
 
-def _send(conn, reply: tuple) -> None:
+def _send(conn, reply) -> None:
     """The reply, or what kept it from being sent (a pulled value that does not pickle): the rank stays up."""
     try:
         with _send_lock:
@@ -133,7 +134,7 @@ def _send(conn, reply: tuple) -> None:
         pass
     except Exception as exc:
         with contextlib.suppress(OSError), _send_lock:
-            conn.send(("error", f"the value cannot be sent to the kernel: {type(exc).__name__}: {exc}", ""))
+            conn.send(Failed(f"the value cannot be sent to the kernel: {type(exc).__name__}: {exc}"))
 
 
 def _read(conn, inbox: queue.Queue) -> None:
@@ -146,10 +147,10 @@ def _read(conn, inbox: queue.Queue) -> None:
         except (EOFError, OSError):
             _flush()
             os._exit(0)
-        if message[0] == "interrupt":
+        if isinstance(message, Interrupt):
             interrupt()
-        elif message[0] == "where":
-            _send(conn, ("where", where()))
+        elif isinstance(message, Where):
+            _send(conn, At(where()))
         else:
             inbox.put(message)
 
@@ -181,27 +182,27 @@ def _interrupt_cell(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
-def _handle(message: tuple, namespace: dict, info) -> tuple:
-    kind = message[0]
+def _handle(message, namespace: dict, info) -> Reply:
+    """A request of the main thread's inbox, answered (``Stop``, ``Interrupt`` and ``Where`` never come here)."""
     try:
-        if kind == "run":
-            _, path, first, last = message
-            _run(path, first, last, namespace)
-            return ("ok", _stop_requested.is_set())
-        if kind == "pull":
-            return ("ok", namespace[message[1]])
-        if kind == "push":
-            namespace[message[1]] = message[2]
-            return ("ok", None)
-        if kind == "status":
-            return ("ok", _status(info))
-        if kind == "agree":
-            return ("ok", agree())
-        return ("error", f"unknown request {kind!r}", "")
+        match message:
+            case Run(path, first, last):
+                _run(path, first, last, namespace)
+                return Ok(_stop_requested.is_set())
+            case Pull(name):
+                return Ok(namespace[name])
+            case Push(name, value):
+                namespace[name] = value
+                return Ok()
+            case Status():
+                return Ok(_status(info))
+            case Agree():
+                return Ok(agree())
+        return Failed(f"unknown request {message!r}")
     except KeyboardInterrupt:  # the kernel's Stop, where the cell was: not a failure
-        return ("interrupted", traceback.format_exc())
+        return Interrupted(traceback.format_exc())
     except BaseException as exc:  # the cell's own failure, sent back whole; the rank stays up
-        return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        return Failed(f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
 
 def _run(path: str, first: int, last: int, namespace: dict) -> None:
