@@ -56,6 +56,9 @@ class Install:
     cell: int
     line: int
     command: str
+    #: the modules of a ``try:`` holding only imports, where the install sits in its ``except`` (``try: import x``
+    #: / ``except ImportError: !pip install x``): the kernel ran it only where one of them did not import
+    unless_importable: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
         """The command's words, less a trailing comment (``pip install x  # why``): the kernel's shell, which
@@ -160,9 +163,33 @@ def _python_cell(cell: Cell, lines: list[str], body: list[str], offset: int, not
         src_line = _body_line(t_map, exc.line, offset)
         raise CellError(exc.message, cell=cell.index, line=src_line, source=_line_at(lines, src_line)) from None
     # Every replacement is one line for one line, so new line k is transformed line k.
-    installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd) for ln, cmd in magics.installs)
+    guards = _import_guards(tree if tree is not None else ast.parse(transformed)) if magics.installs else {}
+    installs = tuple(Install(cell.index, _body_line(t_map, ln, offset), cmd, guards.get(ln, ()))
+                     for ln, cmd in magics.installs)
     notes += [Note(_body_line(t_map, ln, offset), msg) for ln, msg in magics.notes]
     return CleanCell(cell, new_code, line_map, installs, tuple(notes), new_tree, capture)
+
+
+#: What an ``except`` around imports catches when one of them fails.
+_IMPORT_FAILURES = frozenset({"ImportError", "ModuleNotFoundError", "Exception", "BaseException"})
+
+
+def _import_guards(tree: ast.Module) -> dict[int, tuple[str, ...]]:
+    """Line → the modules a ``try:`` of imports imports, for each line of its ``except`` that catches their
+    failure (``except ImportError:``, a bare ``except:``): an install there ran only where an import failed."""
+    guards: dict[int, tuple[str, ...]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try) or not all(isinstance(s, (ast.Import, ast.ImportFrom)) for s in node.body):
+            continue
+        modules = tuple(dict.fromkeys(
+            name.split(".")[0] for s in node.body
+            for name in ([a.name for a in s.names] if isinstance(s, ast.Import) else [s.module] if not s.level else [])
+            if name))
+        for handler in node.handlers:
+            caught = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+            if modules and any(t is None or isinstance(t, ast.Name) and t.id in _IMPORT_FAILURES for t in caught):
+                guards.update(dict.fromkeys(range(handler.body[0].lineno, handler.end_lineno + 1), modules))
+    return guards
 
 
 def _ipython_calls(code: str, tree: ast.Module, magics: Magics) -> tuple[str, ast.Module]:

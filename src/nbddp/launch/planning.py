@@ -145,6 +145,11 @@ def run_installs(commands: Iterable, sink: Sink | None = None, replace_stack: bo
     for command in commands:
         argv, where = (command.argv(), f"cell {command.cell}, line {command.line}: ") if hasattr(command, "argv") \
             else (command, "")
+        guard_modules = getattr(command, "unless_importable", ())
+        if guard_modules and _all_importable(guard_modules):
+            say("stdout", f"nbddp: {where}not installing `{' '.join(argv)}`: {', '.join(guard_modules)} imports here, "
+                          f"and the notebook installs it only where the import fails\n")
+            continue
         reason = None if replace_stack else shell_lines.stack_replacement(argv)
         if reason:
             say("stdout", f"nbddp: not installing `{' '.join(argv)}`: {reason} (NBDDP_REPLACE_TORCH=1 installs it)\n")
@@ -154,9 +159,21 @@ def run_installs(commands: Iterable, sink: Sink | None = None, replace_stack: bo
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode:
             raise LaunchError(f"{where}the notebook's install failed before launch (exit {proc.returncode}): "
-                              f"{' '.join(argv)}; nbddp runs the notebook's installs once before launch, even those "
-                              f"the notebook runs only when an import fails. Fix the line, or pass --skip-installs to "
+                              f"{' '.join(argv)}; nbddp runs the notebook's installs once before launch (one in an "
+                              f"`except ImportError:` only where that import fails). Fix the line, or pass --skip-installs to "
                               f"run without them where the packages are here already\n{proc.stdout[-2000:]}")
+
+
+def _all_importable(modules: Iterable[str]) -> bool:
+    """Whether each module is found by this Python, the ranks' (an earlier install may just have added it)."""
+    import importlib
+    import importlib.util
+
+    importlib.invalidate_caches()
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in modules)
+    except (ImportError, ValueError):
+        return False
 
 
 def find_rank_log(log_dir: Path, rank: int, stream: str = "stdout") -> Path | None:
