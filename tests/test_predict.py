@@ -64,15 +64,34 @@ def test_enumerate_counts_from_each_rows_place_and_tqdm_stays():
     assert "for x in tqdm((_nbddp_rows := _nbddp.predict.Rows(xs, done=done)), desc='predict'):" in script.text
 
 
-def test_a_notebook_whose_only_prediction_is_trainer_predict_is_still_refused_before_launch():
-    # on two ranks the Trainer's own split doubles its loss and pads its last batch (facts/predicts.py)
+def test_a_notebook_whose_only_prediction_is_trainer_predict_predicts_and_writes_on_rank_0():
+    # the Trainer splits and gathers its rows itself: its calls stay as they are, on every rank
     script = convert("from transformers import Trainer, TrainingArguments\nimport pandas as pd\n"
                      "trainer = Trainer(model=model, args=TrainingArguments('out'))",
                      "out = trainer.predict(test_ds)\npreds = out.predictions.argmax(-1)",
+                     "print(trainer.evaluate()['eval_loss'])",
                      "pd.DataFrame({'label': preds}).to_csv('submission.csv', index=False)")
-    assert not script.predicts
-    with pytest.raises(NbddpError, match="no training call found"):
-        decide_mode(script)
+    assert script.predicts and decide_mode(script) == PREDICT
+    assert "out = trainer.predict(test_ds)\nif _nbddp.on_rank0():\n    preds = out.predictions.argmax(-1)" in script.text
+    assert "if _nbddp.on_rank0():\n    pd.DataFrame({'label': preds}).to_csv('submission.csv', index=False)" \
+        in script.text
+    assert "print(trainer.evaluate()['eval_loss'])" in script.text.split("# [cell 3]")[1].split("# [cell 4]")[0]
+
+
+def test_a_trainer_prediction_whose_rows_would_be_padded_is_stopped_saying_the_fix(monkeypatch):
+    from types import SimpleNamespace
+
+    from nbddp.runtime import dist
+    from nbddp.runtime.trainer_rows import uneven
+
+    trainer = SimpleNamespace(args=SimpleNamespace(per_device_eval_batch_size=4))
+    monkeypatch.setattr(dist, "rank_info", lambda: SimpleNamespace(world_size=2))
+    assert uneven(trainer, list(range(16))) is None
+    assert "its 10 rows do not fill the last step's batches (4 per rank on 2 ranks, 8 a step)" in uneven(
+        trainer, list(range(10)))
+    assert "no length" in uneven(trainer, iter(range(8)))
+    monkeypatch.setattr(dist, "rank_info", lambda: SimpleNamespace(world_size=1))
+    assert uneven(trainer, list(range(10))) is None
 
 
 REFUSED = {

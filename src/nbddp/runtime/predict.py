@@ -275,3 +275,13 @@ class _OnDevice:
 
     def __init__(self, tensor, kind: str):
         self.tensor, self.kind = tensor, kind
+
+
+def _guard_trainers() -> None:
+    """A Trainer's own split of its rows, stopped where it would pad them (``runtime/trainer_rows.py``)."""
+    from .trainer_rows import guard
+
+    guard()
+
+
+_guard_trainers()

@@ -12,10 +12,10 @@ a write into something other than an accumulator inside the loop (it would hold 
 name the loop binds read after it (each rank holds its own last row's), a shuffled loader (its order is not
 its rows').
 
-``trainer.predict``/``trainer.evaluate`` alone do not make a notebook predict here: the Trainer shards and
-gathers its rows itself, but on two ranks (transformers 5.24) its loss comes out doubled (``compute_loss``
-scales it by the process count for models that accept loss keywords and ignore ``num_items_in_batch``) and its
-last batch is padded with repeated rows, so its last logits differ in the last bits from one process's.
+A statement calling ``trainer.predict(…)``/``trainer.evaluate(…)`` is a prediction statement too, left as it is:
+the Trainer shards its rows over the ranks and gathers them back in order itself (its loss is one process's
+with the ``token_average`` shim). Its last batch, where the rows do not fill every rank's batches, is padded
+with repeated rows: the runtime stops such a call, saying why (``runtime/predict.py``).
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
             and loops_in(stmt.nodes[0].body)}
     facts.predict_functions = splitting = frozenset(defs)
     holding = [k for k, stmt in enumerate(top) if stmt in defs.values() or loops_in(stmt.nodes, splitting)
-               or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)]
+               or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)
+               or _trainer_predicts(stmt, facts)]
     if not holding:
         return
     facts.predictions = [top[k] for k in holding]
@@ -133,6 +134,24 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
                 facts.predict_refusals.append(PredictRefusal(stmt.cell.position, loop.lineno, reason))
     _refuse_hidden_calls(top, defs, facts)
     _plan_rank0(top, holding, facts)
+
+
+#: A trainer's methods that shard the rows over the ranks and gather them back themselves.
+_TRAINER_PREDICTS = frozenset({"predict", "evaluate"})
+
+
+def _trainer_predicts(stmt: Statement, facts: JobFacts) -> bool:
+    """A statement (not a function's definition) calling ``trainer.predict(…)``/``trainer.evaluate(…)`` of a
+    trainer the notebook made: the Trainer splits its rows over the ranks and gathers every rank's predictions
+    in order (padding dropped), so the statement runs on every rank as it is; the guard on its rows' count is
+    the runtime's (``runtime/predict.py``)."""
+    if isinstance(stmt.nodes[0], DEFS):
+        return False
+    for call in stmt.calls:
+        head, _, attr = (dotted_name(call.func) or "").rpartition(".")
+        if head in facts.trainer_names and attr in _TRAINER_PREDICTS:
+            return True
+    return False
 
 
 def _plan_rank0(top: list[Statement], holding: list[int], facts: JobFacts) -> None:
