@@ -64,7 +64,11 @@ class Install:
         """The command's words, less a trailing comment (``pip install x  # why``): the kernel's shell, which
         runs ``!pip``/``%pip`` lines, drops a word starting with ``#`` and all after it; a ``#`` inside a word
         (``git+https://…#egg=x``) stays."""
-        words = shlex.split(self.command)
+        try:
+            words = shlex.split(self.command)
+        except ValueError as exc:  # an unclosed quote: the kernel's shell refuses it too
+            raise CellError(f"cannot read this install line ({exc}): close its quote", cell=self.cell,
+                            line=self.line, source=f"!{self.command}") from None
         return words[: next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
 
 
