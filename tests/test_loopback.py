@@ -1,6 +1,8 @@
 """A single-machine job's stores listen on loopback only (``agent/loopback.py``); the e2e check of a whole job's
 sockets is in ``tests/test_faults.py``."""
 
+import os
+
 import psutil
 import pytest
 
@@ -42,3 +44,21 @@ def test_a_store_for_a_loopback_host_listens_there_only():
     assert server.get("k") == b"v"
     with pytest.raises(RuntimeError, match="loopback"):  # as torch says a taken port: its rendezvous joins instead
         store_class("127.0.0.1", server.port, is_master=True)
+
+
+def test_a_single_machine_job_sends_gloo_and_nccls_sockets_over_loopback(monkeypatch):
+    """NCCL's bootstrap listens on a socket of the interface it picks, as gloo's do: both are named for the ranks
+    (the e2e check sees gloo's; NCCL's is read on GPUs)."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+    from nbddp.agent import loopback
+
+    for module in (dist, c10d_rendezvous_backend, static_tcp_rendezvous):  # install() swaps the store class
+        monkeypatch.setattr(module, "TCPStore", module.TCPStore)
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(variable, raising=False)
+    argv = loopback.install(["--standalone", "--nproc_per_node=2", "train.py"])
+    assert argv[0] == "--local-addr=127.0.0.1"
+    interface = loopback.loopback_interface()
+    assert interface and os.environ.get("GLOO_SOCKET_IFNAME") == os.environ.get("NCCL_SOCKET_IFNAME") == interface

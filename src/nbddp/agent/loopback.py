@@ -10,8 +10,9 @@ machine. So, for a job whose rendezvous endpoint is loopback (``--standalone``, 
 - the node's address is 127.0.0.1 (``--local-addr``, where not given), so the ranks' ``MASTER_ADDR`` is too;
 - a store server whose host is a loopback address is handed a socket already listening on 127.0.0.1
   (TCPStore's own ``master_listen_fd``), so it listens there and nowhere else;
-- gloo's sockets use the loopback interface (``GLOO_SOCKET_IFNAME``, where not set), not the address the
-  host name resolves to.
+- gloo's and NCCL's sockets use the loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, each
+  where not set), not the address the host name resolves to (NCCL's bootstrap listens on a socket too; between
+  GPUs of one machine its data goes by NVLink, PCIe or shared memory, never that socket).
 
 A job of several machines (an endpoint elsewhere) is left as torch runs it: its nodes must reach each other.
 Runs in the agent, after torch is imported; the ranks forked from it inherit the store class, used there only
@@ -41,7 +42,8 @@ def install(argv: list[str]) -> list[str]:
         module.TCPStore = store  # the names torch's rendezvous code looks up when it makes a store
     interface = loopback_interface()
     if interface:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, interface)
     return argv if args.local_addr else [f"--local-addr={LOOPBACK}", *argv]
 
 
