@@ -67,9 +67,20 @@ def multiplied(trainer, num_items_in_batch) -> int:
     if num_items_in_batch is None or trainer.compute_loss_func is not None or trainer.label_smoother is not None:
         return 1
     scale = trainer.accelerator.num_processes // trainer.get_tp_size() if args.n_gpu <= 1 else args.n_gpu
-    if scale <= 1 or uses_count(trainer.accelerator.unwrap_model(trainer.model)):
+    if scale <= 1 or _model_uses_count(trainer):
         return 1
     return scale
+
+
+def _model_uses_count(trainer) -> bool:
+    """``uses_count`` of the trainer's model, read once per model (not every step: a large model has thousands
+    of modules)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    cached = getattr(trainer, "_nbddp_uses_count", None)
+    if cached is None or cached[0] is not model:
+        cached = (model, uses_count(model))
+        trainer._nbddp_uses_count = cached
+    return cached[1]
 
 
 def _make_compute_loss(compute_loss):
