@@ -127,6 +127,17 @@ def test_one_gpu_probe_per_job(shell, capsys, tmp_path, monkeypatch, launched):
     asked.clear()
     assert cli.main(["run", str(nb)]) == 2  # stopped before launch
     assert launched["nproc"] == 2 and len(asked) == 1
+    # an explicit --nproc is checked against the GPUs (RunOptions) on the same reading the plan decides with
+    for nproc in ("1", "2"):
+        asked.clear()
+        shell.run_cell(f"%%ddp_train --nproc {nproc}\n{TRAINS}", store_history=True)
+        assert launched["nproc"] == int(nproc) and len(asked) == 1, (nproc, asked)
+        asked.clear()
+        assert cli.main(["run", str(nb), "--nproc", nproc]) == 2
+        assert launched["nproc"] == int(nproc) and len(asked) == 1, (nproc, asked)
+    asked.clear()
+    assert cli.main(["run", str(nb), "--nproc", "3"]) == 2  # more than the two GPUs: refused, from one reading
+    assert "torch sees 2 GPU(s) here" in capsys.readouterr().err and len(asked) == 1
 
 
 def test_the_processes_are_decided_in_one_place(monkeypatch):

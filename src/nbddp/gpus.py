@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MiB = 2**20
 GiB = 2**30
@@ -39,10 +39,12 @@ _TORCH_PROBE = ("import json, torch\n"
 class Machine:
     """One reading of this machine, for one job: the GPUs torch sees (``CUDA_VISIBLE_DEVICES`` applied,
     ``NBDDP_GPU_COUNT`` where set) and each one's free bytes (capped by ``NBDDP_GPU_MEMORY_GIB``; ``()`` where
-    there is none, where it was not asked, or where nothing could say)."""
+    there is none, where it was not asked, or where nothing could say). ``memory_read``: whether the free
+    memory was looked for (a count-only reading that ``nvidia-smi`` answered has it too, at no cost)."""
 
     gpus: int
     free_bytes: tuple[int, ...] = ()
+    memory_read: bool = field(default=True, compare=False)  # of the reading, not of the machine
 
     def processes(self, requested: int | None = None) -> int:
         """How many processes a job starts: ``requested`` (``--nproc``), else one per GPU, else two (CPU, gloo).
@@ -59,8 +61,11 @@ def read_machine(memory: bool = True, timeout_s: float = 60.0) -> Machine:
         return Machine(0)  # importing torch (seconds, in every launcher) would only say 0
     visible = visible_gpus() if not forced.isdigit() or (memory and not _capped()) else None
     count = int(forced) if forced.isdigit() else len(visible) if visible is not None else _torch_count()
-    if not (memory and count):
-        return Machine(count)
+    if not count:
+        return Machine(0)
+    if not memory:  # what nvidia-smi said of the memory is kept: a later need of it asks nothing again
+        return (Machine(count, cap_free(tuple(g.free_bytes for g in visible)[:count])) if visible is not None
+                else Machine(count, memory_read=False))
     if visible is not None:
         free = tuple(g.free_bytes for g in visible)
     elif _capped() and forced.isdigit():

@@ -158,11 +158,12 @@ def plan_job(source: JobSource, options: RunOptions | None = None, *, keep: bool
         if keep:
             raise NbddpError("--keep keeps a job whose cells train on every rank; this notebook starts its training "
                              f"from a shell line ({leading_launch(script.launches)}): run it without --keep")
-        machine = machine or read_machine(memory=False)  # no strategy to choose: the count is enough
+        machine = machine or options.machine or read_machine(memory=False)  # no strategy: the count is enough
         return JobPlan(job, options, machine, mode, f"the notebook starts its training from a shell line "
                        f"({leading_launch(script.launches)}): its cells run once, in one process",
                        processes=1, env=dict(options.rank_env), launched=machine.processes(options.nproc), keep=keep)
-    machine = machine or read_machine()
+    taken = options.machine  # read when --nproc was checked: its memory too, where nvidia-smi gave it
+    machine = machine or (taken if taken and taken.memory_read else read_machine())
     decision = decide_strategy(script, job.cwd, options.strategy, machine, say)
     if keep and decision.strategy != "ddp":
         raise NbddpError(f"--keep keeps DDP jobs only: this one runs {decision.strategy}, whose sharded or "

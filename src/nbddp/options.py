@@ -22,6 +22,7 @@ from typing import Iterable
 
 from . import preflight
 from .errors import NbddpError
+from .gpus import Machine, read_machine
 from .runtime.apply_strategy import STRATEGIES as RANK_STRATEGIES
 
 
@@ -119,6 +120,9 @@ class RunOptions:
     not NAME=VALUE, nodes torchrun would refuse (``preflight.check_nodes``, ``check_torchrun_args``) and a
     ``--master-port`` that is no port or is busy here. ``warnings`` keeps what is only slow (more CPU processes
     than cores). A front end makes it with ``parse``; the API with keywords (``env`` may be a mapping too).
+    ``machine`` is the reading of the GPUs an explicit ``--nproc`` was checked against (``gpus.read_machine``,
+    the count, and the free memory where ``nvidia-smi`` gave it), which the job's plan then decides with
+    instead of asking again (None without ``--nproc``).
     """
 
     nproc: int | None = None
@@ -140,6 +144,7 @@ class RunOptions:
     rdzv_endpoint: str | None = None
     torchrun_args: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    machine: Machine | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         env = [f"{k}={v}" for k, v in self.env.items()] if isinstance(self.env, Mapping) else self.env or ()
@@ -164,7 +169,9 @@ class RunOptions:
         nproc = self.nproc
         if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
             raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
-        gpus = preflight.gpu_count() if nproc is not None else 0
+        if nproc is not None:  # the job's one reading of the machine (its plan takes it: ``plan_job``)
+            object.__setattr__(self, "machine", read_machine(memory=False))
+        gpus = self.machine.gpus if self.machine else 0
         warnings = preflight.check_processes(nproc, gpus=gpus)  # no more than the GPUs torch sees
         if nproc is not None and not gpus:
             warnings += preflight.check_cpu_memory(nproc)  # CPU ranks: no more than the memory holds
