@@ -168,6 +168,7 @@ def test_explicit_first_gpu_becomes_this_ranks_device(before, after):
     "before, after",
     [
         ('device = torch.device(f"cuda:{gpu}")\n', "device = torch.device(_nbddp.device())\n"),
+        ("device = torch.device(f'cuda:0')\n", "device = torch.device(_nbddp.device())\n"),  # aicloud's notebook
         ("x = x.to(f'cuda:{args.gpu_id}')\n", "x = x.to(_nbddp.device())\n"),
         ('device = "cuda:%d" % i\n', "device = _nbddp.device()\n"),
         ('device = "cuda:{}".format(cfg.gpu)\n', "device = _nbddp.device()\n"),

@@ -48,6 +48,7 @@ REPOS = {
     "mryab/efficient-dl-systems": ("efficient_dl", "MIT", "e632aa89ca9e6638d52e1b686095e7442faffbb0"),
     "encord-team/encord-notebooks": ("encord", "Apache-2.0", "4bca849e7dff72b07ce8eba388ef78979847d74b"),
     "pytorch/xla": ("pytorch_xla", "BSD-3-Clause", "41398bfff334fc8d3b1c00be6ea8cc5411f6d6bf"),
+    "sbercloud-ai/aicloud-examples": ("aicloud", "MIT", "299bcc6d7c8c5ed6e183f7c01fb54f1927f10e72"),
 }
 UNSLOTH = ("unslothai/notebooks", "LGPL-3.0", "bdda2efc7ad5ae129ea63cd2065d23c391406283")
 
@@ -172,6 +173,9 @@ PATHS = {
     "encord-team/encord-notebooks": ["notebooks/Encord_Notebooks_How_To_Fine_Tuning_SAM.ipynb"],
     # a Kaggle TPU notebook (torch_xla, xmp.spawn): refused before anything runs (issue 39)
     "pytorch/xla": ["contrib/kaggle/distributed-pytorch-xla-basics-with-pjrt.ipynb"],
+    # issue 39: the two-GPU notebook idiom `if torch.cuda.device_count() > 1: clf = nn.DataParallel(clf)` with
+    # `cuda:0`, a SummaryWriter and an MLflow run around a plain loop
+    "sbercloud-ai/aicloud-examples": ["quick-start/notebooks_gpu/pytorch_tensorboard_mlflow.ipynb"],
 }
 #: More notebooks of a repository above, taken at its commit there (issue 28's TensorFlow and Flax ones).
 PATHS["huggingface/notebooks"] += ["examples/text_classification-tf.ipynb", "examples/text_classification_flax.ipynb"]

@@ -101,6 +101,10 @@ class DeviceRule(Rule):
 
     def leave_FormattedString(self, original, updated) -> cst.BaseExpression:
         parts = updated.parts
+        if all(isinstance(p, cst.FormattedStringText) for p in parts) and CUDA_INDEX.match(
+                text := "".join(p.value for p in parts)):  # f"cuda:0": an explicit GPU all the same
+            self.note(original, f"{text!r} → this rank's device")
+            return fixed_expression(DEVICE_EXPR)
         if (len(parts) == 2 and isinstance(parts[0], cst.FormattedStringText) and parts[0].value == CUDA_PREFIX
                 and isinstance(parts[1], cst.FormattedStringExpression)):
             return self._computed(original)
