@@ -68,10 +68,23 @@ def test_progress_speed_eta_and_losses():
         p.update(r)
         if r["event"] == "step" and r["step"] == 4:
             assert p.steps_per_s == 2.0 and p.eta_s == 3.0
-            assert "step 4/10 (40%) · 2.00 steps/s · ETA 0:03 · loss 2.6000 · epoch 0.40" in p.text()
+            assert "step 4/10 (40%) · loss 2.6000 · 2.00 steps/s · ETA 0:03 · epoch 0.40" in p.text()
     assert p.losses[0] == (2, 2.6) and len(p.losses) == 5
     assert '<progress value="10" max="10"' in p.bundle("done")["text/html"]
     assert "ETA" not in p.text("done")
+
+
+def test_the_status_line_says_the_loss_before_what_a_narrow_cell_may_cut():
+    """The line is one line cut with "…" where the cell is narrow (1400 px with JupyterLab's sidebar open cut it
+    before the loss): the step and the loss come first, the speed, ETA and epoch after them."""
+    p = Progress(nproc=2)
+    for r in records():
+        p.update(r)
+        if r["event"] == "step" and r["step"] == 4:
+            break
+    parts = p.text().split(" · ")
+    assert parts.index("loss 2.6000") == parts.index("step 4/10 (40%)") + 1
+    assert parts.index("loss 2.6000") < min(parts.index("2.00 steps/s"), parts.index("ETA 0:03"), parts.index("epoch 0.40"))
 
 
 def test_loss_plot_is_a_png():

@@ -64,17 +64,19 @@ class Progress:
         return max(self.max_steps - self.step, 0) / rate
 
     def text(self, outcome: str | None = None) -> str:
+        """The status line, most wanted first: a narrow cell cuts its end (``bundle``), so the loss comes
+        right after the step and the speed, ETA and epoch after it."""
         parts = [f"nbddp · {self.nproc} processes · {outcome or self.phase}"]
         if self.max_steps:
             parts.append(f"step {self.step}/{self.max_steps} ({100 * self.step // self.max_steps}%)")
+        if self.losses:
+            parts.append(f"loss {self.losses[-1][1]:.4f}")
         rate = self.steps_per_s
         if rate:
             parts.append(f"{rate:.2f} steps/s" if rate >= 1 else f"{1 / rate:.1f} s/step")
         eta = self.eta_s
         if eta is not None and self.phase == "training" and outcome is None:
             parts.append(f"ETA {_clock(eta)}")
-        if self.losses:
-            parts.append(f"loss {self.losses[-1][1]:.4f}")
         if self.epoch is not None:
             parts.append(f"epoch {self.epoch:.2f}")
         return " · ".join(parts)
