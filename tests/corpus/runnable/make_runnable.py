@@ -289,6 +289,30 @@ NOTEBOOKS = {
         "tiny": ["sam", "breast_cancer"],
         "train_size": 32,
     },
+    # issue 39: the two-GPU idiom `if torch.cuda.device_count() > 1: clf = nn.DataParallel(clf)` around a plain
+    # loop, with a SummaryWriter and an MLflow run the kernel made once
+    "data_parallel_mnist_tensorboard": {
+        "source": "aicloud/pytorch_tensorboard_mlflow.ipynb",
+        "style": "nn.DataParallel, plain loop, SummaryWriter and MLflow",
+        "skip": {3: "pip installs need the network", 8: "downloads mnist.npz (tiny.py writes one)"},
+        "edits": [
+            (4, "from torchvision import datasets, transforms",
+             f"import torch  {MARK} torchvision is not installed (the notebook uses neither name)"),
+            (4, "from torch.utils.tensorboard import SummaryWriter",
+             f"from offline_tensorboard import SummaryWriter  {MARK} tensorboard is not installed"),
+            (4, "import mlflow", f"import offline_mlflow as mlflow  {MARK} mlflow is not installed"),
+            (9, "data = np.load(BASE_DIR.joinpath('mnist.npz'))",
+             f"data = np.load(BASE_DIR.joinpath('tiny/mnist_npz/mnist.npz'))  {MARK} 400 + 100 banded images"),
+            (12, "device = torch.device(f'cuda:0')", f"device = torch.device('cpu')  {MARK} no GPU here"),
+            (15, "if torch.cuda.device_count() > 1:",
+             f"if True:  {MARK} the kernel's two GPUs (DataParallel without CUDA runs the model as it is)"),
+            (17, 'current_time = datetime.now().strftime("%Y%m%d-%H_%M")',
+             f'current_time = "run"  {MARK} one folder name for both runs, whatever the minute'),
+        ],
+        "tiny": ["mnist_npz", "offline_tensorboard", "offline_mlflow"],
+        "train_size": 400,
+        "whole": [100],
+    },
 }
 
 

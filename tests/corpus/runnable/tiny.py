@@ -479,7 +479,77 @@ def offline_torchvision(folder: Path) -> None:
     (folder.parent.parent / "offline_torchvision.py").write_text(TORCHVISION)
 
 
-BUILDERS = {"bert": bert, "distilbert": distilbert, "glue_mrpc": glue_mrpc, "imdb": imdb,
+def mnist_npz(folder: Path, train: int = 400, test: int = 100) -> None:
+    """``mnist.npz`` as Keras publishes it (``x_train`` 28x28 uint8 images, ``y_train`` labels 0-9, the same for
+    test) at ``tiny/mnist_npz/mnist.npz``: dim noisy images with a white horizontal band whose row gives the
+    label (the noise makes each image its own, as the same-samples check compares the ranks' batches)."""
+    import numpy as np
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for split, n in (("train", train), ("test", test)):
+        labels = np.arange(n) % 10
+        images = rng.integers(0, 40, (n, 28, 28), dtype=np.uint8)
+        for i, label in enumerate(labels):
+            images[i, 2 * label + 4 : 2 * label + 6, 4:24] = 255
+        arrays[f"x_{split}"], arrays[f"y_{split}"] = images, labels.astype(np.uint8)
+    np.savez(folder / "mnist.npz", **arrays)
+
+
+TENSORBOARD = '''"""Stands in for ``torch.utils.tensorboard`` (tensorboard is not installed): ``SummaryWriter`` makes its
+log folder and appends each scalar to ``scalars.txt`` there, so a run that makes one on every rank writes twice."""
+
+import os
+
+
+class SummaryWriter:
+    def __init__(self, log_dir=None, **kwargs):
+        self.log_dir = str(log_dir or "runs")
+        os.makedirs(self.log_dir, exist_ok=True)
+
+    def add_scalar(self, tag, value, step=None, **kwargs):
+        with open(os.path.join(self.log_dir, "scalars.txt"), "a") as fh:
+            fh.write(f"{tag} {step} {float(value)}\\n")
+
+    def close(self):
+        pass
+'''
+
+
+def offline_tensorboard(folder: Path) -> None:
+    (folder.parent.parent / "offline_tensorboard.py").write_text(TENSORBOARD)
+
+
+MLFLOW = '''"""Stands in for ``mlflow`` (not installed): tracking calls that keep nothing."""
+
+import contextlib
+
+
+def set_tracking_uri(uri):
+    pass
+
+
+def set_experiment(name):
+    pass
+
+
+@contextlib.contextmanager
+def start_run(**kwargs):
+    yield None
+
+
+def log_metric(key, value, step=None):
+    pass
+'''
+
+
+def offline_mlflow(folder: Path) -> None:
+    (folder.parent.parent / "offline_mlflow.py").write_text(MLFLOW)
+
+
+BUILDERS = {"bert": bert, "mnist_npz": mnist_npz, "offline_tensorboard": offline_tensorboard,
+            "offline_mlflow": offline_mlflow, "distilbert": distilbert, "glue_mrpc": glue_mrpc, "imdb": imdb,
             "offline_evaluate": offline_evaluate,
             "offline_torchtext": offline_torchtext, "offline_torchvision": offline_torchvision,
             "sam": sam, "breast_cancer": breast_cancer, "offline_tiktoken": offline_tiktoken, "offline_gpt2": offline_gpt2,
