@@ -273,6 +273,12 @@ def test_a_failed_launched_rank_is_said_at_its_writefile_cell_and_line(tmp_path)
     report = proc.stderr[proc.stderr.rindex("nbddp: launched rank 1 failed"):]
     assert report.startswith(f"nbddp: launched rank 1 failed in cell 2, line {line}: RuntimeError: launched "
                              "training failed on purpose\n    raise RuntimeError"), report
+    # torchrun's report and the frames of nbddp's agent that started the rank are not the person's to read:
+    # the rank's own traceback (in its log, and in the report) starts at the script, its frames at their cell
+    assert "ChildFailedError" not in out and "nbddp/agent" not in out and "runpy" not in out, out[-4000:]
+    assert f'File "train.py", line {line - 1} (cell 2, line {line}), in <module>' in report, report
+    log = next((tmp_path / "runs").rglob("launched/launch-1/logs/*/attempt_0/1/stderr.log")).read_text()
+    assert "forked_ranks" not in log and 'File "train.py", line' in log, log
 
 
 def test_a_launched_failure_is_the_cells_error_naming_its_rank_cell_and_line(tmp_path):

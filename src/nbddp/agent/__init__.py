@@ -127,4 +127,6 @@ def main(argv: list[str] | None = None) -> None:
                 atomic_write_text(path, json.dumps(failure_record(exc), indent=1))
             except OSError:
                 pass  # the record is a help, torchrun's own report below still stands
+        if os.environ.get("NBDDP_LAUNCHED_INNER"):
+            exit_without_teardown(1)  # a notebook's launched command: nbddp.launched says the failed rank
         raise

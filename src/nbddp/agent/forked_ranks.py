@@ -201,14 +201,25 @@ def run_rank(script_args: list[str], env: dict[str, str]) -> int:
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
+        _report_uncaught(script_args[0])
         code = -2  # Python ends by SIGINT itself then (``become_rank`` re-raises it)
     except BaseException:  # noqa: BLE001 - an uncaught error: reported as Python reports it
-        sys.excepthook(*sys.exc_info())
+        _report_uncaught(script_args[0])
         code = 1
     finally:
         sys.last_type = sys.last_value = sys.last_traceback = None
     return _finish(code, namespace)
+
+
+def _report_uncaught(script: str) -> None:
+    """The error being handled, said by ``sys.excepthook`` from the script's first frame on, as ``python
+    script.py`` says it: this module's and runpy's frames, which started the script, are not the user's."""
+    kind, error, whole = sys.exc_info()
+    tb = whole
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        tb = tb.tb_next
+    tb = tb if tb is not None or isinstance(error, SyntaxError) else whole  # none of the script's: keep all
+    sys.excepthook(kind, error.with_traceback(tb), tb)
 
 
 def as_a_fresh_interpreter(argv: list[str], env: dict[str, str], path0: str) -> None:
