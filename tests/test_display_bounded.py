@@ -249,3 +249,22 @@ def test_terminal_bar_on_one_line_metrics_as_a_table_and_a_headline_on_a_line_of
     view.sink("stderr", "\r 10%|#   | 1/10")
     view.on_metrics({"event": "log", "step": 1, "time": 1.0, "loss": 3.1})
     assert tty.getvalue() == "\r 10%|#   | 1/10\r\x1b[K" + "     step       loss\n        1        3.1\n"
+
+
+def test_the_loss_plot_is_drawn_when_a_new_loss_comes_not_held_back_by_steps_between():
+    """The plot is redrawn at most every ``plot_interval_s``, counted from its last drawing: step events in
+    between used to take the turn (nothing new to draw) and push a new loss back a whole interval more, the
+    table showing a row the curve lacked."""
+    clock, cell = Clock(), Cell_()
+    panel = LivePanel(2, clock=clock, show=cell.show, plot_interval_s=2.0)
+    events = [(0.0, {"event": "begin", "step": 0, "max_steps": 10}),
+              (0.1, {"event": "log", "step": 1, "max_steps": 10, "loss": 2.0}),
+              (2.2, {"event": "step", "step": 2, "max_steps": 10}),  # the interval has passed: nothing new yet
+              (2.5, {"event": "log", "step": 2, "max_steps": 10, "loss": 1.5})]
+    for now, record in events:
+        clock.now = now
+        panel.on_metrics({**record, "time": now})
+    assert len(panel.table.rows) == 2
+    assert panel._plotted == 2  # the curve has the table's last loss, drawn as it came (2.4 s after the last drawing)
+    shown = cell.outputs[0]["data"]["text/html"]  # the panel: the new curve shown with the row, not 0.5 s later
+    assert panel._png in shown and "<td>1.5</td>" in shown

@@ -104,9 +104,12 @@ class LivePanel:
             for name, stream in self.streams.items():  # a bar held back is not left behind while training goes on
                 self._write(name, stream.due())
             return
-        if self._due("plot", self.plot_interval_s) and len(self.progress.losses) > self._plotted:
+        drawn = self._plotted
+        # the interval counts from the last drawing: a record with no new loss does not take the turn
+        if len(self.progress.losses) > self._plotted and self._due("plot", self.plot_interval_s):
             self._draw_plot()
-        if record.get("event") in (Event.BEGIN, Event.END) or self._due("panel", self.status_interval_s):
+        if (record.get("event") in (Event.BEGIN, Event.END) or self._plotted != drawn
+                or self._due("panel", self.status_interval_s)):  # a new curve is shown at once, with its table
             self.panel.update(self.panel_bundle(), raw=True)
         self._show_log()
 
