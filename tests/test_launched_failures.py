@@ -123,3 +123,18 @@ def test_a_written_scripts_frames_name_its_writefile_cell(tmp_path, monkeypatch,
                                        "ValueError: bad config:\n")
     failure = failure_of(run_dir / "launched")
     assert '  File "train.py", line 11 (cell 1, line 12), in step' in failure.traceback
+
+
+def test_a_later_cells_error_after_a_failed_launch_leaves_the_launch_the_jobs_failure(tmp_path):
+    from nbddp.launch import RankFailure, RunResult
+    from nbddp.launched import record_failure, with_launched_failure
+
+    later = RankFailure(rank=0, message="FileNotFoundError: model.pt", traceback="", cell=3, line=1)
+    run = RunResult(returncode=1, run_dir=tmp_path, script=tmp_path / "script.py", duration_s=1.0, failure=later)
+    assert with_launched_failure(run, tmp_path / "launched") is run  # no launch failed: the cell's error stands
+    record_failure(tmp_path / "launched", rank=0, message="train.py: error: unrecognized arguments: --bogus",
+                   traceback="", exitcode=2, cell=2, line=1, source="!torchrun train.py --bogus")
+    failure = with_launched_failure(run, tmp_path / "launched").failure
+    assert (failure.cell, failure.line, failure.launched) == (2, 1, True)
+    stopped = RunResult(returncode=-15, run_dir=tmp_path, script=tmp_path / "script.py", duration_s=1.0)
+    assert with_launched_failure(stopped, tmp_path / "launched") is stopped

@@ -83,12 +83,10 @@ def _run_script(job: Job, options: RunOptions, view: JobView, *, nproc: int | No
         for warning in shared:
             view.sink("stderr", f"nbddp: warning: {warning}\n")
         result = _launch.launch(plan, sink=view.sink, on_metrics=view.on_metrics, until=until, on_interrupt=on_interrupt)
-    if launched and result.ok:  # the notebook went on after its launched training failed, as in the kernel
-        from .launched import failure_of
+    if launched:  # the notebook went on after its launched training failed, as in the kernel
+        from .launched import with_launched_failure
 
-        launched_failure = failure_of(run_dir / "launched")
-        if launched_failure is not None:
-            result = dataclasses.replace(result, returncode=1, failure=launched_failure)
+        result = with_launched_failure(result, run_dir / "launched")
     failure = outputs.explain_no_space(result.failure, plan.cwd, list(result.log_history))
     return dataclasses.replace(result, failure=failure) if failure is not result.failure else result
 

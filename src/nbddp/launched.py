@@ -27,6 +27,7 @@ inner processes are children of the job's rank, so the stop button and ``--timeo
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -344,6 +345,18 @@ def failure_of(folder: Path):
     except (OSError, IndexError):
         return None
     return RankFailure(**json.loads(first), launched=True)
+
+
+def with_launched_failure(result, folder: Path):
+    """``result`` (the job's ``RunResult``) failed where a training launch under ``folder`` failed: that launch
+    is the root cause, also where a later cell then failed too (its model never written, say), unless the job
+    was stopped (a timeout, an interrupt: no rank failure of its own)."""
+    if not result.ok and result.failure is None:
+        return result
+    failure = failure_of(folder)
+    if failure is None:
+        return result
+    return dataclasses.replace(result, returncode=result.returncode or 1, failure=failure)
 
 
 def _python(args: list[str], nproc: int) -> int:
