@@ -262,3 +262,22 @@ def test_every_rank_dry_run_from_the_command_line_shows_the_notebook_whole(tmp_p
     assert cli.main(["run", str(nb), "--every-rank", "--dry-run", "--show-script", "--nproc", "2"]) == 0
     out = capsys.readouterr().out
     assert "for (xb,) in test_loader:" in out and "predict.Rows" not in out
+
+
+PIPE = "from transformers import pipeline\npipe = pipeline('text-classification')\n"
+
+
+@pytest.mark.parametrize("call, line", [
+    (PIPE + "out = pipe(['a b', 'c d'])", 3),
+    (PIPE + "texts = df['text'].tolist()\nprint(pipe(texts, batch_size=8))", 4),
+])
+def test_a_pipeline_given_a_whole_list_outside_a_loop_is_refused_at_its_line_with_the_loop_that_splits(call, line):
+    with pytest.raises(CellError) as caught:
+        convert(SETUP, call)
+    assert (caught.value.cell, caught.value.line) == (2, line)
+    assert "predicts a whole list in one call" in str(caught.value) and "loop over batches" in str(caught.value)
+
+
+def test_a_pipeline_given_one_text_or_a_notebook_launching_its_training_is_not_refused():
+    assert not convert(SETUP, PIPE + "print(pipe('a b'))").predicts
+    assert convert(SETUP, PIPE + "!torchrun train.py\nprint(pipe(['a', 'b']))").launches

@@ -23,7 +23,7 @@ from .frameworks import check_frameworks
 from .launches import Launch, find_launches, leading_launch, seems_to_train
 from .lines import align
 from .rules import RULES
-from .rules.predict import refuse_unsplittable
+from .rules.predict import refuse_batched, refuse_unsplittable
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,8 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
                          every_rank=every_rank)
     refuse_unsplittable(facts, cleaned)  # a prediction loop the ranks cannot split: refused at its cell and line
     launches = find_launches(cells) if facts.last_training is None else ()
+    if facts.batched_calls and not launches and seems_to_train(cells) is None:
+        refuse_batched(facts, cleaned)  # a batched prediction call with nothing else to run: refused at its line
     if launches:
         warnings.append(f"no training call found in the code; its training is a command it launches ({leading_launch(launches)}): "
                         "nbddp run runs the notebook once and that command on every GPU")

@@ -123,6 +123,7 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
                or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)
                or _trainer_predicts(stmt, facts)]
     if not holding:
+        _refuse_batched_calls(top, facts)
         return
     facts.predictions = [top[k] for k in holding]
     for k in holding:
@@ -134,6 +135,37 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
                 facts.predict_refusals.append(PredictRefusal(stmt.cell.position, loop.lineno, reason))
     _refuse_hidden_calls(top, defs, facts)
     _plan_rank0(top, holding, facts)
+
+
+def _refuse_batched_calls(top: list[Statement], facts: JobFacts) -> None:
+    """Where nothing else predicts: a pipeline given a whole list in one call outside a loop
+    (``outputs = pipe(texts)``, ``texts`` a list), kept to be refused at that call with the loop that splits
+    (nbddp splits loops, not calls). A pipeline given one text, and ``generate``, whose batch a tokenizer
+    made (one prompt or many: the code does not say), are left alone."""
+    pipes = {t.id for stmt in top for node in stmt.nodes if isinstance(node, ast.Assign)
+             and isinstance(node.value, ast.Call) and last_name(node.value.func) == "pipeline"
+             for t in node.targets if isinstance(t, ast.Name)}
+    lists = {t.id for stmt in top for node in stmt.nodes if isinstance(node, ast.Assign) and _list_like(node.value)
+             for t in node.targets if isinstance(t, ast.Name)}
+    for stmt in top:
+        if isinstance(stmt.nodes[0], DEFS):
+            continue
+        for call in (n for node in stmt.nodes for n in _walk_body([node])):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in pipes and call.args \
+                    and (_list_like(call.args[0]) or isinstance(call.args[0], ast.Name) and call.args[0].id in lists):
+                callee = call.func.id
+                facts.batched_calls.append(PredictRefusal(
+                    stmt.cell.position, call.lineno,
+                    f"{callee}(…) predicts a whole list in one call, which nbddp does not split; write it as a loop "
+                    f"over batches (outputs = []\nfor batch in batches: outputs.extend({callee}(batch))), whose rows "
+                    "nbddp splits over the GPUs"))
+                return
+
+
+def _list_like(node: ast.AST) -> bool:
+    """``[…]``, ``[… for …]``, ``list(…)``, ``….tolist()``."""
+    return isinstance(node, (ast.List, ast.ListComp)) or isinstance(node, ast.Call) and (
+        isinstance(node.func, ast.Name) and node.func.id == "list" or last_name(node.func) == "tolist")
 
 
 #: A trainer's methods that shard the rows over the ranks and gather them back themselves.

@@ -117,13 +117,21 @@ def _said(loop: str, names: list[str]) -> str:
 
 def refuse_unsplittable(facts, cleaned) -> None:
     """A prediction loop the ranks cannot split, refused before launch at its cell and line (``CellError``)."""
-    if not facts.predict_refusals:
-        return
-    refusal = facts.predict_refusals[0]
+    if facts.predict_refusals:
+        _refuse(facts.predict_refusals[0], cleaned, "nbddp cannot split this prediction loop over the GPUs")
+
+
+def refuse_batched(facts, cleaned) -> None:
+    """A notebook whose only prediction is one batched call (``pipe(texts)``), refused at that call (``CellError``)."""
+    if facts.batched_calls:
+        _refuse(facts.batched_calls[0], cleaned, "nbddp cannot split this prediction over the GPUs")
+
+
+def _refuse(refusal, cleaned, what: str) -> None:
     clean = cleaned[refusal.position]
     j = refusal.line - 1
     line = clean.line_map[j] if 0 <= j < len(clean.line_map) else None
     lines = clean.cell.source.splitlines()
     source = lines[line - 1] if line and line <= len(lines) else ""
-    raise CellError(f"nbddp cannot split this prediction loop over the GPUs: {refusal.reason}. Or run the "
+    raise CellError(f"{what}: {refusal.reason}. Or run the "
                     "notebook in its kernel, in one process", cell=clean.cell.index, line=line, source=source)
