@@ -24,7 +24,7 @@ from ..runtime.kept_protocol import Failed, Interrupted, Ok, Pull, Push, Run, St
 from ..runtime.sourcemap import read_source_map
 from .cell import convert_kept_cell
 from .changed import refuse_changed
-from .controller import KeptJob
+from .controller import KeptJob, poll_in_written_order
 from .view import CellView
 
 #: The idle limit's default, in minutes: Kaggle counts GPU quota (30 h a week) while a session holds GPUs,
@@ -90,8 +90,7 @@ class KeptMagics(Magics):
         followers, metrics = job.followers(view.sink, view.on_metrics)
 
         def follow():
-            for f in followers:
-                f.poll()
+            poll_in_written_order(followers)
             metrics.poll()
             view.poll()
 
@@ -99,8 +98,7 @@ class KeptMagics(Magics):
         waits = Waits(job, kept, self._label(job, kept))
         answer = job.request(Run(str(kept.path), kept.first, kept.last), follow=follow,
                              timeout_s=args.timeout, waiting=waits.note)
-        for f in followers:
-            f.poll(final=True)
+        poll_in_written_order(followers, final=True)
         metrics.poll()
         failure = self._failure(answer, kept)
         stopped = answer.interrupted or any(isinstance(rep, Interrupted) or _stopped_at_step(rep)
