@@ -281,3 +281,14 @@ def test_a_pipeline_given_a_whole_list_outside_a_loop_is_refused_at_its_line_wit
 def test_a_pipeline_given_one_text_or_a_notebook_launching_its_training_is_not_refused():
     assert not convert(SETUP, PIPE + "print(pipe('a b'))").predicts
     assert convert(SETUP, PIPE + "!torchrun train.py\nprint(pipe(['a', 'b']))").launches
+
+
+def test_a_file_written_after_a_split_loop_in_the_same_block_or_function_is_written_by_rank_0():
+    script = convert(SETUP, "import json\nout = []\nwith torch.no_grad():\n    for x in xs:\n        out.append(model(x))\n"
+                            "    rows = [o.tolist() for o in out]\n    json.dump(rows, open('p.json', 'w'))\n",
+                     "def infer(xs, path):\n    res = []\n    for x in xs:\n        res.append(model(x).sum().item())\n"
+                     "    with open(path, 'w') as fh:\n        fh.write(str(res))\n    return res\nscores = infer(xs, 's.txt')")
+    text = script.text
+    assert "    rows = [o.tolist() for o in out]\n    if _nbddp.on_rank0():\n        json.dump(rows, open('p.json', 'w'))" in text
+    assert "    if _nbddp.on_rank0():\n        with open(path, 'w') as fh:\n            fh.write(str(res))\n    return res" in text
+    compile(text, "script.py", "exec")

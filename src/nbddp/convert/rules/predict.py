@@ -6,9 +6,11 @@ from __future__ import annotations
 import ast
 
 from ...errors import CellError
-from ..cst_helpers import code_of, cst, last_name
+from ..cst_helpers import code_of, cst, fixed_expression, last_name
 from ..engine.rule import Rule
+from ..facts.kept import _writes_once
 from ..facts.predicts import PredictLoop, prediction_loop
+from .rank_zero import MAIN_PROCESS_EXPR
 
 #: The name the rewritten loop binds to its share (``runtime.predict.Rows``).
 ROWS = "_nbddp_rows"
@@ -44,6 +46,7 @@ class PredictRule(Rule):
     def __init__(self, facts, chunk):
         super().__init__(facts, chunk)
         self._loop: tuple[cst.For, PredictLoop] | None = None
+        self._split: list[cst.For] = []  # the loops split so far (originals), for the writes after them
 
     def visit_FunctionDef(self, node) -> bool:
         # a function whose body holds a prediction loop splits it each call (``JobFacts.predict_functions``);
@@ -65,6 +68,7 @@ class PredictRule(Rule):
             return updated
         found = self._loop[1]
         self._loop = None
+        self._split.append(original)
         names = list(found.accumulators)
         self.note(original, _said(code_of(original.iter), names))
         gather = cst.parse_statement(f"{', '.join(names)}, = {ROWS}.gathered()\n")
@@ -72,6 +76,21 @@ class PredictRule(Rule):
         body = [*orelse.body.body, gather] if orelse is not None else [gather]
         return updated.with_changes(iter=_rows(updated.iter, names),
                                     orelse=cst.Else(body=cst.IndentedBlock(body=body)))
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        """After a split loop in the same block (a ``with``, a function): a statement writing a file goes under
+        ``if _nbddp.on_rank0():``. Every rank holds the gathered results there, so each would write the same
+        bytes; rank 0 writes them once, as after a loop at a cell's top level."""
+        body, after_loop = list(updated.body), False
+        for k, stmt in enumerate(original.body):
+            if any(stmt is loop for loop in self._split):
+                after_loop = True
+            elif after_loop and _writes_file(stmt):
+                self.note(stmt, "writes its file on rank 0 only (after the split loop above, which every rank gathered)")
+                body[k] = cst.If(test=fixed_expression(MAIN_PROCESS_EXPR),
+                                 body=cst.IndentedBlock(body=[body[k].with_changes(leading_lines=[])]),
+                                 leading_lines=body[k].leading_lines)
+        return updated.with_changes(body=body) if body != list(updated.body) else updated
 
     def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
         if self._loop is None or not isinstance(updated.target, cst.Name) \
@@ -81,6 +100,22 @@ class PredictRule(Rule):
         call = cst.Call(func=cst.parse_expression(f"{ROWS}.add"),
                         args=[cst.Arg(cst.SimpleString(repr(name))), cst.Arg(updated.value)])
         return updated.with_changes(value=call)
+
+
+def _writes_file(stmt: cst.CSTNode) -> bool:
+    """A statement that writes a file once it has it whole, binding nothing the code after could need: a bare call
+    (``df.to_csv(p)``, ``plt.savefig(p)``, ``torch.save(…)``) or a ``with open(p, "w")`` block."""
+    if not isinstance(stmt, (cst.SimpleStatementLine, cst.With)) or isinstance(stmt, cst.SimpleStatementLine) and \
+            not all(isinstance(small, cst.Expr) for small in stmt.body):
+        return False
+    try:
+        tree = ast.parse(code_of(stmt.with_changes(leading_lines=[])))
+    except SyntaxError:
+        return False
+    node = tree.body[0]
+    if isinstance(node, ast.With):  # ``with open(path, "w") as fh:`` (another ``with`` may hold what must run)
+        return any(isinstance(item.context_expr, ast.Call) and _writes_once(item.context_expr) for item in node.items)
+    return any(isinstance(n, ast.Call) and _writes_once(n) for n in ast.walk(tree))
 
 
 def _prediction_loop(node: cst.For, splitting: frozenset[str]) -> PredictLoop | None:
