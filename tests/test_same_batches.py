@@ -29,3 +29,14 @@ def test_batches_of_one_row_each_hold_rows_to_split_where_they_differ():
     one, other = digest(((torch.ones(1, 4),), {})), digest(((torch.zeros(1, 4),), {}))
     assert nothing_to_split([one, one, one])  # a data set of one row
     assert not nothing_to_split([one, other, one])  # batch_size=1 over varying rows
+
+
+def test_rows_of_equal_sums_or_a_shifted_image_digest_differently():
+    """Disjoint shards whose values are alike (normalised rows, one-hot rows, an image shifted along its width)
+    must never look like the same batch: the weights by position have no period."""
+    image = torch.zeros(28, 28)
+    image[10:18, 3:6] = 1.0
+    shifted = torch.roll(image, shifts=7, dims=1)  # a period of 7 positions would weigh both alike
+    assert digest(((image[None],), {}))[0] != digest(((shifted[None],), {}))[0]
+    one_hot = torch.eye(8)
+    assert digest(((one_hot[:4],), {}))[0] != digest(((one_hot[4:],), {}))[0]

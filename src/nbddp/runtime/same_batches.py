@@ -48,6 +48,10 @@ def _before_forward(module, args, kwargs) -> None:
     return None
 
 
+#: The golden ratio's fractional part: its multiples' fractional parts spread evenly and never repeat.
+_GOLDEN = 0.6180339887498949
+
+
 def digest(inputs) -> tuple[float, bool]:
     """A number that differs between two different batches (almost surely), and whether the batch holds a
     single distinct row (nothing to split): order-weighted sums of its tensors, their shapes counted."""
@@ -60,7 +64,9 @@ def digest(inputs) -> tuple[float, bool]:
         for k, t in enumerate(tensors(inputs), start=1):
             flat = t.detach().flatten()
             flat = (flat.abs() if flat.is_complex() else flat).double()
-            position = torch.arange(len(flat), dtype=torch.float64, device=flat.device) % 7 + 1  # order counts
+            # Order counts, with weights of no period (the golden ratio's multiples, fractional parts): a
+            # period would weigh alike an image and the same image shifted by it, or one-hot rows.
+            position = torch.frac(torch.arange(len(flat), dtype=torch.float64, device=flat.device) * _GOLDEN) + 0.5
             total += k * (float((flat * position).sum()) + 0.5 * len(flat))
             if t.dim() and t.shape[0] > 1 and bool((t.detach() != t.detach()[:1]).any()):
                 single = False
