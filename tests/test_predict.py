@@ -292,3 +292,27 @@ def test_a_file_written_after_a_split_loop_in_the_same_block_or_function_is_writ
     assert "    rows = [o.tolist() for o in out]\n    if _nbddp.on_rank0():\n        json.dump(rows, open('p.json', 'w'))" in text
     assert "    if _nbddp.on_rank0():\n        with open(path, 'w') as fh:\n            fh.write(str(res))\n    return res" in text
     compile(text, "script.py", "exec")
+
+
+def test_a_real_trainers_predict_on_rows_it_would_pad_stops_before_it_predicts(monkeypatch, tmp_path):
+    import sys
+
+    import nbddp.runtime.predict  # noqa: F401  (wraps the Trainer, as the converted script's import does)
+    from nbddp.runtime import dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "jobs"))
+    try:
+        from tiny_bert_trainer import Rows
+    finally:
+        sys.path.pop(0)
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32))
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), per_device_eval_batch_size=4,
+                                                          report_to=[], use_cpu=True))
+    monkeypatch.setattr(dist, "rank_info", lambda: type("Info", (), {"world_size": 2})())
+    rows = Rows()
+    with pytest.raises(RuntimeError, match=r"trainer.predict\(…\) cannot split its rows.*its 6 rows"):
+        trainer.predict([rows[i] for i in range(6)])
+    assert trainer.predict([rows[i] for i in range(8)]).predictions.shape == (8, 2)  # 4 a rank × 2: not stopped
