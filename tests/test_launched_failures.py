@@ -28,7 +28,7 @@ def test_an_install_with_an_unclosed_quote_is_refused_at_its_cell_and_line():
 
 from nbddp.cells import cells_from_sources  # noqa: E402
 from nbddp.convert.script import convert_cells  # noqa: E402
-from nbddp.launched import failure_of, launch_line, read_rank_error, _say_failure  # noqa: E402
+from nbddp.launched_failures import _say_failure, failure_of, launch_line, read_rank_error  # noqa: E402
 
 #: rank 0's stderr.log of a script that came with the notebook's folder, raising a chained multi-line error
 #: (the frames of nbddp's agent and runpy starting the rank, then a warning torch prints at exit)
@@ -127,7 +127,7 @@ def test_a_written_scripts_frames_name_its_writefile_cell(tmp_path, monkeypatch,
 
 def test_a_later_cells_error_after_a_failed_launch_leaves_the_launch_the_jobs_failure(tmp_path):
     from nbddp.launch import RankFailure, RunResult
-    from nbddp.launched import record_failure, with_launched_failure
+    from nbddp.launched_failures import record_failure, with_launched_failure
 
     later = RankFailure(rank=0, message="FileNotFoundError: model.pt", traceback="", cell=3, line=1)
     run = RunResult(returncode=1, run_dir=tmp_path, script=tmp_path / "script.py", duration_s=1.0, failure=later)
