@@ -244,30 +244,31 @@ def _portable(value):
     """``value`` as it travels to the other ranks: tensors on the CPU, remembering they were on a GPU."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        return _OnDevice(value.detach().cpu(), value.device.type) if value.device.type != "cpu" else value
-    if isinstance(value, list):
-        return [_portable(v) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_portable(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _portable(v) for k, v in value.items()}
-    return value
+    def leaf(v):
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            return _OnDevice(v.detach().cpu(), v.device.type)
+        return v
+
+    return _each_leaf(value, leaf)
 
 
 def _local(value):
     """A travelled value on this rank: a tensor that was on a GPU goes to this rank's GPU."""
-    if isinstance(value, _OnDevice):
-        from .dist import device
+    from .dist import device
 
-        return value.tensor.to(device())
+    return _each_leaf(value, lambda v: v.tensor.to(device()) if isinstance(v, _OnDevice) else v)
+
+
+def _each_leaf(value, leaf):
+    """``value`` with ``leaf`` applied inside its lists, plain tuples and plain dicts (the containers a loop's
+    results are gathered in; a named tuple or another mapping class travels whole)."""
     if isinstance(value, list):
-        return [_local(v) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_local(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _local(v) for k, v in value.items()}
-    return value
+        return [_each_leaf(v, leaf) for v in value]
+    if type(value) is tuple:
+        return tuple(_each_leaf(v, leaf) for v in value)
+    if type(value) is dict:
+        return {k: _each_leaf(v, leaf) for k, v in value.items()}
+    return leaf(value)
 
 
 class _OnDevice:
