@@ -23,7 +23,6 @@ from typing import Iterable
 from . import preflight
 from .errors import NbddpError
 from .gpus import Machine, read_machine
-from .runtime.apply_strategy import STRATEGIES as RANK_STRATEGIES
 
 
 def shim_names() -> tuple[str, ...]:
@@ -58,8 +57,9 @@ def folder(text: str) -> Path:
 Option = tuple[tuple[str, ...], dict]
 
 #: What ``--strategy`` takes (``choose_strategy.decide`` reads the same): ``auto`` and the strategies a rank runs,
-#: spelled once in ``runtime/apply_strategy.py`` (the runtime imports nothing of nbddp outside it).
-STRATEGIES = ("auto", *RANK_STRATEGIES)
+#: ``runtime/apply_strategy.STRATEGIES``. Written out here, not imported: a parser built in a kernel that may
+#: never train loads no runtime module (tests/test_help_doctor.py); tests/test_export.py holds the two equal.
+STRATEGIES = ("auto", "ddp", "fsdp", "split", "deepspeed")
 
 #: The run options of ``nbddp run`` and ``%%ddp_train`` as (flags, argparse keywords), in their order in the
 #: help; both parsers are built from this.
