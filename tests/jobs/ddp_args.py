@@ -35,8 +35,9 @@ models = {
     "explicit": DDP(WithConstant(), broadcast_buffers=True, gradient_as_bucket_view=False),
 }
 seen = {}
+own = torch.Generator().manual_seed(info.rank)  # each rank its own batch, as a sharded loader gives it
 for name, model in models.items():
-    model(torch.randn(4, 8)).sum().backward()
+    model(torch.randn(4, 8, generator=own)).sum().backward()
     seen[name] = {"broadcast_buffers": model.broadcast_buffers, "gradient_as_bucket_view": model.gradient_as_bucket_view}
 rt.print0("DDP_ARGS " + json.dumps(seen), flush=True)
 
