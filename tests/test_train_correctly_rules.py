@@ -503,3 +503,21 @@ def test_a_figure_or_table_saved_in_the_training_loop_is_saved_by_rank_0(rewrite
     assert "    if _nbddp.on_rank0(): plt.savefig(f\"loss-{epoch}.png\")\n" in code
     assert "    if _nbddp.on_rank0(): history.to_csv(f\"history-{epoch}.csv\")\n" in code
     assert any(m == "plt.savefig in the training loop: rank 0 saves" for _, _, m in changes)
+
+
+def test_off_rank_0_a_summary_writer_leaves_its_folder_as_the_kernels_did(monkeypatch, tmp_path):
+    """A later cell may look in the writer's folder (``os.walk(log_dir)`` for checkpoints): on rank 1 it must be
+    there as in the kernel, not only once rank 0 has made it (rank 1 met a NameError when it looked first)."""
+    from nbddp.runtime import rank0_only
+
+    class SummaryWriter:  # the real one is not needed: the stand-in is chosen by the callee's name
+        def __init__(self, log_dir=None):
+            raise AssertionError("made off rank 0")
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    writer = rank0_only(SummaryWriter)(log_dir=tmp_path / "logs" / "log_run")
+    writer.add_scalar("loss", 0.5, 1)
+    assert (tmp_path / "logs" / "log_run").is_dir() and not any((tmp_path / "logs" / "log_run").iterdir())
+    rank0_only(SummaryWriter)(logdir=str(tmp_path / "tbx"))  # tensorboardX's keyword
+    assert (tmp_path / "tbx").is_dir()

@@ -7,6 +7,7 @@ generated script in every rank; nothing here imports IPython, nbformat or libcst
 from __future__ import annotations
 
 import contextlib
+import os
 import functools
 
 from . import settings
@@ -253,7 +254,18 @@ def rank0_only(func):
     """``func`` itself on rank 0 (and alone); on the other ranks a stand-in whose result takes any call, attribute
     or ``with`` and does nothing: a ``SummaryWriter`` or an MLflow run the kernel had once is made once, and the
     notebook's ``writer.add_scalar(…)`` runs on every rank unchanged."""
-    return func if is_main_process() else _Silent()
+    if is_main_process():
+        return func
+    return _writer_stand_in if getattr(func, "__name__", None) == "SummaryWriter" else _Silent()
+
+
+def _writer_stand_in(log_dir=None, *args, logdir=None, **kwargs):
+    """A ``SummaryWriter`` off rank 0: its folder made, as the kernel's writer left it (a later cell may look in
+    it: ``os.walk(log_dir)`` for checkpoints), and nothing written there."""
+    folder = log_dir if log_dir is not None else logdir  # torch's log_dir, tensorboardX's logdir
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+    return _Silent()
 
 
 def rank0_mode(mode: str | None = None) -> str | None:
