@@ -6,8 +6,6 @@ The converter writes ``_nbddp.data_parallel(model, …)`` where the notebook cal
 
 from __future__ import annotations
 
-from .rank import rank_info
-
 #: What the DDP wrapper standing for a notebook's DataParallel holds: how ``dist.unwrap`` gives it back.
 UNWRAPPED = "_nbddp_unwrapped"
 
@@ -55,6 +53,8 @@ def as_the_notebook_had_it(model):
     module DDP trained (no collective in its forward; ``.module`` and the ``module.`` keys as in the kernel)."""
     import torch
 
-    info = rank_info()
-    ids = [torch.device(info.device).index or 0] if info.device.startswith("cuda") else None
+    from .dist import device
+
+    here = device()
+    ids = [here.index or 0] if here.type == "cuda" else None
     return torch.nn.DataParallel(model.module, device_ids=ids)

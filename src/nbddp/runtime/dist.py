@@ -220,7 +220,9 @@ def unwrap(model):
     says how the notebook had its model (``_nbddp_unwrapped``: a DataParallel, ``data_parallel.py``) gives that."""
     from torch.nn.parallel import DistributedDataParallel
 
-    as_the_notebook_had_it = getattr(model, "__dict__", {}).get("_nbddp_unwrapped")
+    from .data_parallel import UNWRAPPED
+
+    as_the_notebook_had_it = getattr(model, "__dict__", {}).get(UNWRAPPED)
     if as_the_notebook_had_it is not None:
         return as_the_notebook_had_it()
     return model.module if isinstance(model, DistributedDataParallel) else model

@@ -95,12 +95,17 @@ class Rows:
         run_dir = settings.current().run_dir
         if not run_dir:
             return
+        from .records import append_line, dropped_write
+
         folder = os.path.join(run_dir, "shares")
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:  # a full or read-only disk: the record is dropped, the prediction goes on
+            dropped_write(folder, exc)
+            return
         line = {"loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit,
                 "first": self.first, "end": self.end, "total": self.total}
-        with open(os.path.join(folder, f"rank{self.rank}.jsonl"), "a", encoding="utf-8") as out:
-            out.write(json.dumps(line) + "\n")
+        append_line(os.path.join(folder, f"rank{self.rank}.jsonl"), json.dumps(line))
 
     # -- what it accumulates
 

@@ -160,7 +160,7 @@ def interrupt() -> None:
     ``KeyboardInterrupt`` where it is. SIGINT goes to the main thread itself, so a system call it waits in
     (``time.sleep``, a socket read) returns at once instead of after it ends."""
     _stop_requested.set()
-    if _cell_running.is_set() and not _training.is_set():
+    if _interruptible():
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
@@ -178,8 +178,13 @@ def where() -> int | None:
 def _interrupt_cell(signum, frame) -> None:
     """The rank's SIGINT handler while it serves: a cell running outside a training is interrupted; between
     cells, or once training takes the Stop at its step, the signal is let go."""
-    if _cell_running.is_set() and not _training.is_set():
+    if _interruptible():
         raise KeyboardInterrupt
+
+
+def _interruptible() -> bool:
+    """Whether a Stop interrupts where the main thread is: a cell runs, and no training takes it at a step."""
+    return _cell_running.is_set() and not _training.is_set()
 
 
 def _handle(message, namespace: dict, info) -> Reply:

@@ -75,10 +75,9 @@ def multiplied(trainer, num_items_in_batch) -> int:
 def _model_uses_count(trainer) -> bool:
     """``uses_count`` of the trainer's model, read once per model (not every step: a large model has thousands
     of modules)."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
     cached = getattr(trainer, "_nbddp_uses_count", None)
-    if cached is None or cached[0] is not model:
-        cached = (model, uses_count(model))
+    if cached is None or cached[0] is not trainer.model:  # unwrapped only when the trainer's model is new
+        cached = (trainer.model, uses_count(trainer.accelerator.unwrap_model(trainer.model)))
         trainer._nbddp_uses_count = cached
     return cached[1]
 
