@@ -6,8 +6,7 @@ The converter writes ``_nbddp.data_parallel(model, …)`` where the notebook cal
 
 from __future__ import annotations
 
-#: What the DDP wrapper standing for a notebook's DataParallel holds: how ``dist.unwrap`` gives it back.
-UNWRAPPED = "_nbddp_unwrapped"
+from .dist import UNWRAPPED, ddp, device
 
 
 def data_parallel(module, *args, **kwargs):
@@ -21,8 +20,6 @@ def data_parallel(module, *args, **kwargs):
     """
     import torch
     import torch.distributed as dist
-
-    from .dist import ddp, device
 
     if not (dist.is_available() and dist.is_initialized()):
         return torch.nn.DataParallel(module, *args, **kwargs)
@@ -52,8 +49,6 @@ def as_the_notebook_had_it(model):
     """Rank 0's model after training, for a DataParallel the notebook made: a one-GPU DataParallel around the
     module DDP trained (no collective in its forward; ``.module`` and the ``module.`` keys as in the kernel)."""
     import torch
-
-    from .dist import device
 
     here = device()
     ids = [here.index or 0] if here.type == "cuda" else None

@@ -215,12 +215,15 @@ def _notebook_ddp():
     return NotebookDDP
 
 
+#: What a DDP wrapper standing for a notebook's model holds when ``unwrap`` should give back something else than its
+#: ``.module`` (a function returning it; ``data_parallel.py`` sets it for a notebook's DataParallel).
+UNWRAPPED = "_nbddp_unwrapped"
+
+
 def unwrap(model):
     """The module inside a ``DistributedDataParallel`` wrapper (``.module``), or the model itself; a wrapper that
     says how the notebook had its model (``_nbddp_unwrapped``: a DataParallel, ``data_parallel.py``) gives that."""
     from torch.nn.parallel import DistributedDataParallel
-
-    from .data_parallel import UNWRAPPED
 
     as_the_notebook_had_it = getattr(model, "__dict__", {}).get(UNWRAPPED)
     if as_the_notebook_had_it is not None:
