@@ -94,8 +94,9 @@ class JobFacts:
     #: a kept job's ``%%ddp`` cell, by its position among the converted cells (``kept/cell.py``): its statements
     #: run on every rank but those that write files or push (``facts/kept.py``); None in a job's script
     kept_cell: int | None = None
-    #: the kept cell's rank-0 statements (a subset of ``rank0``) → the names each binds, sent from rank 0
-    kept_rank0: dict[Statement, list[str]] = field(default_factory=dict)
+    #: rank-0 statements (a subset of ``rank0``) whose names every rank needs → the names each binds, sent from
+    #: rank 0 to the others as its block ends (``runtime/from_rank0.py``): a kept cell's writes, a download's path
+    rank0_sends: dict[Statement, list[str]] = field(default_factory=dict)
     #: the kept cell's statements whose values may differ between ranks, or that write on every rank → what is said
     kept_notes: dict[Statement, str] = field(default_factory=dict)
     #: a kept job's own script (``%%ddp_train --keep``): its statements after the last training follow the kept
@@ -125,6 +126,9 @@ class JobFacts:
     batched_calls: list = field(default_factory=list)
     #: top-level functions whose body holds a prediction loop, split each time they are called
     predict_functions: frozenset[str] = frozenset()
+    #: plain loops that train on a whole tensor at every step (no batches to share out): where each is refused,
+    #: as (cell position, line of its cleaned code, the tensor names it feeds whole) (``facts/index_loops.py``)
+    full_batch_loops: list = field(default_factory=list)
     whole_model_saves: list[tuple[int, int]] = field(default_factory=list)
     rank0_forwards: list[tuple[int, int]] = field(default_factory=list)
 

@@ -56,7 +56,7 @@ def plan_kept_cell(top: list[Statement], facts: JobFacts) -> None:
         if writes is not None and collective is None:
             facts.rank0.add(stmt)
             facts.main_first.discard(stmt)
-            facts.kept_rank0[stmt] = sorted(stmt.binds)
+            facts.rank0_sends[stmt] = sorted(stmt.binds)
         elif writes is not None:
             facts.kept_notes[stmt] = (f"runs on every rank, since {_named(collective)}() needs every rank, so "
                                       f"every rank runs {_named(writes)}(): put that in a statement of "

@@ -52,7 +52,7 @@ class RankZeroRule(BlockRule):
         return False
 
     def block(self, run):
-        if self.statement(run[0]) in self.facts.kept_rank0:
+        if self.statement(run[0]) in self.facts.rank0_sends:
             return self._kept_block(run)
         models = self.facts.tail_unwraps.get(self.statement(run[0]), [])
         unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
@@ -75,7 +75,7 @@ class RankZeroRule(BlockRule):
         return []
 
     def _kept_names(self, run) -> list[str]:
-        return sorted({n for s in run for n in self.facts.kept_rank0.get(self.statement(s), ())})
+        return sorted({n for s in run for n in self.facts.rank0_sends.get(self.statement(s), ())})
 
     def _kept_block(self, run):
         """A kept ``%%ddp`` cell's write: rank 0 runs it, and as the block ends the names it binds (or its
@@ -92,7 +92,7 @@ class RankZeroRule(BlockRule):
                         body=cst.IndentedBlock(body=[guard], header=header))
 
     def message(self, run) -> str:
-        if self.statement(run[0]) in self.facts.kept_rank0:
+        if self.statement(run[0]) in self.facts.rank0_sends:
             names = self._kept_names(run)
             sent = f", then {', '.join(names)} sent from rank 0 to every rank" if names else ""
             return (f"runs on rank 0 only, as it writes or pushes{sent} (in a kept job the other statements run on "
