@@ -205,3 +205,48 @@ def test_axolotl_in_process_is_refused_with_its_launch_line():
     error = refusal("from axolotl.cli.train import do_cli\n", "do_cli(config='cfg.yml')\n")
     assert (error.cell, error.line) == (2, 1)
     assert "axolotl" in str(error) and "accelerate launch -m axolotl.cli.train" in str(error)
+
+
+# ------------------------------------------------------------------------ vLLM
+
+VLLM_SETUP = "from vllm import LLM, SamplingParams\nimport pandas as pd\nprompts = [f'Question {i}' for i in range(100)]\n"
+
+
+@pytest.mark.parametrize("generation", [
+    # one call over every prompt: today refused only as "no training call found", offering --every-rank
+    "outputs = llm.generate(prompts, params)\nanswers = [o.outputs[0].text for o in outputs]\n",
+    # a loop over the prompts: today split over the ranks as a prediction loop, each rank its own engine
+    "answers = []\nfor p in prompts:\n    answers.append(llm.generate([p], params)[0].outputs[0].text)\n",
+])
+def test_vllm_is_refused_at_its_llm_call_with_its_own_tensor_parallelism(generation):
+    error = refusal(VLLM_SETUP,
+                    "params = SamplingParams(temperature=0, max_tokens=64)\n"
+                    "llm = LLM(model='/kaggle/input/qwen', tensor_parallel_size=2)\n",
+                    generation + "pd.DataFrame({'answer': answers}).to_csv('submission.csv', index=False)\n")
+    assert (error.cell, error.line) == (2, 2) and "llm = LLM(model=" in str(error)
+    assert "vLLM" in str(error) and "tensor_parallel_size=2" in str(error) and "not under nbddp" in str(error)
+
+
+@pytest.mark.parametrize("imports, call", [
+    ("import vllm", "vllm.LLM(model=path)"),
+    ("from vllm import LLM as Engine", "Engine(model=path, tensor_parallel_size=2)"),
+])
+def test_vllm_is_refused_however_its_llm_is_named(imports, call):
+    error = refusal(imports + "\n", f"path = '/kaggle/input/m'\nllm = {call}\n")
+    assert (error.cell, error.line) == (2, 2) and "vLLM" in str(error)
+
+
+def test_a_notebook_naming_vllm_without_starting_its_engine_is_not_refused():
+    # TRL's GRPO starts vLLM itself on rank 0 (use_vllm=True); a notebook's own LLM class of another library is no engine
+    script = convert("from vllm import SamplingParams\nfrom mylib import LLM\n",
+                     "net = LLM()\nparams = SamplingParams(temperature=0)\n"
+                     "optimizer = torch.optim.AdamW(net.parameters())\nfor b in loader:\n    net(b).backward()\n")
+    assert "_nbddp.ddp(net)" in script.text
+
+
+def test_vllm_is_refused_before_any_process_even_on_every_rank(tmp_path, notebook):
+    path = notebook([VLLM_SETUP, "llm = LLM(model='m', tensor_parallel_size=2)\n",
+                     "outputs = llm.generate(prompts)\n"])
+    with pytest.raises(CellError, match="cell 2, line 1"):
+        job.run_job(path, RunOptions(runs_dir=tmp_path / "runs", nproc=2, every_rank=True))
+    assert not (tmp_path / "runs").exists()

@@ -32,6 +32,11 @@ process starts:
 - **RapidFire AI** (``run_fit``) schedules its own runs over the GPUs; **axolotl** called in-process
   (``do_cli``, ``do_train``, ``train`` imported from ``axolotl``) starts its training where its launcher
   would have made the processes: refused with its launch line, which nbddp runs on every GPU.
+- **vLLM** (its ``LLM(…)`` engine, or ``LLMEngine.from_engine_args``): not training, but an engine that takes
+  every GPU it is given from one process (``tensor_parallel_size``); as DDP ranks each rank would start its own
+  engine over every GPU (or, in a prediction loop, split the prompts between engines that fight over the same
+  GPUs). Refused at that call with vLLM's own recipe: run the notebook as it is with
+  ``tensor_parallel_size=2``, or one ``LLM`` per GPU in a process of its own.
 
 A notebook that imports none of these costs a few substring tests: the walk runs only where a cell names one.
 """
@@ -48,7 +53,7 @@ from .code import CellCode
 
 #: Words one of whose presence in a cell's text makes the check walk the notebook.
 _MARKERS = ("tensorflow", "keras", "jax", "flax", "lightning", "make_private", "TFTrainer", "torch_xla", "fastai",
-            "rapidfireai", "axolotl")
+            "rapidfireai", "axolotl", "vllm")
 _TF_MODULES = ("tensorflow", "keras", "tf_keras")
 _JAX_MODULES = ("jax", "flax", "optax")
 _LIGHTNING_MODULES = ("pytorch_lightning", "lightning")
@@ -89,12 +94,19 @@ _AXOLOTL_FIX = ("axolotl called in-process trains in this one process: nbddp doe
                 "would train alone). Launch it as axolotl is launched, in a cell of its own: "
                 "`!accelerate launch -m axolotl.cli.train cfg.yml` (or `!axolotl train cfg.yml`); nbddp runs that "
                 "line on every GPU")
+_VLLM_FIX = ("vLLM splits a model over the GPUs itself, from one process: as nbddp's DDP ranks each rank would "
+             "start its own vLLM engine over every GPU. Run this notebook as it is, not under nbddp, with "
+             "`LLM(model=…, tensor_parallel_size=2)` (or data-parallel: one `LLM` per GPU, each in its own process "
+             "with CUDA_VISIBLE_DEVICES set to its GPU); a notebook that also trains: train under nbddp, then "
+             "generate with vLLM in a notebook of its own")
 #: fastai's Learner methods that train.
 _FASTAI_FITS = ("fine_tune", "fit_one_cycle", "fit_flat_cos", "fit_sgdr")
 #: fastai's own distributed training: the notebook distributes itself.
 _FASTAI_DISTRIBUTED = ("distrib_ctx", "to_distributed", "parallel_ctx")
 #: axolotl's in-process entry points.
 _AXOLOTL_TRAINS = ("do_cli", "do_train", "train")
+#: vLLM's calls that start an engine on the GPUs (``LLM(…)``, ``LLMEngine.from_engine_args(…)``).
+_VLLM_ENGINES = ("LLM", "from_engine_args")
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,7 @@ class _Walk:
         self.keras_models: set[str] = set()  # names whose .compile(…) was called (a Keras model)
         self.dpddp = False
         self.bound: dict[str, str] = {}  # a name an import binds → the top-level module it comes from
+        self.vllm_engines: set[str] = set()  # names ``from vllm import LLM [as X]`` binds
         self.learners: set[str] = set()  # names bound to a fastai learner (``vision_learner(…)``, ``Learner(…)``)
         self.fastai_distributed = False  # fastai's own ``distrib_ctx``/``to_distributed`` used
 
@@ -174,6 +187,8 @@ class _Walk:
                 self.bound[alias.asname or alias.name.split(".")[0]] = alias.name.split(".")[0]
         elif node.module:
             self.bound.update((a.asname or a.name, node.module.split(".")[0]) for a in node.names)
+            if node.module.split(".")[0] == "vllm":
+                self.vllm_engines.update(a.asname or a.name for a in node.names if a.name == "LLM")
 
     def _from(self, call: ast.Call) -> str | None:
         """The top-level module of the imported name a call starts from (``xm.xla_device()`` → ``torch_xla``)."""
@@ -211,8 +226,10 @@ class _Walk:
         return self._judge_others(position, call, attr)
 
     def _judge_others(self, position: int, call: ast.Call, attr: str | None) -> _Found | None:
-        """TPU, fastai, RapidFire AI, axolotl in-process."""
+        """TPU, fastai, RapidFire AI, axolotl in-process, vLLM."""
         origin = self._from(call)
+        if origin == "vllm" and (attr in _VLLM_ENGINES or attr in self.vllm_engines):
+            return _Found(position, call.lineno, _VLLM_FIX)
         if origin == "torch_xla":
             return _Found(position, call.lineno, _TPU_FIX)
         if "fastai" in self.imported and not self.fastai_distributed and isinstance(call.func, ast.Attribute) and (
