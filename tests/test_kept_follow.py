@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from nbddp.kept.controller import KeptJob, poll_in_written_order
+from nbddp.kept.controller import KeptJob
+from nbddp.launch.supervise import poll_in_written_order
 from nbddp.launch.supervise import Follower
 
 BAR = "\r  0%|          | 0/4 [00:00<?, ?it/s]\r100%|##########| 4/4 [00:00<00:00, 9.1it/s]\n"

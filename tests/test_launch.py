@@ -57,3 +57,26 @@ def test_terminate_tree_ends_grandchildren_in_their_own_sessions():
     assert time.monotonic() - started < 5
     assert proc.poll() is not None
     assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.e2e
+def test_rank_0s_two_streams_reach_the_view_in_the_order_they_were_written(tmp_path):
+    """An evaluation's bar on stderr, then the metrics printed on stdout 30 ms later (12 times), are shown bar first, even
+    where one poll of the logs finds both (the launcher polled stdout first, so the metrics came before the bar)."""
+    from nbddp.launch import launch
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent('''
+        import sys, time
+        for k in range(12):
+            sys.stderr.write(f"bar {k}\\n"); sys.stderr.flush()
+            time.sleep(0.03)
+            print(f"metrics {k}", flush=True)
+            time.sleep(0.12)
+    '''))
+    seen: list[str] = []
+    result = launch(plan(script, tmp_path / "run", RunOptions(), nproc=1), sink=lambda stream, text: seen.append(text))
+    assert result.returncode == 0
+    shown = "".join(seen)
+    assert [line for line in shown.splitlines() if line.startswith(("bar", "metrics"))] == [
+        f"{what} {k}" for k in range(12) for what in ("bar", "metrics")]

@@ -26,7 +26,6 @@ import psutil
 from ..cells import Cell
 from ..errors import NbddpError
 from ..launch import terminate_tree
-from ..launch.planning import find_rank_log
 from ..launch.supervise import POLL_S, Follower, MetricsReader
 from ..runtime import records
 from ..runtime.kept_protocol import Agree, At, Ended, Failed, Interrupt, Interrupted, Ok, Reply, Stop, Where
@@ -270,19 +269,3 @@ def _complaint(reply: Reply) -> str | None:
         case Interrupted(traceback):
             return traceback
     return ""
-
-
-def poll_in_written_order(followers: list[Follower], final: bool = False) -> None:
-    """Rank 0's stdout and stderr are two files: what one poll finds in both is passed on in the order it was
-    written, the file written last going last (an evaluation's bar on stderr, then the metrics a cell printed
-    on stdout; in the fixed order stdout came first, the bar after the metrics)."""
-    for follower in sorted(followers, key=_last_written):
-        follower.poll(final=final)
-
-
-def _last_written(follower: Follower) -> int:
-    path = follower.path or find_rank_log(follower.log_dir, follower.rank, follower.stream)
-    try:
-        return path.stat().st_mtime_ns if path else 0
-    except OSError:
-        return 0

@@ -20,11 +20,12 @@ from ..errors import JobFailed, JobInterrupted, NbddpError
 from ..guard import guard
 from ..job import JobResult
 from ..launch import RankFailure, RunResult, map_traceback
+from ..launch.supervise import poll_in_written_order
 from ..runtime.kept_protocol import Failed, Interrupted, Ok, Pull, Push, Run, Status
 from ..runtime.sourcemap import read_source_map
 from .cell import convert_kept_cell
 from .changed import refuse_changed
-from .controller import KeptJob, poll_in_written_order
+from .controller import KeptJob
 from .view import CellView
 
 #: The idle limit's default, in minutes: Kaggle counts GPU quota (30 h a week) while a session holds GPUs,

@@ -65,8 +65,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         with _StopSignals() as stop:
             try:
                 while proc.poll() is None:
-                    for f in followers:
-                        f.poll()
+                    poll_in_written_order(followers)
                     metrics.poll()
                     if until is not None and until():
                         kept = True
@@ -89,8 +88,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
                 interrupted = interrupted or bool(held)
                 stop.note(next((h for h in held if h != signal.SIGINT), None))
                 stopped_by = stop.received
-        for f in followers:
-            f.poll(final=True)
+        poll_in_written_order(followers, final=True)
         metrics.poll()
         metrics.add_last_step()
     code = 0 if kept else proc.returncode
@@ -153,8 +151,7 @@ def _kept_after_stop(proc, on_interrupt, until, followers, sink) -> bool:
     deadline = time.monotonic() + KEPT_STOP_WAIT_S
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            for f in followers:
-                f.poll()
+            poll_in_written_order(followers)
             if until():
                 return True
             time.sleep(POLL_S)
@@ -309,6 +306,22 @@ def _signal(p: psutil.Process, sig: int) -> None:
         pass
 
 
+def poll_in_written_order(followers: list, final: bool = False) -> None:
+    """Rank 0's stdout and stderr are two files: what one poll finds in both is passed on in the order it was
+    written, the file written last going last (an evaluation's bar on stderr, then the metrics the notebook
+    printed on stdout; in a fixed order stdout came first, the bar after the metrics). Anything with ``poll``
+    and ``last_written`` follows (the metrics reader too)."""
+    for follower in sorted(followers, key=lambda f: f.last_written()):
+        follower.poll(final=final)
+
+
+def _modified_ns(path: Path | None) -> int:
+    try:
+        return path.stat().st_mtime_ns if path else 0
+    except OSError:
+        return 0
+
+
 class Follower:
     """Follows one rank's log file as it grows and passes new text on, decoding UTF-8 across reads."""
 
@@ -332,6 +345,10 @@ class Follower:
         if text:
             self.sink(self.stream, text)
 
+    def last_written(self) -> int:
+        """When its file was last written (ns), for ``poll_in_written_order``."""
+        return _modified_ns(self.path or find_rank_log(self.log_dir, self.rank, self.stream))
+
 
 class _Notices:
     """Passes on each whole line another process appends to the job's notices (``records.NOTICES_FILE``)."""
@@ -350,6 +367,9 @@ class _Notices:
         self.offset += len(whole)
         if whole:
             self.sink("stderr", whole.decode("utf-8", "replace"))
+
+    def last_written(self) -> int:
+        return _modified_ns(self.path)
 
 
 class MetricsReader:
