@@ -456,3 +456,47 @@ def test_the_estimate_stays_near_the_peaks_a_gpu_measured(peaks_file, shapes, lo
     for peak in peaks:
         ratio = memory_estimate.estimate_for(peak["shape"]).ddp / peak["peak"]
         assert low <= ratio <= high, (peak["shape"], ratio)
+
+
+PREDICTS = '''
+import torch, pandas as pd
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("llama-8b", torch_dtype=torch.float16)
+tok = AutoTokenizer.from_pretrained("llama-8b")
+answers = []
+for prompt in ["a", "b", "c"]:
+    ids = tok(prompt, return_tensors="pt").input_ids
+    answers.append(tok.decode(model.generate(ids, max_new_tokens=8)[0]))
+pd.DataFrame({"answer": answers}).to_csv("submission.csv")
+'''
+
+
+def _settle(source: str, folder, gpus, requested="auto"):
+    converted = convert_cells(cells_from_sources([source]))
+    assert converted.predicts and not converted.trains
+    return strategy.settle(converted, folder, requested, gpu_free=gpus, gpu_count=len(gpus))
+
+
+def test_a_notebook_that_only_predicts_is_sized_for_inference(llama_8b):
+    """An 8B model in 16 bits that only generates needs its weights and a cache, not gradients and AdamW's states:
+    on two 40 GB GPUs each rank holds a replica and predicts its half (it was sized as a full fine-tune, 126 GiB,
+    and sent to split: one process, no faster, told to turn on gradient checkpointing)."""
+    a100 = (int(39 * GiB),) * 2
+    decision = _settle(PREDICTS, llama_8b, a100)
+    assert decision.strategy == "ddp", decision.summary()
+    said = decision.summary()
+    assert "inference" in said and "gradients" not in said and "optimizer" not in said and "fine-tune" not in said
+    assert 15 * GiB < decision.estimate.ddp < 24 * GiB  # the weights are 15 GiB
+
+
+def test_a_prediction_too_big_for_one_gpu_is_split_never_sharded(llama_8b):
+    """On two T4s the 8B model's 15 GiB of weights fit neither: split over both in one process, never FSDP (each
+    rank predicts its own rows, and a sharded model's every forward needs every rank), even where FSDP would fit."""
+    t4 = (int(14.6 * GiB),) * 2
+    decision = _settle(PREDICTS, llama_8b, t4)
+    assert decision.strategy == "split", decision.summary()
+    assert "gradient checkpointing" not in decision.summary()
+    many = _settle(PREDICTS, llama_8b, (int(10 * GiB),) * 8)  # FSDP over 8 would hold 2 GiB of weights a rank
+    assert many.strategy == "split", many.summary()
+    with pytest.raises(NbddpError, match="only predicts.*--strategy split"):
+        _settle(PREDICTS, llama_8b, t4, requested="fsdp")

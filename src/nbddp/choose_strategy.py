@@ -54,6 +54,7 @@ class Estimate:
     world: int
     parts: dict[str, int] = field(default_factory=dict)
     source: str = ""
+    predicting: bool = False  # sized for a notebook that only predicts: FSDP is no choice for it
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class Decision:
         e = self.estimate
         if e:
             parts = ", ".join(f"{name} {_gib(n)}" for name, n in e.parts.items() if n)
-            lines.append(f"nbddp: memory per GPU: ddp {_gib(e.ddp)} ({parts}); fsdp over {e.world} {_gib(e.fsdp)}; "
+            fsdp = "" if e.predicting else f"fsdp over {e.world} {_gib(e.fsdp)}; "
+            lines.append(f"nbddp: memory per GPU: ddp {_gib(e.ddp)} ({parts}); {fsdp}"
                          f"split {_gib(e.split_total)} in all ({e.source})")
         if self.gpu_free:
             lines.append(f"nbddp: GPUs: {len(self.gpu_free)}, smallest free {_gib(min(self.gpu_free))}")
@@ -113,8 +115,9 @@ def read_config(model: str, cwd: str | os.PathLike | None = None) -> dict | None
     return read_json(Path(cached)) if isinstance(cached, str) else None
 
 
-def estimate(shape: JobShape, config: dict, world: int) -> Estimate:
-    """Bytes per rank under DDP and FSDP (over ``world`` ranks), and in all under split."""
+def estimate(shape: JobShape, config: dict, world: int, predicting: bool = False) -> Estimate:
+    """Bytes per rank under DDP and FSDP (over ``world`` ranks), and in all under split; ``predicting``: a
+    notebook that only predicts (``_inference``)."""
     dims = Dims.of(config)
     dtype = shape.dtype if shape.dtype not in (None, "auto") else dims.dtype
     width = _DTYPE_BYTES.get(dtype.replace("torch.", ""), 2)
@@ -123,6 +126,9 @@ def estimate(shape: JobShape, config: dict, world: int) -> Estimate:
     # bitsandbytes leaves embeddings, head and norms unquantized; prepare_model_for_kbit_training casts them to fp32
     weights = int(linear * weight_width + other * (4 if shape.upcast and shape.bits < 16 else width))
     params = linear + other
+    source = f"{params / 1e9:.2f}B parameters, {dtype}" + (f", {shape.bits}-bit" if shape.bits < 16 else "")
+    if predicting:
+        return _inference(dims, shape, weights, min(width, 2), params, world, source)
     if shape.lora_r:
         trainable = dims.lora_params(shape.lora_r, shape.lora_targets)
         train_width = 4  # PEFT keeps adapters in fp32
@@ -142,8 +148,22 @@ def estimate(shape: JobShape, config: dict, world: int) -> Estimate:
     fsdp = sharded // max(world, 1) + 2 * layer + activations + OVERHEAD_BYTES  # two layers gathered at a time
     split_total = weights + adapter + grads + optimizer + activations + OVERHEAD_BYTES * max(world, 1)
     return Estimate(params, trainable, ddp, fsdp, split_total, world, parts,
-                    source=f"{params / 1e9:.2f}B parameters, {dtype}" + (f", {shape.bits}-bit" if shape.bits < 16 else "")
-                    + (f", LoRA r={shape.lora_r}" if shape.lora_r else ", full fine-tune"))
+                    source=source + (f", LoRA r={shape.lora_r}" if shape.lora_r else ", full fine-tune"))
+
+
+def _inference(dims: Dims, shape: JobShape, weights: int, width: int, params: int, world: int, source: str) -> Estimate:
+    """A notebook that only predicts holds its weights, the attention cache of a batch (keys and values of every
+    layer, ``kv_out`` wide) and one layer's tensors at a time (nothing kept for a backward), and the logits of
+    its tokens in the model's width (no loss, so no fp32 copy): no gradients, no optimizer states. Not fitted to measured peaks as training is (the
+    batch and length are the training defaults where the notebook says neither): an upper bound for a loop
+    that generates one prompt at a time. FSDP is never chosen for it (``choose``), so its figure is DDP's."""
+    tokens = shape.batch * (shape.seq_len or 1024)
+    cache = 2 * dims.layers * dims.kv_out * tokens * width
+    activations = (12 * dims.hidden + 4 * dims.intermediate + dims.vocab) * tokens * width
+    parts = {"weights": weights, "attention cache": cache, "activations": activations, "overhead": OVERHEAD_BYTES}
+    ddp = sum(parts.values())
+    split_total = weights + cache + activations + OVERHEAD_BYTES * max(world, 1)
+    return Estimate(params, 0, ddp, ddp, split_total, world, parts, source=source + ", inference", predicting=True)
 
 
 def _activations(dims: Dims, shape: JobShape, width: int) -> int:
@@ -220,6 +240,8 @@ def choose(est: Estimate | None, gpu_free: tuple[int, ...], *, unsloth: bool = F
     if unsloth:
         notes = ("Unsloth's loaders build models FSDP cannot shard (their patched layers and 4-bit kernels "
                  "expect whole weights on one GPU): FSDP is not an option",)
+    elif est.predicting:
+        notes = (PREDICT_NOT_SHARDED,)
     elif len(gpu_free) > 1 and est.fsdp <= room:
         return Decision("fsdp", f"{too_big}; sharded over {len(gpu_free)} GPUs it needs {_gib(est.fsdp)} each",
                         estimate=est, gpu_free=gpu_free)
@@ -227,19 +249,24 @@ def choose(est: Estimate | None, gpu_free: tuple[int, ...], *, unsloth: bool = F
         return Decision("split", f"{too_big}; split over {len(gpu_free)} GPUs in one process it needs "
                         f"{_gib(est.split_total)} in all", estimate=est, gpu_free=gpu_free,
                         notes=notes + (SPLIT_NOTE,))
-    warning = (f"by this estimate nothing fits {len(gpu_free)} GPU(s) (fsdp {_gib(est.fsdp)} a GPU"
-               f"{', not for Unsloth' if unsloth else ''}; split {_gib(est.split_total)} in all): load the model in 4 "
-               "bits, lower the batch size or sequence length, or turn on gradient checkpointing")
+    warning = (f"by this estimate nothing fits {len(gpu_free)} GPU(s) ("
+               + ("" if est.predicting else f"fsdp {_gib(est.fsdp)} a GPU{', not for Unsloth' if unsloth else ''}; ")
+               + f"split {_gib(est.split_total)} in all): load the model in 4 bits, lower the batch size or sequence "
+               + ("length" if est.predicting else "length, or turn on gradient checkpointing"))
     return Decision("split", f"{too_big}; split needs the least per GPU", estimate=est, gpu_free=gpu_free,
                     notes=notes + (warning, SPLIT_NOTE))
 
+
+#: Why a notebook that only predicts is never sharded.
+PREDICT_NOT_SHARDED = ("the notebook only predicts: each rank predicts its own rows, and a model sharded over the "
+                       "ranks (FSDP) needs every rank in each forward, so FSDP is not an option")
 
 SPLIT_NOTE = ("split runs the layers one GPU after another in a single process: slower than one GPU would be "
               "for a model that fits one, and no faster with more GPUs")
 
 
 def decide(source: str | JobShape | ShapeUnread, cwd: str | os.PathLike | None = None, requested: str = "auto",
-           gpu_free: tuple[int, ...] | None = None, gpu_count: int | None = None) -> Decision:
+           gpu_free: tuple[int, ...] | None = None, gpu_count: int | None = None, predicting: bool = False) -> Decision:
     """The strategy a job runs with: ``requested`` itself, checked, or ``auto``'s choice with its estimate.
 
     ``source``: the model's shape the converter read (``Script.shape``), or a script's text to read it from.
@@ -247,7 +274,8 @@ def decide(source: str | JobShape | ShapeUnread, cwd: str | os.PathLike | None =
     person gives it and libraries it does not control: a slip there is not the job's fault. So any exception
     but a refusal (``NbddpError``) falls back: ``auto`` and ``ddp`` to DDP, saying why (``Decision.fallback``);
     another strategy, which needs what failed, is refused naming the cause. ``gpu_free`` and ``gpu_count``: the
-    job's one reading of the machine (``gpus.Machine``); where not given, asked here.
+    job's one reading of the machine (``gpus.Machine``); where not given, asked here. ``predicting``: the
+    notebook only predicts (``Script.predicts``), sized for inference and never sharded.
     """
     if requested not in STRATEGIES:
         raise NbddpError(f"--strategy takes one of {', '.join(STRATEGIES)}, not {requested!r}")
@@ -255,7 +283,7 @@ def decide(source: str | JobShape | ShapeUnread, cwd: str | os.PathLike | None =
         shape = read_shape(source) if isinstance(source, str) else source
         if isinstance(shape, ShapeUnread):
             return _fall_back(requested, shape.why)
-        return _decide(shape, cwd, requested, gpu_free, gpu_count)
+        return _decide(shape, cwd, requested, gpu_free, gpu_count, predicting)
     except NbddpError:
         raise
     except Exception as exc:  # broad on purpose: see the docstring
@@ -270,7 +298,12 @@ def _fall_back(requested: str, why: str) -> Decision:
                      "run with --strategy ddp, and please report this") from None
 
 
-def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | None, gpu_count: int | None) -> Decision:
+def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | None, gpu_count: int | None,
+            predicting: bool) -> Decision:
+    if predicting and requested in ("fsdp", "deepspeed"):
+        raise NbddpError(f"--strategy {requested} cannot run a notebook that only predicts: each rank predicts its "
+                         "own rows, and a model sharded over the ranks needs every rank in each forward; use "
+                         "--strategy split (the model over every GPU in one process) or ddp")
     if requested == "deepspeed" and not _installed("deepspeed"):
         raise NbddpError("--strategy deepspeed needs DeepSpeed, which is not installed here: pip install deepspeed "
                          "(or use --strategy fsdp, which shards the same way with PyTorch alone)")
@@ -281,7 +314,7 @@ def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | No
         raise NbddpError("--strategy fsdp cannot shard a model Unsloth loads (its patched layers and 4-bit kernels "
                          "expect whole weights on one GPU): use --strategy split, or ddp where the model fits one GPU")
     gpus = gpu_free_bytes() if gpu_free is None and requested == "auto" else (gpu_free or ())
-    est, unknown, unreadable = _model_estimate(shape, cwd, max(len(gpus), 2))
+    est, unknown, unreadable = _model_estimate(shape, cwd, max(len(gpus), 2), predicting)
     if requested != "auto":
         notes = (SPLIT_NOTE,) if requested == "split" else ()
         return Decision(requested, "asked for with --strategy", requested, est, tuple(gpus),
@@ -289,7 +322,7 @@ def _decide(shape: JobShape, cwd, requested: str, gpu_free: tuple[int, ...] | No
     return choose(est, tuple(gpus), unsloth=shape.unsloth, why_unknown=unknown)
 
 
-def _model_estimate(shape: JobShape, cwd, world: int) -> tuple[Estimate | None, str, bool]:
+def _model_estimate(shape: JobShape, cwd, world: int, predicting: bool) -> tuple[Estimate | None, str, bool]:
     """The estimate for the script's model, or None with why its size is unknown (and whether its config was
     there but could not be read: a model of a kind or a file this transformers cannot read)."""
     if not shape.model:
@@ -297,7 +330,7 @@ def _model_estimate(shape: JobShape, cwd, world: int) -> tuple[Estimate | None, 
     try:
         config = read_config(shape.model, cwd)
         if config is not None:
-            return estimate(shape, config, world), "", False
+            return estimate(shape, config, world, predicting), "", False
     except SizeUnknown as exc:
         return None, f"the size of {shape.model} is unknown: {printable(str(exc))}", True
     return None, (f"the size of {shape.model} is unknown here (no config.json in its folder or the Hugging Face "
@@ -323,7 +356,8 @@ def settle(script, cwd, requested: str, gpu_free: tuple[int, ...] | None = None,
     ``decide`` on the converter's ``Script.shape``, the decision handed to ``say`` (the launcher shows it), then
     refused where the notebook does what the strategy cannot run (``refuse_what_it_cannot_run``): after the
     choice is said, so a refusal of ``auto``'s choice is read with it."""
-    decision = decide(script.shape, cwd, requested, gpu_free=gpu_free, gpu_count=gpu_count)
+    decision = decide(script.shape, cwd, requested, gpu_free=gpu_free, gpu_count=gpu_count,
+                      predicting=getattr(script, "predicts", False))
     if say is not None:
         say(decision)
     refuse_what_it_cannot_run(decision, script)
