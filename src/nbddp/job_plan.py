@@ -21,6 +21,7 @@ from .convert import Script, convert_cells, convert_notebook
 from .convert.launches import leading_launch
 from .errors import NbddpError
 from .gpus import GiB, Machine, read_machine
+from . import preflight
 from .options import RunOptions
 from .selection import Selection
 
@@ -174,8 +175,21 @@ def plan_job(source: JobSource, options: RunOptions | None = None, *, keep: bool
            else "the ranks are kept up for later cells (--keep)" if not script.trains
            else "the converted notebook on every rank, its training call distributed")
     processes = 1 if decision.strategy == "split" else machine.processes(options.nproc)
+    if not machine.gpus:
+        _check_cpu_memory(processes, decision, say)
     env = {**options.rank_env, "NBDDP_STRATEGY": decision.strategy}
     return JobPlan(job, options, machine, mode, why, processes, env, decision=decision, keep=keep)
+
+
+def _check_cpu_memory(processes: int, decision, say: Callable[[str], None] | None) -> None:
+    """CPU ranks, each with a copy of the model's weights once the notebook says which (the estimate its config
+    gave): refused where they cannot fit the memory available, said where they may not. Before the notebook was
+    converted only torch's own cost a rank was counted (``RunOptions``' check)."""
+    weights = decision.estimate.parts.get("weights", 0) if decision.estimate is not None else 0
+    if weights:
+        for warning in preflight.check_cpu_memory(processes, model_bytes=weights):
+            if say is not None:
+                say(f"nbddp: warning: {warning}")
 
 
 def decide_strategy(script: Script, cwd, requested: str, machine: Machine, say: Callable[[str], None] | None = None):
