@@ -11,6 +11,9 @@ the error it raised: every rank then fails at that line alike, so the kept job s
 interrupts every rank, rank 0 in its block and the others waiting for it, so no rank sends anything then. A
 value goes through ``torch.save``/``torch.load`` (tensors land on the receiving rank's own device); one that
 cannot be sent (an open file) is a stand-in on the other ranks that says so when anything uses it.
+
+A job's script wraps a download before training assigned to names (``path = wget.download(url)``) the same way:
+rank 0 fetches the file once, and the other ranks wait for it and get the path.
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ _RANK0_ACTIONS = frozenset(
 )
 #: Calls that write files another rank may read.
 _WRITES = frozenset("save_pretrained save_model to_csv to_json to_parquet save_to_disk save_file".split())
-#: Calls that read or write shared caches and downloads: dataset preparation.
+#: Calls that read or write shared caches and downloads: dataset preparation. The Hub's downloads lock their cache
+#: and Kaggle's (``kagglehub.*_download``) find it filled: rank 0 first, then each rank gets its own path back.
 _DATA_PREP = frozenset(
-    "load_dataset map filter snapshot_download hf_hub_download dataset_download competition_download".split()
+    "load_dataset map filter snapshot_download hf_hub_download dataset_download competition_download model_download "
+    "notebook_output_download".split()
 )
 
 
@@ -212,16 +214,34 @@ def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None
     ``os.system``/``subprocess`` (``pip install …``) or a download to a file (``urllib.request.urlretrieve``,
     ``wget.download``, ``gdown.download``). Run by every rank they would write the same files at once (a later
     ``from_pretrained("base")`` could read one half written) or install into the same folders together; after
-    the wait every rank finds the files whole. An expression statement only (it binds no name another rank
-    needs), without a collective in it. Model and dataset loaders stay on every rank (``plan_data_prep``)."""
+    the wait every rank finds the files whole. An expression statement (it binds no name another rank needs),
+    or a download assigned to names (``path, _ = urlretrieve(url, "x.csv")``): rank 0 sends those names to the
+    others as it is done (``rank0_sends``); without a collective in it. Model and dataset loaders, and the
+    downloads that fill a cache (the Hub's, Kaggle's), stay on every rank (``plan_data_prep``)."""
     for stmt in top[:first]:
+        if len(stmt.nodes) != 1 or any(is_collective_call(c, facts) for c in stmt.calls):
+            continue
         node = stmt.nodes[0]
-        if len(stmt.nodes) != 1 or not isinstance(node, ast.Expr) or not any(_once(c) for c in stmt.calls):
-            continue
-        if any(is_collective_call(c, facts) for c in stmt.calls):
-            continue
-        facts.shared_saves.add(stmt)
-        facts.rank0.add(stmt)
+        if isinstance(node, ast.Expr) and any(_once(c) for c in stmt.calls):
+            facts.shared_saves.add(stmt)
+            facts.rank0.add(stmt)
+        elif _assigns_to_names(node) and any(_downloads(c) for c in stmt.calls):
+            facts.shared_saves.add(stmt)
+            facts.rank0.add(stmt)
+            facts.rank0_sends[stmt] = sorted(stmt.binds)
+
+
+def _assigns_to_names(node: ast.stmt) -> bool:
+    """``path = …``, ``path, _ = …``, ``a = b = …``, ``path: str = …``: names only, which rank 0 can send (an
+    attribute or an item set on rank 0 alone would be missing on the others)."""
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, ast.AnnAssign) and node.value is not None:
+        targets = [node.target]
+    else:
+        return False
+    return all(isinstance(n, (ast.Name, ast.Tuple, ast.List, ast.Starred, ast.expr_context))
+               for target in targets for n in ast.walk(target))
 
 
 #: Calls that fetch a file from the network into a path.
@@ -235,9 +255,13 @@ _COMMANDS = frozenset({"os.system", "subprocess.run", "subprocess.call", "subpro
 def _once(call: ast.Call) -> bool:
     """A call whose effect the kernel had once: a write, a plot saved, a download, an install."""
     name = dotted_name(call.func) or ""
-    if _writes(call) or last_name(call.func) == "savefig" or name in _DOWNLOADS:
+    if _writes(call) or last_name(call.func) == "savefig" or _downloads(call):
         return True
     return name in _COMMANDS and _installs(call)
+
+
+def _downloads(call: ast.Call) -> bool:
+    return (dotted_name(call.func) or "") in _DOWNLOADS
 
 
 def _installs(call: ast.Call) -> bool:

@@ -23,7 +23,10 @@ class RankZeroRule(BlockRule):
     DDP model, since rank 0 alone cannot run a DDP forward (it would wait for the others); a later block does
     it again only where a statement since rebinds the model (``JobFacts.tail_unwraps``). Before training, a save
     whose files a later statement reads (``save_pretrained("base")``, then ``from_pretrained("base")``) goes
-    under the guard too, followed by ``_nbddp.barrier()``: the other ranks read only complete files.
+    under the guard too, followed by ``_nbddp.barrier()``: the other ranks read only complete files. A download
+    before training assigned to names (``path = wget.download(url)``) goes under the guard inside
+    ``with _nbddp.from_rank0(globals(), "path"):`` instead, as a kept cell's write does: the other ranks wait for
+    rank 0 there and get the names it bound.
     """
 
     # -- where it has work: Python's ast, before libcst reads anything
@@ -52,7 +55,7 @@ class RankZeroRule(BlockRule):
         return False
 
     def block(self, run):
-        if self.statement(run[0]) in self.facts.rank0_sends:
+        if self._sends(run):
             return self._kept_block(run)
         models = self.facts.tail_unwraps.get(self.statement(run[0]), [])
         unwrap = [cst.parse_statement(f"{n} = _nbddp.unwrap({n})\n") for n in models]
@@ -70,29 +73,45 @@ class RankZeroRule(BlockRule):
         return sorted(reads & (self.facts.sharded_loaders | self.facts.helper_loaders))
 
     def after(self, run):
-        if any(self.statement(s) in self.facts.shared_saves for s in run):
+        if any(self.statement(s) in self.facts.shared_saves for s in run) and not self._sends(run):
             return [fixed_statement("_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")]
         return []
+
+    def _sends(self, run) -> bool:
+        """A block whose names rank 0 sends as it ends (a kept cell's write, an assigned download before
+        training): the other ranks wait for that answer, so it needs no barrier after."""
+        return any(self.statement(s) in self.facts.rank0_sends for s in run)
+
+    def _before_training(self, run) -> bool:
+        """A block before training (``shared_saves``) that sends names: a download's, not a kept cell's."""
+        return any(self.statement(s) in self.facts.shared_saves for s in run)
 
     def _kept_names(self, run) -> list[str]:
         return sorted({n for s in run for n in self.facts.rank0_sends.get(self.statement(s), ())})
 
     def _kept_block(self, run):
-        """A kept ``%%ddp`` cell's write: rank 0 runs it, and as the block ends the names it binds (or its
-        error) reach every rank (``runtime/from_rank0.py``), so the next cell finds them on every rank."""
+        """A kept ``%%ddp`` cell's write, or a download before training assigned to names: rank 0 runs it, and as
+        the block ends the names it binds (or its error) reach every rank (``runtime/from_rank0.py``), so the
+        next cell finds them on every rank."""
         names = self._kept_names(run)
         sent = f"; {', '.join(names)} sent to every rank" if names else ""
         guard = cst.If(test=fixed_expression(MAIN_PROCESS_EXPR), body=cst.IndentedBlock(body=self.inside(run)))
-        unwraps = self.facts.kept_unwraps
+        download = self._before_training(run)
+        unwraps = [] if download else self.facts.kept_unwraps  # before training nothing is wrapped yet
         context = ", ".join(["globals()", *(repr(n) for n in names)]
                             + ([f"unwrapped={tuple(unwraps)!r}"] if unwraps else []))
+        what = "downloads" if download else "writes or pushes"
         header = cst.TrailingWhitespace(whitespace=cst.SimpleWhitespace("  "),
-                                        comment=cst.Comment(f"# [nbddp] it writes or pushes: once, on rank 0{sent}"))
+                                        comment=cst.Comment(f"# [nbddp] it {what}: once, on rank 0{sent}"))
         return cst.With(items=[cst.WithItem(item=fixed_expression(f"{KEPT_EXPR}({context})"))],
                         body=cst.IndentedBlock(body=[guard], header=header))
 
     def message(self, run) -> str:
-        if self.statement(run[0]) in self.facts.rank0_sends:
+        if self._sends(run) and self._before_training(run):
+            names = ", ".join(self._kept_names(run))
+            return (f"runs on rank 0 only, once as in the kernel; the other ranks wait for it, then get {names} from "
+                    "rank 0 (what it downloads is whole before any rank goes on)")
+        if self._sends(run):
             names = self._kept_names(run)
             sent = f", then {', '.join(names)} sent from rank 0 to every rank" if names else ""
             return (f"runs on rank 0 only, as it writes or pushes{sent} (in a kept job the other statements run on "

@@ -1,0 +1,164 @@
+"""A download before training whose result the notebook keeps (``path = wget.download(url)``): the kernel fetched
+the file once, so the job's script fetches it once, on rank 0, and the other ranks wait for it and get the names
+it bound (the path) from rank 0 (``runtime/from_rank0.py``). Run by every rank, both would write the same file at
+once (``wget`` even writes ``x (1).csv`` on the second)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import write_notebook
+from nbddp.convert.code import CellCode
+from nbddp.convert.engine.plan import plan_cell
+from nbddp.convert.engine.rewrite import rewrite as rewrite_cell
+from nbddp.convert.facts import gather_facts
+from nbddp.convert.rules import RULES
+
+TRAIN = "trainer = Trainer(model=model)\ntrainer.train()\n"
+
+
+@pytest.fixture(params=["checks", "every statement"])
+def rewrite(request):
+    """Cells (dedented) through the rules: the new sources and the ``(rule, line, message)`` changes."""
+
+    def run(*cells):
+        codes = [CellCode.read(textwrap.dedent(c), position=i) for i, c in enumerate(cells)]
+        facts = gather_facts(codes)
+        out, changes = [], []
+        for code in codes:
+            plan = plan_cell(code, facts, RULES, every_statement=request.param != "checks")
+            new, ch = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
+            out.append(new)
+            changes += ch
+        return out, changes
+
+    return run
+
+
+def sent(names: str, *body: str) -> str:
+    """A download's rank-0 block: rank 0 runs ``body``, and the names it binds reach the other ranks as it ends."""
+    quoted = ", ".join(repr(n) for n in names.split(", "))
+    return (f"with _nbddp.from_rank0(globals(), {quoted}):  # [nbddp] it downloads: once, on rank 0; {names} sent "
+            "to every rank\n    if _nbddp.on_rank0():\n" + "".join(f"        {line}\n" for line in body))
+
+
+@pytest.mark.parametrize(("download", "names"), [
+    ("path = wget.download(url)", "path"),
+    ("path, _ = urllib.request.urlretrieve(url, 'x.csv')", "_, path"),
+    ("(path, headers) = urlretrieve(url, filename='x.csv')", "headers, path"),
+    ("f = gdown.download(url, 'w.pt', quiet=False)", "f"),
+    ("path: str = wget.download(url, out='data')", "path"),
+    ("first = second = request.urlretrieve(url, 'x.csv')[0]", "first, second"),
+])
+def test_an_assigned_download_before_training_runs_on_rank_0_and_every_rank_gets_what_it_binds(rewrite, download,
+                                                                                                 names):
+    (code, _), changes = rewrite(download + "\n", TRAIN)
+    assert code == sent(names, download)
+    assert "barrier" not in code  # the other ranks wait for rank 0's answer already
+    assert any(rule == "rank0" and line == 1 and message == (
+        f"runs on rank 0 only, once as in the kernel; the other ranks wait for it, then get {names} from rank 0 "
+        "(what it downloads is whole before any rank goes on)") for rule, line, message in changes)
+
+
+def test_a_download_and_a_save_side_by_side_are_one_block_whose_end_every_rank_waits_for(rewrite):
+    cells = ("urllib.request.urlretrieve(url, 'a.csv')\npath = wget.download(url2)\n", TRAIN)
+    (code, _), _ = rewrite(*cells)
+    assert code == sent("path", "urllib.request.urlretrieve(url, 'a.csv')", "path = wget.download(url2)")
+
+
+def test_an_expression_download_keeps_its_barrier(rewrite):
+    (code, _), _ = rewrite("urllib.request.urlretrieve(url, 'a.csv')\n", TRAIN)
+    assert code == ("if _nbddp.on_rank0():\n    urllib.request.urlretrieve(url, 'a.csv')\n"
+                    "_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")
+
+
+@pytest.mark.parametrize("download", [
+    "config.path = wget.download(url)",  # an object's attribute: rank 0 alone would hold it
+    "paths[0] = wget.download(url)",
+    "path = (wget.download(url), dist.barrier())[0]",  # a collective in it: every rank must run it
+    "path = helper.download(url)",  # not a download nbddp knows
+])
+def test_other_assigned_downloads_stay_on_every_rank(rewrite, download):
+    (code, _), _ = rewrite(download + "\n", TRAIN)
+    assert code == download + "\n"
+
+
+@pytest.mark.parametrize("download", [
+    "local = hf_hub_download(repo_id='me/data', filename='train.csv')",
+    "folder = snapshot_download('me/model')",
+    "p = kagglehub.dataset_download('me/data')",
+    "p = kagglehub.competition_download('titanic')",
+    "p = kagglehub.model_download('google/gemma/transformers/2b')",
+    "p = kagglehub.notebook_output_download('me/notebook')",
+])
+def test_cache_downloads_run_on_every_rank_main_process_first(rewrite, download):
+    """The Hub's and Kaggle's downloads fill a cache: rank 0 downloads first, then each rank finds it there and
+    gets its own path back (its node's, not rank 0's)."""
+    (code, _), _ = rewrite(download + "\n", TRAIN)
+    assert code == f"with _nbddp.main_process_first():\n    {download}\n"
+
+
+def test_a_download_after_training_stays_on_rank_0_as_the_tail_does(rewrite):
+    (_, code), _ = rewrite(TRAIN, "path = wget.download(url)\n")
+    assert code == "if _nbddp.on_rank0():\n    path = wget.download(url)\n"
+
+
+# ------------------------------------------------------------------ on two gloo ranks
+
+#: Every call of ``urllib.request.urlretrieve`` appends the rank that made it to ``fetches.txt``.
+COUNTED = (
+    "import json, os, urllib.request\nimport torch\nfrom torch import nn\n"
+    "from torch.utils.data import DataLoader, TensorDataset\n"
+    "fetch = urllib.request.urlretrieve\n"
+    "def counted(url, filename=None):\n"
+    "    with open('fetches.txt', 'a') as fh:\n"
+    "        fh.write(os.environ.get('RANK', 'kernel') + '\\n')\n"
+    "    return fetch(url, filename)\n"
+    "urllib.request.urlretrieve = counted"
+)
+READ = (
+    "rows = [[float(v) for v in line.split(',')] for line in open(path).read().split()]\n"
+    "with open(f\"got-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "    json.dump({'path': path, 'rows': len(rows)}, fh)\n"
+    "table = torch.tensor(rows)\n"
+    "loader = DataLoader(TensorDataset(table[:, :2], table[:, 2:]), batch_size=4, shuffle=True)\n"
+    "torch.manual_seed(0)\nmodel = nn.Linear(2, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.05)"
+)
+TRAIN_LOOP = (
+    "for epoch in range(2):\n"
+    "    for xb, yb in loader:\n"
+    "        loss = ((model(xb) - yb) ** 2).mean()\n"
+    "        optimizer.zero_grad()\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "    with open(f\"weights-{os.environ['RANK']}.json\", 'w') as fh:\n"
+    "        json.dump([p.tolist() for p in model.parameters()], fh)"
+)
+
+
+@pytest.mark.e2e
+def test_a_download_whose_path_every_rank_reads_is_fetched_once_and_trains_on_every_rank(tmp_path):
+    from nbddp.job import run_job
+    from nbddp.options import RunOptions
+    from views import Said
+
+    source = tmp_path / "source.csv"
+    source.write_text("".join(f"{i},{i % 3},{2 * i - (i % 3)}\n" for i in range(16)))
+    nb = write_notebook(tmp_path / "nb.ipynb", [
+        COUNTED,
+        f"path, headers = urllib.request.urlretrieve({source.as_uri()!r}, 'data.csv')",
+        READ,
+        TRAIN_LOOP,
+    ])
+    chunks: list[str] = []
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
+    assert job.run.ok, ("".join(chunks)[-3000:], job.run.failure)
+    assert (tmp_path / "fetches.txt").read_text() == "0\n"  # fetched once, by rank 0
+    got = [json.loads((tmp_path / f"got-{rank}.json").read_text()) for rank in (0, 1)]
+    assert got == [{"path": "data.csv", "rows": 16}] * 2  # every rank got the path, and read the whole file
+    weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]
+    assert weights[0] == weights[1]  # trained together on it
+    assert "with _nbddp.from_rank0(globals(), 'headers', 'path'):" in job.script.text
