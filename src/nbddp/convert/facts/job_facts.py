@@ -70,7 +70,8 @@ class JobFacts:
     #: top-level statements after the first training call that run on rank 0 only
     rank0: set[Statement] = field(default_factory=set)
     #: rank-0 statements before the first training call that write files a later statement reads: the other
-    #: ranks wait for them (a barrier after), a subset of ``rank0``
+    #: ranks wait for them (a barrier after, or the wait in ``from_rank0`` for an assigned download, whose names
+    #: are in ``rank0_sends``), a subset of ``rank0``
     shared_saves: set[Statement] = field(default_factory=set)
     #: rank-0 statements after the last training call (the tail), a subset of ``rank0``
     tail: set[Statement] = field(default_factory=set)
