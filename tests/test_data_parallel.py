@@ -38,12 +38,28 @@ NOTEBOOK = [
 
 
 def test_data_parallel_trains_as_ddp_on_disjoint_rows(tmp_path):
+    text = _trains_as_ddp_on_disjoint_rows(tmp_path, NOTEBOOK)
+    assert "nn.DataParallel(" not in text and "_nbddp.data_parallel(model, device_ids=" in text
+
+
+#: The same notebook with DataParallel under a name of its own, bound in an earlier cell (``DP = nn.DataParallel``).
+ALIASED = [NOTEBOOK[0] + "\nDP = nn.DataParallel", NOTEBOOK[1],
+           NOTEBOOK[2].replace("nn.DataParallel(model,", "DP(model,"), *NOTEBOOK[3:]]
+
+
+def test_data_parallel_under_an_alias_trains_as_ddp_on_disjoint_rows(tmp_path):
+    assert "model = DP(model, device_ids=" in ALIASED[2]
+    text = _trains_as_ddp_on_disjoint_rows(tmp_path, ALIASED)
+    assert "DP(model" not in text and "_nbddp.data_parallel(model, device_ids=" in text
+
+
+def _trains_as_ddp_on_disjoint_rows(tmp_path, cells) -> str:
+    """Run the notebook on two gloo ranks; check each trained its own rows into one model; the script's code."""
     chunks = []
-    job = run_job(write_notebook(tmp_path / "dp.ipynb", NOTEBOOK),
+    job = run_job(write_notebook(tmp_path / "dp.ipynb", cells),
                   RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
     out = "".join(chunks)
     text = "\n".join(line for line in job.script.text.splitlines() if not line.lstrip().startswith("#"))
-    assert "nn.DataParallel(" not in text and "_nbddp.data_parallel(model, device_ids=" in text
     assert job.run.ok, out[-3000:]
     batches = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
     # the kernel's step was 4 * 2 GPUs = 8 rows; each rank takes 4 of them (its device_count() is 1), not 8
@@ -54,6 +70,7 @@ def test_data_parallel_trains_as_ddp_on_disjoint_rows(tmp_path):
     weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]
     assert weights[0] == weights[1]  # averaged gradients: one model
     assert "saved keys ['module.fc.bias', 'module.fc.weight']" in out  # DataParallel's keys, as in the kernel
+    return text
 
 
 ACCELERATE_HELPER = [
