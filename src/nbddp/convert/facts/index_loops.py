@@ -1,17 +1,19 @@
 """Facts about training loops fed without a DataLoader: the loop over batch positions that slices tensors by
 index (``for i in range(0, len(X), bs): xb = X[perm[i:i+bs]]``) and the loop over a list of samples
 (``for x, y in samples:``). Every rank would train on the same rows; ``rules/shard_loop.py`` gives each rank
-its own share of the loop's steps."""
+its own share of the loop's steps. And the full-batch loop (``for epoch in range(n): model(X_train)``), which
+has no steps to share out: ``rules/full_batch.py`` refuses it before launch."""
 
 from __future__ import annotations
 
 import ast
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from ..ast_helpers import last_name
+from ..ast_helpers import compound_bodies, dotted_name, is_compound, is_dead_if, last_name
 from .loaders import loader_name
 
 if TYPE_CHECKING:
+    from ..code import Statement
     from .job_facts import JobFacts
 
 #: What the kinds of loop become: the runtime helper taking this rank's share of the steps.
@@ -96,3 +98,138 @@ def _a_loader(name: str, facts: JobFacts) -> bool:
              | facts.accelerate_prepared)
     lowered = name.lower()
     return name in known or "loader" in lowered or lowered.endswith(("dl", "_dl")) or "iter" in lowered
+
+
+# -- full-batch loops: every step trains on the same whole tensors
+
+#: Tensor methods that give the same rows back (a full tensor moved or cast is still the full tensor).
+_SAME_ROWS = frozenset({"to", "cuda", "cpu", "float", "double", "half", "long", "int", "bfloat16", "contiguous"})
+
+
+def full_batch_loops(stmt: Statement, facts: JobFacts, binding: Callable[[str], Statement | None]
+                     ) -> list[tuple[int, int, list[str]]]:
+    """(cell position, line, the tensors fed whole) of each loop of a top-level statement that trains a DDP
+    model on whole tensors at every step, outside function and class bodies.
+
+    Only where certain: the innermost loop holding ``backward()`` over ``range(…)`` (not shardable: its
+    variable feeds no slice) calls the model itself, and every argument of each such call (outside ``no_grad``)
+    is a name or attribute bound at the top level before the statement, not inside it, not a loader, and bound
+    by a statement (``binding``: the last one binding a name before ``stmt``) that takes no batch from a loader
+    and reads no rank. A helper that trains, indices drawn each step, a batch of a loader, a function's own
+    parameters: left alone (the runtime's first-batches check stays the net behind this one).
+    """
+    if not facts.plain_loop or facts.self_distributed or not facts.ddp_models:
+        return []
+    inside = _bound_in(stmt.nodes)
+    found = []
+    for loop in _loops(stmt.nodes):
+        fed = _fed_whole(loop, facts, inside, binding)
+        if fed:
+            found.append((stmt.cell.position, loop.lineno, fed))
+    return found
+
+
+def _loops(body: list[ast.stmt]):
+    """The ``for`` loops of a block, nested ones too, outside function and class bodies and ``if False:``."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or is_dead_if(node):
+            continue
+        if isinstance(node, ast.For):
+            yield node
+        if is_compound(node):
+            for inner in compound_bodies(node):
+                yield from _loops(inner)
+
+
+def _fed_whole(loop: ast.For, facts: JobFacts, inside: set[str], binding) -> list[str] | None:
+    """The tensors a full-batch loop feeds its model whole (its targets after them), or None for any other loop."""
+    if not _trains_innermost(loop, facts) or shardable_loop(loop, facts) is not None:
+        return None
+    ranged = _unwrapped(loop.iter)
+    if not (_is_range(ranged) or isinstance(ranged, ast.Call) and last_name(ranged.func) == "trange"):
+        return None
+    steps = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    if any(isinstance(n, ast.Subscript) and _uses_any(steps, n.slice) for s in loop.body for n in ast.walk(s)):
+        return None  # the loop's variable picks rows
+    forwards = [c for c in _training_calls(loop.body) if isinstance(c.func, ast.Name) and c.func.id in facts.ddp_models]
+    if not forwards:
+        return None
+    fed: list[str] = []
+    for call in forwards:
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            whole = _whole_tensor(arg)
+            if whole is None or not _bound_whole(whole.partition(".")[0], facts, inside, binding):
+                return None
+            fed.append(whole)
+    targets = [t for t in _targets(loop, forwards) if _bound_whole(t.partition(".")[0], facts, inside, binding)]
+    return list(dict.fromkeys(fed + targets))
+
+
+def _training_calls(body: list[ast.stmt]) -> list[ast.Call]:
+    """The calls of a loop's body outside function bodies, lambdas and ``no_grad``/``inference_mode`` blocks
+    (an evaluation inside the epoch loop), in source order."""
+    found: list[ast.Call] = []
+    todo: list[ast.AST] = list(reversed(body))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) or is_dead_if(node):
+            continue
+        if isinstance(node, ast.With) and any(last_name(i.context_expr.func if isinstance(i.context_expr, ast.Call)
+                                                        else i.context_expr) in ("no_grad", "inference_mode")
+                                              for i in node.items):
+            continue
+        if isinstance(node, ast.Call):
+            found.append(node)
+        todo.extend(reversed(list(ast.iter_child_nodes(node))))
+    return found
+
+
+def _whole_tensor(arg: ast.AST) -> str | None:
+    """``X_train``, ``data.x``, ``X_train.to(device)`` → the dotted name it reads whole; None for anything else."""
+    while isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr in _SAME_ROWS:
+        arg = arg.func.value
+    return dotted_name(arg)
+
+
+def _targets(loop: ast.For, forwards: list[ast.Call]) -> list[str]:
+    """The names beside the forward's output in the loss (``crit(out, y_train)``, ``(model(X) - y) ** 2``; ``out``
+    bound to anything computed from the forward, ``model(X).squeeze()``)."""
+    outputs = {t.id for s in loop.body for n in ast.walk(s) if isinstance(n, ast.Assign)
+               and any(c in forwards for c in ast.walk(n.value)) for t in n.targets if isinstance(t, ast.Name)}
+    found = []
+    for node in (n for s in loop.body for n in ast.walk(s)):
+        if isinstance(node, ast.Call) and node not in forwards:
+            operands = list(node.args)
+        elif isinstance(node, ast.BinOp):
+            operands = [node.left, node.right]
+        else:
+            continue
+        if any(o in forwards or isinstance(o, ast.Name) and o.id in outputs for o in operands):
+            found += [name for o in operands if o not in forwards and (name := _whole_tensor(o))
+                      and name.partition(".")[0] not in outputs]
+    return found
+
+
+def _bound_whole(name: str, facts: JobFacts, inside: set[str], binding) -> bool:
+    """``name`` holds the same whole data on every rank: bound at the top level before the loop's statement, by a
+    statement that takes no batch of a loader and reads no rank, and not a loader itself."""
+    if name in inside or name not in facts.module_names or _a_loader(name, facts) or name in facts.ddp_models:
+        return False
+    stmt = binding(name)
+    if stmt is None or any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) for n in stmt.nodes):
+        return False
+    read = {n.id for node in stmt.nodes for n in ast.walk(node) if isinstance(n, ast.Name)}
+    called = {last_name(c.func) for c in stmt.calls}
+    return not ({"next", "iter"} & called or any(_a_loader(n, facts) for n in read)
+                or any("rank" in n.lower() or "world_size" in n.lower() for n in read | called if n))
+
+
+def _bound_in(body: list[ast.stmt]) -> set[str]:
+    """Every name a statement binds anywhere in it (an epoch loop's own variables, a batch an outer loop takes)."""
+    return {n.id for node in body for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} \
+        | {a.arg for node in body for n in ast.walk(node) if isinstance(n, ast.arguments)
+           for a in [*n.posonlyargs, *n.args, *n.kwonlyargs]}
+
+
+def _uses_any(names: set[str], expr: ast.AST) -> bool:
+    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(expr))

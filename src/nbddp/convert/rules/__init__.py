@@ -17,6 +17,7 @@ from .ddp_wrap import DDPWrapRule
 from .device import DeviceRule
 from .device_count import DeviceCountRule
 from .device_map import DeviceMapRule
+from .full_batch import FullBatchRule
 from .launcher import LauncherRule
 from .loop_output import LoopOutputRule
 from .main_process_first import MainProcessFirstRule
@@ -45,6 +46,7 @@ RULES: tuple[type[Rule], ...] = (
     DistributedSamplerRule,
     SetEpochRule,
     ShardLoopRule,
+    FullBatchRule,
     UnwrapRule,
     AccelerateHandoffRule,
     LauncherRule,
