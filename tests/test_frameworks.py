@@ -250,3 +250,21 @@ def test_vllm_is_refused_before_any_process_even_on_every_rank(tmp_path, noteboo
     with pytest.raises(CellError, match="cell 2, line 1"):
         job.run_job(path, RunOptions(runs_dir=tmp_path / "runs", nproc=2, every_rank=True))
     assert not (tmp_path / "runs").exists()
+
+
+TRL_TRAINING = ("from trl import SFTTrainer, SFTConfig\n",
+                "trainer = SFTTrainer(model=model, args=SFTConfig(output_dir='out'), train_dataset=ds)\n"
+                "model.train()\ntrainer.train()\n")
+
+
+def test_vllm_after_the_last_training_runs_on_rank_0_alone():
+    # TRL's notebooks try the merged model with vLLM once trained: that code is rank 0's, one engine
+    script = convert(*TRL_TRAINING, "from vllm import LLM, SamplingParams\n"
+                     "llm = LLM(model='out-merged')\nprint(llm.generate(['Hi'], SamplingParams(max_tokens=8)))\n")
+    assert "if _nbddp.on_rank0():\n    from vllm import LLM, SamplingParams\n    llm = LLM(model='out-merged')" in script.text
+
+
+def test_vllm_before_the_training_is_refused():
+    # synthetic data generated with vLLM, then trained on: the engine would start on every rank
+    error = refusal("from vllm import LLM\nllm = LLM(model='teacher')\nds = make(llm.generate(prompts))\n", *TRL_TRAINING)
+    assert (error.cell, error.line) == (1, 2) and "vLLM" in str(error)

@@ -36,7 +36,9 @@ process starts:
   every GPU it is given from one process (``tensor_parallel_size``); as DDP ranks each rank would start its own
   engine over every GPU (or, in a prediction loop, split the prompts between engines that fight over the same
   GPUs). Refused at that call with vLLM's own recipe: run the notebook as it is with
-  ``tensor_parallel_size=2``, or one ``LLM`` per GPU in a process of its own.
+  ``tensor_parallel_size=2``, or one ``LLM`` per GPU in a process of its own. Not where the call comes after the
+  notebook's last training (a trainer's ``.train()``, ``unsloth_train``, a ``backward``): code there runs on rank
+  0 alone, as TRL's notebooks try their merged model after training.
 
 A notebook that imports none of these costs a few substring tests: the walk runs only where a cell names one.
 """
@@ -145,6 +147,8 @@ class _Walk:
         self.vllm_engines: set[str] = set()  # names ``from vllm import LLM [as X]`` binds
         self.learners: set[str] = set()  # names bound to a fastai learner (``vision_learner(…)``, ``Learner(…)``)
         self.fastai_distributed = False  # fastai's own ``distrib_ctx``/``to_distributed`` used
+        self.trainers: set[str] = set()  # names bound to a ``…Trainer(…)`` (HF, TRL), whose ``.train()`` trains
+        self.last_training = (-1, -1)  # (cell position, line) of the last training call seen: rank 0 runs what follows
 
     def first(self) -> _Found | None:
         for code in self.codes:
@@ -156,10 +160,14 @@ class _Walk:
                     made = last_name(node.value.func) or ""
                     if made == "Learner" or made.endswith("_learner"):
                         self.learners.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                    if made.endswith("Trainer"):
+                        self.trainers.update(t.id for t in node.targets if isinstance(t, ast.Name))
         calls = [(code.position, node) for code in self.codes for node in ast.walk(code.tree)
                  if isinstance(node, ast.Call)]
-        for _, call in calls:
+        for position, call in calls:
             self._note(call)
+            if self._trains(call):
+                self.last_training = max(self.last_training, (position, call.lineno))
         found = [f for position, call in calls if (f := self._judge(position, call)) is not None]
         return min(found, key=lambda f: (f.position, f.line), default=None)
 
@@ -207,6 +215,13 @@ class _Walk:
         if last_name(func) in _FASTAI_DISTRIBUTED:
             self.fastai_distributed = True
 
+    def _trains(self, call: ast.Call) -> bool:
+        """A trainer's ``.train()``, ``unsloth_train(…)``, a ``backward()``: where nbddp's rank-0 code begins after."""
+        owner = call.func.value if isinstance(call.func, ast.Attribute) else None
+        attr = last_name(call.func)
+        return attr in ("backward", "unsloth_train") or (
+            attr == "train" and isinstance(owner, ast.Name) and owner.id in self.trainers)
+
     def _judge(self, position: int, call: ast.Call) -> _Found | None:
         name, attr = dotted_name(call.func) or "", last_name(call.func)
         if self.imported.intersection(_TF_MODULES):
@@ -228,7 +243,8 @@ class _Walk:
     def _judge_others(self, position: int, call: ast.Call, attr: str | None) -> _Found | None:
         """TPU, fastai, RapidFire AI, axolotl in-process, vLLM."""
         origin = self._from(call)
-        if origin == "vllm" and (attr in _VLLM_ENGINES or attr in self.vllm_engines):
+        if origin == "vllm" and (attr in _VLLM_ENGINES or attr in self.vllm_engines) \
+                and not (self.last_training[0] >= 0 and self.last_training < (position, call.lineno)):
             return _Found(position, call.lineno, _VLLM_FIX)
         if origin == "torch_xla":
             return _Found(position, call.lineno, _TPU_FIX)
