@@ -45,6 +45,9 @@ class Machine:
     gpus: int
     free_bytes: tuple[int, ...] = ()
     memory_read: bool = field(default=True, compare=False)  # of the reading, not of the machine
+    #: the machine the job runs on is this one (not so for the Kaggle export's accelerator): its host memory is
+    #: the one CPU ranks are checked against
+    here: bool = field(default=True, compare=False)
 
     def processes(self, requested: int | None = None) -> int:
         """How many processes a job starts: ``requested`` (``--nproc``), else one per GPU, else two (CPU, gloo).

@@ -175,7 +175,7 @@ def plan_job(source: JobSource, options: RunOptions | None = None, *, keep: bool
            else "the ranks are kept up for later cells (--keep)" if not script.trains
            else "the converted notebook on every rank, its training call distributed")
     processes = 1 if decision.strategy == "split" else machine.processes(options.nproc)
-    if not machine.gpus:
+    if not machine.gpus and machine.here:
         _check_cpu_memory(processes, decision, say)
     env = {**options.rank_env, "NBDDP_STRATEGY": decision.strategy}
     return JobPlan(job, options, machine, mode, why, processes, env, decision=decision, keep=keep)

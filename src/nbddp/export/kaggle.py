@@ -259,7 +259,7 @@ def export_kaggle(
     check_processes(nproc, gpus=len(free), cores=KAGGLE_CPU_CORES)
     script = convert_cells(cells, origin=notebook.name, skip_bad_cells=options.skip_bad_cells)
     job = Job(script, notebook.resolve().parent, notebook.stem)
-    plan = plan_job(job, options, machine=Machine(len(free), free))  # on the accelerator's GPUs
+    plan = plan_job(job, options, machine=Machine(len(free), free, here=False))  # on the accelerator's GPUs
     _refuse_launched(plan)
     decision = plan.decision
     launcher = _LAUNCHER.format(
