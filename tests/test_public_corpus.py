@@ -54,6 +54,10 @@ REFUSED = {
     "opacus/building_image_classifier.ipynb": "cell 28, line 5: Opacus",
     # a Kaggle TPU notebook (issue 39): refused before anything runs, at its first torch_xla call
     "pytorch_xla/distributed-pytorch-xla-basics-with-pjrt.ipynb": "cell 10, line 5: TPU notebooks are out of scope",
+    # the course's full-batch loops (``model_0(X_train)`` every epoch, no batches): every rank would train on every
+    # row, stopped before launch (issue 39; the runtime's first-batches check stopped them after launch before)
+    "pytorch_dl/01_pytorch_workflow.ipynb": "cell 40, line 11: this loop trains on all of X_train",
+    "pytorch_dl/02_pytorch_classification.ipynb": "cell 52, line 11: this loop trains on all of X_train",
 }
 
 #: A refusal that names the Python version a cell needs (issue 18, item 10).
