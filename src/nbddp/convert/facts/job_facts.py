@@ -130,6 +130,9 @@ class JobFacts:
     #: plain loops that train on a whole tensor at every step (no batches to share out): where each is refused,
     #: as (cell position, line of its cleaned code, the tensor names it feeds whole) (``facts/index_loops.py``)
     full_batch_loops: list = field(default_factory=list)
+    #: what a rule reads across the cells of this conversion, by the rule's name (the planner asks a rule about
+    #: the cells in order, so a rule can follow the names bound above a call: ``data_parallel``, ``full_batch``)
+    rule_state: dict[str, object] = field(default_factory=dict)
     whole_model_saves: list[tuple[int, int]] = field(default_factory=list)
     rank0_forwards: list[tuple[int, int]] = field(default_factory=list)
 

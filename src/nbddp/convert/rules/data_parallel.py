@@ -139,8 +139,7 @@ class _Names:
 
 
 def _names(facts: JobFacts) -> _Names:
-    # kept with the notebook's facts, for this conversion only (JobFacts has no field of its own for it)
-    return vars(facts).setdefault("_data_parallel_names", _Names())
+    return facts.rule_state.setdefault(DataParallelRule.name, _Names())
 
 
 def _spellings(nodes: list[ast.stmt], env: dict[str, str | None]) -> frozenset[str]:

@@ -87,5 +87,4 @@ class _Seen:
 
 
 def _seen(facts: JobFacts) -> _Seen:
-    # kept with the notebook's facts, for this conversion only (JobFacts has no field of its own for it)
-    return vars(facts).setdefault("_full_batch_seen", _Seen())
+    return facts.rule_state.setdefault(FullBatchRule.name, _Seen())
