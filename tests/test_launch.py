@@ -80,3 +80,22 @@ def test_rank_0s_two_streams_reach_the_view_in_the_order_they_were_written(tmp_p
     shown = "".join(seen)
     assert [line for line in shown.splitlines() if line.startswith(("bar", "metrics"))] == [
         f"{what} {k}" for k in range(12) for what in ("bar", "metrics")]
+
+
+def test_a_kept_jobs_stop_follows_the_logs_and_the_metrics_until_the_ranks_are_kept(tmp_path):
+    """A kept job's Stop (``_kept_after_stop``) polls rank 0's logs and the metrics as it waits: the metrics reader
+    is no log file, and a record it finds reaches the view too."""
+    from types import SimpleNamespace
+
+    from nbddp.launch.supervise import Follower, MetricsReader, _kept_after_stop
+
+    logs = tmp_path / "logs"
+    seen, records = [], []
+    followers = [Follower(logs, 0, stream, lambda stream, text: seen.append(text)) for stream in ("stdout", "stderr")]
+    metrics_path = tmp_path / "metrics.jsonl"
+    metrics_path.write_text('{"event": "step", "step": 3}\n')
+    metrics = MetricsReader(metrics_path, records.append)
+    running = SimpleNamespace(poll=lambda: None)  # torchrun, still up
+    kept = _kept_after_stop(running, lambda: None, lambda: bool(records), followers, metrics, lambda *_: None)
+    assert kept
+    assert records == [{"event": "step", "step": 3}]

@@ -77,7 +77,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
             except KeyboardInterrupt:
                 interrupted = True
                 if on_interrupt is not None and until is not None:
-                    kept = _kept_after_stop(proc, on_interrupt, until, [*followers, metrics], sink)
+                    kept = _kept_after_stop(proc, on_interrupt, until, followers, metrics, sink)
             finally:
                 stop.waiting = False  # from here a stop signal is only noted
                 with _interrupts_held() as held:
@@ -142,7 +142,7 @@ def _say_if_full(run_dir: Path, sink: Sink) -> None:
 KEPT_STOP_WAIT_S = 60.0
 
 
-def _kept_after_stop(proc, on_interrupt, until, followers, sink) -> bool:
+def _kept_after_stop(proc, on_interrupt, until, followers, metrics, sink) -> bool:
     """A kept job's Stop: the ranks are asked to stop their training at a step (``on_interrupt``) and the wait
     goes on for them; True once every rank is kept (``until``), False on a second Ctrl-C, the ranks' exit or
     ``KEPT_STOP_WAIT_S`` passing (the job is then stopped as any)."""
@@ -152,6 +152,7 @@ def _kept_after_stop(proc, on_interrupt, until, followers, sink) -> bool:
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             poll_in_written_order(followers)
+            metrics.poll()
             if until():
                 return True
             time.sleep(POLL_S)
@@ -310,7 +311,7 @@ def poll_in_written_order(followers: list, final: bool = False) -> None:
     """Rank 0's stdout and stderr are two files: what one poll finds in both is passed on in the order it was
     written, the file written last going last (an evaluation's bar on stderr, then the metrics the notebook
     printed on stdout; in a fixed order stdout came first, the bar after the metrics). Anything with ``poll``
-    and ``last_written`` follows (the metrics reader too)."""
+    and ``last_written`` follows (the logs and the job's notices; the metrics reader is polled on its own)."""
     for follower in sorted(followers, key=lambda f: f.last_written()):
         follower.poll(final=final)
 
