@@ -268,3 +268,40 @@ def test_vllm_before_the_training_is_refused():
     # synthetic data generated with vLLM, then trained on: the engine would start on every rank
     error = refusal("from vllm import LLM\nllm = LLM(model='teacher')\nds = make(llm.generate(prompts))\n", *TRL_TRAINING)
     assert (error.cell, error.line) == (1, 2) and "vLLM" in str(error)
+
+
+PLAIN_TRAINING_FUNCTION = ("import torch\n",
+                           "def train_epoch(model, loader):\n    for x, y in loader:\n"
+                           "        loss_fn(model(x), y).backward()\n        optimizer.step()\n")
+
+
+@pytest.mark.parametrize("defined", [
+    PLAIN_TRAINING_FUNCTION[1],
+    "def train_model():\n    trainer = SFTTrainer(model=model, train_dataset=ds)\n    trainer.train()\n",
+])
+def test_vllm_before_a_training_function_is_called_is_refused(defined):
+    # the function that trains is defined above the engine but called below it: the engine starts on every rank
+    error = refusal("from vllm import LLM\nfrom trl import SFTTrainer\n", defined,
+                    "llm = LLM(model='teacher')\nds = make(llm.generate(prompts))\n",
+                    "train_epoch(model, loader)\n" if "train_epoch" in defined else "train_model()\n")
+    assert (error.cell, error.line) == (3, 1) and "vLLM" in str(error)
+
+
+def test_vllm_in_a_function_called_after_the_last_training_runs_on_rank_0_alone():
+    # an evaluation helper defined up front, called once the model is trained: its engine is rank 0's
+    script = convert("from vllm import LLM\n", "def evaluate(path):\n    llm = LLM(model=path)\n"
+                     "    return llm.generate(['Hi'])\n", *TRL_TRAINING, "print(evaluate('out'))\n")
+    assert "if _nbddp.on_rank0():\n    print(evaluate('out'))" in script.text
+
+
+def test_vllm_in_a_function_called_before_the_training_is_refused():
+    error = refusal("from vllm import LLM\n", "def generate(path):\n    llm = LLM(model=path)\n"
+                    "    return llm.generate(['Hi'])\n", "ds = generate('teacher')\n", *TRL_TRAINING)
+    assert (error.cell, error.line) == (2, 2) and "vLLM" in str(error)
+
+
+def test_vllm_after_a_trainer_trained_where_it_is_made_runs_on_rank_0_alone():
+    script = convert("from transformers import Trainer\n",
+                     "Trainer(model=model, args=args, train_dataset=ds).train()\n",
+                     "from vllm import LLM\nllm = LLM(model='out')\n")
+    assert "if _nbddp.on_rank0():\n    from vllm import LLM\n    llm = LLM(model='out')" in script.text

@@ -36,9 +36,10 @@ process starts:
   every GPU it is given from one process (``tensor_parallel_size``); as DDP ranks each rank would start its own
   engine over every GPU (or, in a prediction loop, split the prompts between engines that fight over the same
   GPUs). Refused at that call with vLLM's own recipe: run the notebook as it is with
-  ``tensor_parallel_size=2``, or one ``LLM`` per GPU in a process of its own. Not where the call comes after the
-  notebook's last training (a trainer's ``.train()``, ``unsloth_train``, a ``backward``): code there runs on rank
-  0 alone, as TRL's notebooks try their merged model after training.
+  ``tensor_parallel_size=2``, or one ``LLM`` per GPU in a process of its own. Not where the call runs after the
+  notebook's last training statement as the planner finds it (a trainer's ``.train()``, ``unsloth_train``, a loop
+  with ``backward``, a call of a function that trains; for a call inside a function, where it is called): code
+  there runs on rank 0 alone, as TRL's notebooks try their merged model after training.
 
 A notebook that imports none of these costs a few substring tests: the walk runs only where a cell names one.
 """
@@ -47,11 +48,13 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import CellError
 from .ast_helpers import dotted_name, last_name
 from .clean import CleanCell
-from .code import CellCode
+from .code import CellCode, Statement
+from .facts import gather_facts
 
 #: Words one of whose presence in a cell's text makes the check walk the notebook.
 _MARKERS = ("tensorflow", "keras", "jax", "flax", "lightning", "make_private", "TFTrainer", "torch_xla", "fastai",
@@ -147,8 +150,6 @@ class _Walk:
         self.vllm_engines: set[str] = set()  # names ``from vllm import LLM [as X]`` binds
         self.learners: set[str] = set()  # names bound to a fastai learner (``vision_learner(…)``, ``Learner(…)``)
         self.fastai_distributed = False  # fastai's own ``distrib_ctx``/``to_distributed`` used
-        self.trainers: set[str] = set()  # names bound to a ``…Trainer(…)`` (HF, TRL), whose ``.train()`` trains
-        self.last_training = (-1, -1)  # (cell position, line) of the last training call seen: rank 0 runs what follows
 
     def first(self) -> _Found | None:
         for code in self.codes:
@@ -160,14 +161,10 @@ class _Walk:
                     made = last_name(node.value.func) or ""
                     if made == "Learner" or made.endswith("_learner"):
                         self.learners.update(t.id for t in node.targets if isinstance(t, ast.Name))
-                    if made.endswith("Trainer"):
-                        self.trainers.update(t.id for t in node.targets if isinstance(t, ast.Name))
         calls = [(code.position, node) for code in self.codes for node in ast.walk(code.tree)
                  if isinstance(node, ast.Call)]
-        for position, call in calls:
+        for _, call in calls:
             self._note(call)
-            if self._trains(call):
-                self.last_training = max(self.last_training, (position, call.lineno))
         found = [f for position, call in calls if (f := self._judge(position, call)) is not None]
         return min(found, key=lambda f: (f.position, f.line), default=None)
 
@@ -215,12 +212,28 @@ class _Walk:
         if last_name(func) in _FASTAI_DISTRIBUTED:
             self.fastai_distributed = True
 
-    def _trains(self, call: ast.Call) -> bool:
-        """A trainer's ``.train()``, ``unsloth_train(…)``, a ``backward()``: where nbddp's rank-0 code begins after."""
-        owner = call.func.value if isinstance(call.func, ast.Attribute) else None
-        attr = last_name(call.func)
-        return attr in ("backward", "unsloth_train") or (
-            attr == "train" and isinstance(owner, ast.Name) and owner.id in self.trainers)
+    def _after_training(self, position: int, call: ast.Call) -> bool:
+        """Whether the call runs on rank 0 alone: every top-level statement that runs it (the one holding it; for
+        a call in a function defined at the top level, those calling the function, where any does) comes after
+        the notebook's last training statement, the planner's own (``JobFacts.training``)."""
+        top, last = self._planned
+        if last is None:
+            return False
+        held = next(s for s in top if s.cell.position == position
+                    and s.first <= call.lineno <= max(n.end_lineno or n.lineno for n in s.nodes))
+        defined = {n.name for n in held.nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        callers = [s for s in top if defined and any(isinstance(c.func, ast.Name) and c.func.id in defined
+                                                     for c in s.calls)]
+        return all(top.index(s) > last for s in callers or [held])  # Statement compares by identity
+
+    @cached_property
+    def _planned(self) -> tuple[list[Statement], int | None]:
+        """The notebook's top-level statements and the index of its last training one (None: it does not train),
+        from the facts the planner will gather, on a copy of the cells (gathering fills their statements in)."""
+        codes = [CellCode.read(code.code, position=code.position) for code in self.codes]
+        facts = gather_facts(codes)
+        top = [s for code in codes for s in code.statements]
+        return top, next((i for i, s in enumerate(top) if s is facts.last_training), None)
 
     def _judge(self, position: int, call: ast.Call) -> _Found | None:
         name, attr = dotted_name(call.func) or "", last_name(call.func)
@@ -244,7 +257,7 @@ class _Walk:
         """TPU, fastai, RapidFire AI, axolotl in-process, vLLM."""
         origin = self._from(call)
         if origin == "vllm" and (attr in _VLLM_ENGINES or attr in self.vllm_engines) \
-                and not (self.last_training[0] >= 0 and self.last_training < (position, call.lineno)):
+                and not self._after_training(position, call):
             return _Found(position, call.lineno, _VLLM_FIX)
         if origin == "torch_xla":
             return _Found(position, call.lineno, _TPU_FIX)
