@@ -316,3 +316,20 @@ def test_a_real_trainers_predict_on_rows_it_would_pad_stops_before_it_predicts(m
     with pytest.raises(RuntimeError, match=r"trainer.predict\(…\) cannot split its rows.*its 6 rows"):
         trainer.predict([rows[i] for i in range(6)])
     assert trainer.predict([rows[i] for i in range(8)]).predictions.shape == (8, 2)  # 4 a rank × 2: not stopped
+
+
+def test_a_split_loop_runs_a_ddp_models_module_and_gives_ddp_its_forward_back():
+    """On two ranks or more a split loop's rows run a DDP model's own module (DDP's forward may broadcast buffers,
+    which ranks with uneven shares cannot all enter); DDP has its forward back once the loop ends or is left."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbddp.runtime import predict
+
+    original = DistributedDataParallel.forward
+    for _ in predict._whole_models(iter(range(2))):
+        assert DistributedDataParallel.forward is predict._module_forward
+    assert DistributedDataParallel.forward is original
+    rows = predict._whole_models(iter(range(5)))
+    next(rows)
+    rows.close()  # a loop left by an error
+    assert DistributedDataParallel.forward is original

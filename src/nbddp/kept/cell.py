@@ -3,7 +3,9 @@ kept job has run (its facts see the trainers, models and trainings before it), a
 run. Unlike a job's code after training, every statement runs on every rank, so every name the cell binds
 exists on every rank (a second ``trainer.train()``, evaluation, printing, generation: only rank 0's output is
 shown); a statement that writes files or pushes runs on rank 0 once, and the names it binds are sent from
-rank 0 to the others (``convert/facts/kept.py``). What the cell does so is said as it runs. The whole
+rank 0 to the others (``convert/facts/kept.py``). A prediction loop is split over the ranks as a predicting
+notebook's, every rank gathering the whole results (``convert/rules/predict.py``); one that cannot be split is
+refused at this cell's line before the ranks hear of it. What the cell does so is said as it runs. The whole
 script is written beside the job's, with its source map, so a rank compiles the cell's lines at their script
 line numbers and its traceback maps to the cell's line.
 """
@@ -15,8 +17,9 @@ from pathlib import Path
 
 from ..cells import Cell
 from ..convert import Script, convert_cells
+from ..convert.rules.predict import PredictRule
 from ..convert.rules.rank_zero import RankZeroRule
-from ..errors import NbddpError
+from ..errors import CellError, NbddpError
 from ..runtime.sourcemap import map_path
 
 #: The line the cell's code is known by: kept as a comment, so its line numbers are the cell's own.
@@ -43,8 +46,15 @@ def convert_kept_cell(source: str, history: list[Cell], run_dir: Path, number: i
     """Convert ``source`` as the cell after ``history``; write the script as ``ddp-cell-<number>.py``."""
     index = max((c.index for c in history), default=0) + 1
     cell = Cell(index, f"{MAGIC_LINE}\n{source}", history[0].origin if history else "<cells>")
-    script = convert_cells([*history, cell], origin=history[0].origin if history else "<cells>", launcher_facts=False,
-                           kept_cell=True)
+    try:
+        script = convert_cells([*history, cell], origin=history[0].origin if history else "<cells>",
+                               launcher_facts=False, kept_cell=True)
+    except CellError as exc:
+        if exc.cell != index:
+            raise
+        # said as the cell's own line (the magic's line is line 1), not as a cell number the notebook lacks;
+        # raised before the ranks hear of the cell, so the kept job is as it was
+        raise NbddpError("this %%ddp cell" + str(exc)[len(f"cell {index}"):]) from None
     lines = script.text.splitlines()
     header = f"# [cell {index}]"
     starts = [n for n, text in enumerate(lines, start=1) if text == header]
@@ -57,9 +67,10 @@ def convert_kept_cell(source: str, history: list[Cell], run_dir: Path, number: i
 
 def _with_notes(script: Script, index: int) -> Script:
     """Where the cell runs, said as the cell runs (the magic prints the script's warnings): the writes rank 0
-    runs alone and the names it sends, values that may differ between ranks. The rest runs on every rank."""
+    runs alone and the names it sends, values that may differ between ranks, the prediction loops split over
+    the ranks. The rest runs on every rank."""
     notes = tuple(f"this %%ddp cell, line {c.line}: {c.message}" for c in script.changes
-                  if c.cell == index and c.rule == RankZeroRule.name)
+                  if c.cell == index and c.rule in (RankZeroRule.name, PredictRule.name))
     return replace(script, warnings=script.warnings + notes) if notes else script
 
 

@@ -14,12 +14,17 @@ rows it holds in one process: the same numbers come out); after the loop every r
 appended items from every rank, in rank order (so in row order), and each sum replayed from its value before
 the loop through every increment in row order (the same additions in the same order: a float sum is equal
 to the bit). Each rank's share is written to ``<run dir>/shares/rank<r>.jsonl``, one line per loop.
+
+In a kept job's ``%%ddp`` cell, whose later cells run on every rank, the ``else`` then gives every rank the
+names the loop binds as the rank that ran the last row left them (``settle``: ``x``, ``out``, as the kernel's
+one loop leaves them); the cell imports this module itself, and the Trainer's calls stay unguarded there.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 #: How many prediction loops this process has entered (the share records count them from 1).
 _loops = 0
@@ -49,6 +54,8 @@ class Rows:
         self.increments: dict[str, list] = {name: [] for name in accumulators if name not in self.lists}
         self.share, self.first, self.end, self.total, self.unit = self._share(iterable)
         self._record()
+        if self.world > 1:
+            _sync_buffers(sys._getframe(1))
 
     # -- the share
 
@@ -66,7 +73,7 @@ class Rows:
     def __iter__(self):
         rows = iter(self.share) if self.enumerate_from is None else \
             iter(enumerate(self.share, self.enumerate_from + self.first))
-        return rows if self.world < 2 else self._unrandom(rows)
+        return rows if self.world < 2 else self._unrandom(_whole_models(rows))
 
     def _unrandom(self, rows):
         """The rows, stopped where one of them drew from a global random generator (sampling, noise, dropout of a
@@ -121,12 +128,13 @@ class Rows:
         import torch.distributed as dist
 
         mine = {"lists": {n: _portable(v[self.before[n]:]) for n, v in self.lists.items()},
-                "sums": {n: _portable(v) for n, v in self.increments.items()}}
+                "sums": {n: _portable(v) for n, v in self.increments.items()}, "ran": self.end > self.first}
         every = [None] * self.world
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_gather_object(every, mine)
         else:
             every = [mine]
+        self.last_rank = max((r for r, part in enumerate(every) if part["ran"]), default=None)
         every = [_local(part) if r != self.rank else None for r, part in enumerate(every)]
         out = []
         for name, before in self.before.items():
@@ -143,6 +151,57 @@ class Rows:
                         total += increment
                 out.append(total)
         return tuple(out)
+
+    def settle(self, namespace: dict, *names: str) -> None:
+        """After ``gathered``: ``names`` in ``namespace`` as the rank that ran the last row holds them (a kept
+        cell's loop, whose later cells read ``x`` or ``out`` on every rank), through ``from_rank0``'s packing (a
+        value that cannot be sent is a stand-in saying so). Where no rank ran a row, each holds what it held."""
+        import torch.distributed as dist
+
+        from .dist import device
+        from .from_rank0 import pack, unpack
+
+        if self.world < 2 or self.last_rank is None or not (dist.is_available() and dist.is_initialized()):
+            return
+        packed = [pack(namespace, names) if self.rank == self.last_rank else None]
+        dist.broadcast_object_list(packed, src=self.last_rank)
+        if self.rank != self.last_rank:
+            unpack(packed[0], namespace, device())
+
+
+def _sync_buffers(frame) -> None:
+    """The buffers (a BatchNorm's running statistics) of the DDP models the loop's code can name, from rank 0,
+    as DDP's next forward would broadcast them: every rank enters here, the same models in the same order (a
+    kept job's ranks hold the same names), so each rank's share runs the model rank 0 holds."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    scope = {**frame.f_globals, **frame.f_locals}
+    models = {id(v): v for _, v in sorted(scope.items(), key=lambda item: item[0])
+              if isinstance(v, DistributedDataParallel) and v.broadcast_buffers}
+    for model in models.values():
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer.data, src=0)
+
+
+def _whole_models(rows):
+    """The rows, a DDP model's forward running its own module meanwhile (a kept job's prediction loop): DDP's
+    forward may broadcast buffers (with gradients on), a collective the ranks would enter a different number of
+    times, as their shares differ by a batch; a loop that predicts has no backward for DDP to prepare."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.forward
+    DistributedDataParallel.forward = _module_forward
+    try:
+        yield from rows
+    finally:
+        DistributedDataParallel.forward = original
+
+
+def _module_forward(self, *args, **kwargs):
+    return self.module(*args, **kwargs)
 
 
 def _random_state() -> tuple:
@@ -284,7 +343,13 @@ class _OnDevice:
 
 
 def _guard_trainers() -> None:
-    """A Trainer's own split of its rows, stopped where it would pad them (``runtime/trainer_rows.py``)."""
+    """A Trainer's own split of its rows, stopped where it would pad them (``runtime/trainer_rows.py``); not
+    where a kept job's ``%%ddp`` cell imports this module for its first split loop: that job's Trainer calls
+    ran unguarded before the cell and stay so after it."""
+    from . import serve
+
+    if serve._cell_running.is_set():
+        return
     from .trainer_rows import guard
 
     guard()

@@ -27,7 +27,7 @@ from .loaders import plan_helper_training_loaders, plan_loaders
 from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
 from .parts import plan_part_wraps
-from .predicts import plan_predictions
+from .predicts import plan_kept_predictions, plan_predictions
 from .rank0 import plan_after_training, plan_data_prep, plan_function_bodies, plan_shared_saves, plan_tail_unwraps
 from .scan import scan
 from .training import is_plain_loop, is_training_call, plan_trainers, plan_training_functions
@@ -39,7 +39,8 @@ def gather_facts(cells: list[CellCode], kept_cell: int | None = None, kept_tail:
                  every_rank: bool = False) -> JobFacts:
     """Look at every cell once and decide what the statement rules do; ``kept_cell``: the position of a kept
     job's ``%%ddp`` cell, ``kept_tail``: a kept job's own cells, whose code after the last training is planned
-    by ``kept.plan_kept_cell`` as well, instead of as code after training; ``every_rank`` (``--every-rank``): a
+    by ``kept.plan_kept_cell`` as well, instead of as code after training (the ``%%ddp`` cell's prediction loops
+    split as a predicting notebook's, ``predicts.plan_kept_predictions``); ``every_rank`` (``--every-rank``): a
     notebook that does not train runs whole on every rank, its prediction loops left unsplit."""
     facts = JobFacts(kept_cell=kept_cell, kept_tail=kept_tail)
     defs: dict[str, list[ast.Call]] = {}  # function name → the calls in its body
@@ -59,6 +60,8 @@ def gather_facts(cells: list[CellCode], kept_cell: int | None = None, kept_tail:
         _plan_around_training(top, trains, facts)
     elif kept_cell is None and not every_rank:
         plan_predictions(top, facts)  # a notebook that only predicts: its loops split over the ranks
+    if kept_cell is not None:
+        plan_kept_predictions(top, facts)  # a %%ddp cell's loops split too, every rank gathering the whole
     if kept_cell is not None or kept_tail:
         plan_kept_cell(top, facts)
     plan_function_bodies(top, facts)

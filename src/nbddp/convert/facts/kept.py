@@ -7,7 +7,9 @@ training, and a later cell runs on every rank, so that rule would leave the cell
 Printing, plotting, ``display`` and generation stay on every rank: only rank 0's output is shown (the cell
 follows rank 0's log; ``display`` and ``plt.show()`` show on rank 0 in a rank), and each rank's GPU generates
 at once. Where a value may differ between ranks (a random draw, sampled generation, the rank's own number),
-the cell says so at its line.
+the cell says so at its line. A statement holding a prediction loop the ranks split (``predicts.py``) runs on
+every rank even where it writes: each rank's share is gathered by all; its write after the loop is rank 0's
+(``rules/predict.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def plan_kept_cell(top: list[Statement], facts: JobFacts) -> None:
         kept += top[top.index(facts.training[-1]) + 1:]
     if facts.plain_loop:
         facts.kept_unwraps = sorted(facts.wrapped_whole & facts.module_names)
+    predicting = set(facts.predictions)  # a split loop waits for every rank's share: never rank 0's alone
     for stmt in kept:
         for planned in (facts.rank0, facts.tail, facts.shared_saves):
             planned.discard(stmt)
@@ -53,11 +56,11 @@ def plan_kept_cell(top: list[Statement], facts: JobFacts) -> None:
             continue
         writes = next((c for c in stmt.calls if _writes_once(c)), None)
         collective = next((c for c in stmt.calls if is_collective_call(c, facts)), None)
-        if writes is not None and collective is None:
+        if writes is not None and collective is None and stmt not in predicting:
             facts.rank0.add(stmt)
             facts.main_first.discard(stmt)
             facts.rank0_sends[stmt] = sorted(stmt.binds)
-        elif writes is not None:
+        elif writes is not None and stmt not in predicting:
             facts.kept_notes[stmt] = (f"runs on every rank, since {_named(collective)}() needs every rank, so "
                                       f"every rank runs {_named(writes)}(): put that in a statement of "
                                       "its own to run it once")
@@ -66,6 +69,7 @@ def plan_kept_cell(top: list[Statement], facts: JobFacts) -> None:
                                       "holds its own value, and rank 0's is the one shown")
     if facts.training:
         plan_data_prep(kept, facts)
+        facts.main_first -= predicting  # rank 0 first, then the others: its gather would wait for them
 
 
 def _named(call: ast.Call) -> str:

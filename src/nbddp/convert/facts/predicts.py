@@ -16,6 +16,10 @@ A statement calling ``trainer.predict(…)``/``trainer.evaluate(…)`` is a pred
 the Trainer shards its rows over the ranks and gathers them back in order itself (its loss is one process's
 with the ``token_average`` shim). Its last batch, where the rows do not fill every rank's batches, is padded
 with repeated rows: the runtime stops such a call, saying why (``runtime/predict.py``).
+
+A kept job's ``%%ddp`` cell (``plan_kept_predictions``) splits its loops by the same rules, refused alike, but
+places nothing on rank 0: every rank gathers the whole results and runs the cell on, as later cells run on
+every rank; the names a loop at the cell's top level binds reach every rank from the rank of the last row.
 """
 
 from __future__ import annotations
@@ -88,6 +92,13 @@ def prediction_loop(loop: ast.AST, splitting: frozenset[str] = frozenset()) -> P
     return PredictLoop(found) if found else None
 
 
+def loop_names(loop: ast.For, accumulators) -> list[str]:
+    """The names a loop binds other than its accumulators (its target, what its rows compute), sorted: after a
+    split loop each rank holds its own share's last row in them."""
+    bound = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return sorted((bound | _stored(loop.target)) - set(accumulators))
+
+
 def _walk_body(body: list[ast.stmt]):
     """Every node of ``body``, not those of functions or classes defined in it."""
     todo = list(reversed(body))
@@ -116,8 +127,7 @@ def loops_in(nodes: list[ast.stmt], splitting: frozenset[str] = frozenset()) -> 
 def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     """Where the notebook trains nowhere: its prediction statements (``JobFacts.predictions``), why any of their
     loops cannot be split (``JobFacts.predict_refusals``), and the code after the last one on rank 0."""
-    defs = {stmt.nodes[0].name: stmt for stmt in top if isinstance(stmt.nodes[0], (ast.FunctionDef, ast.AsyncFunctionDef))
-            and loops_in(stmt.nodes[0].body)}
+    defs = _splitting_defs(top)
     facts.predict_functions = splitting = frozenset(defs)
     holding = [k for k, stmt in enumerate(top) if stmt in defs.values() or loops_in(stmt.nodes, splitting)
                or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)
@@ -126,15 +136,44 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
         _refuse_batched_calls(top, facts)
         return
     facts.predictions = [top[k] for k in holding]
+    _refuse_loops(top, holding, defs, facts)
+    _refuse_hidden_calls(top, defs, facts)
+    _plan_rank0(top, holding, facts)
+
+
+def plan_kept_predictions(top: list[Statement], facts: JobFacts) -> None:
+    """A kept job's ``%%ddp`` cell (the last of ``top``): its prediction loops, and the functions it defines
+    holding one, split as a predicting notebook's are, refused alike. Nothing moves to rank 0: every rank
+    gathers the whole results and runs on (a later cell runs on every rank). Every function of ``top``
+    holding a loop counts as splitting (one an earlier ``%%ddp`` cell defined was split there), so a loop
+    calling one runs whole on every rank, never a share of calls that each wait for every rank's share. A
+    statement that trains is the training rules'; ``trainer.predict`` is left as it is (the Trainer splits)."""
+    defs = _splitting_defs(top)
+    facts.predict_functions = splitting = frozenset(defs)
+    training = set(facts.training)
+    holding = [k for k, stmt in enumerate(top) if stmt.cell.position == facts.kept_cell and stmt not in training
+               and (stmt in defs.values() or loops_in(stmt.nodes, splitting))]
+    facts.predictions = [top[k] for k in holding]
+    _refuse_loops(top, holding, defs, facts, settled=True)
+
+
+def _splitting_defs(top: list[Statement]) -> dict[str, Statement]:
+    """The top-level functions whose body holds a prediction loop, by name."""
+    return {stmt.nodes[0].name: stmt for stmt in top if isinstance(stmt.nodes[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+            and loops_in(stmt.nodes[0].body)}
+
+
+def _refuse_loops(top: list[Statement], holding: list[int], defs: dict[str, Statement], facts: JobFacts,
+                  settled: bool = False) -> None:
+    """Why any loop of the statements ``holding`` cannot be split (``JobFacts.predict_refusals``)."""
+    splitting = frozenset(defs)
     for k in holding:
         stmt = top[k]
         function = stmt.nodes[0] if stmt in defs.values() else None
         for loop in loops_in(function.body if function else stmt.nodes, splitting):
-            reason = refusal(loop, top, k, function)
+            reason = refusal(loop, top, k, function, settled)
             if reason is not None:
                 facts.predict_refusals.append(PredictRefusal(stmt.cell.position, loop.lineno, reason))
-    _refuse_hidden_calls(top, defs, facts)
-    _plan_rank0(top, holding, facts)
 
 
 def _refuse_batched_calls(top: list[Statement], facts: JobFacts) -> None:
@@ -232,8 +271,11 @@ def _refuse_hidden_calls(top: list[Statement], defs: dict[str, Statement], facts
                             "top level"))
 
 
-def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionDef | None = None) -> str | None:
-    """Why ``loop`` (in ``top[k]``, inside ``function`` where given) cannot be split over the ranks, or None."""
+def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionDef | None = None,
+            settled: bool = False) -> str | None:
+    """Why ``loop`` (in ``top[k]``, inside ``function`` where given) cannot be split over the ranks, or None.
+    ``settled``: a kept cell's loop at its top level, whose names every rank takes from the last row's rank
+    after it (``loop_names``), so a later read of them is no reason."""
     found = prediction_loop(loop)
     accumulators = set(found.accumulators)
     for node in _walk_body(loop.body):
@@ -262,6 +304,8 @@ def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionD
     if appended:
         return (f"{appended} after it, in the same block, runs on every rank and would append once per rank; "
                 "write in a cell of its own after the loop (it runs on rank 0)")
+    if function is None and settled:
+        return None
     after = _read_after(loop, accumulators, top[k + 1:]) if function is None else _read_later(loop, accumulators, function)
     if after:
         return (f"{after} is read after the loop, where it holds the last row of each rank's share, not the last "

@@ -1,5 +1,5 @@
-"""A notebook that predicts and does not train: each rank predicts its own block of the rows, gathered in order:
-the rule, where it has work, and the refusal of a loop that cannot be split."""
+"""A notebook that predicts and does not train, or a kept job's ``%%ddp`` cell: each rank predicts its own block of
+the rows, gathered in order: the rule, where it has work, and the refusal of a loop that cannot be split."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ...errors import CellError
 from ..cst_helpers import code_of, cst, fixed_expression, last_name
 from ..engine.rule import Rule
 from ..facts.kept import _writes_once
-from ..facts.predicts import PredictLoop, prediction_loop
+from ..facts.predicts import PredictLoop, loop_names, prediction_loop
 from .rank_zero import MAIN_PROCESS_EXPR
 
 #: The name the rewritten loop binds to its share (``runtime.predict.Rows``).
@@ -26,6 +26,11 @@ class PredictRule(Rule):
     items in rank order, which is row order, and every sum is replayed through every increment in row order
     (``runtime/predict.py``). The code after the last such loop runs on rank 0 only (``RankZeroRule``), so
     ``submission.csv`` is written once, as one process writes it.
+
+    In a kept job's ``%%ddp`` cell every statement runs on every rank, and later cells too: each split loop is
+    preceded by the import of its runtime (the cell runs without the script's prelude), and at the cell's top
+    level its ``else`` also gives every rank the names the loop binds as the rank of the last row left them
+    (``Rows.settle``), so every rank holds what the kernel's one process would.
     """
 
     # -- where it has work: Python's ast, before libcst reads anything
@@ -45,13 +50,21 @@ class PredictRule(Rule):
 
     def __init__(self, facts, chunk):
         super().__init__(facts, chunk)
-        self._loop: tuple[cst.For, PredictLoop] | None = None
+        self._loop: tuple[cst.For, PredictLoop, list[str]] | None = None
         self._split: list[cst.For] = []  # the loops split so far (originals), for the writes after them
+        self._functions: list[bool] = []  # the function definitions the walk is in (whether it walks inside)
+        self._kept = facts.kept_cell is not None
 
     def visit_FunctionDef(self, node) -> bool:
         # a function whose body holds a prediction loop splits it each call (``JobFacts.predict_functions``);
         # another function's loops are left whole
-        return self._loop is None and node.name.value in self.facts.predict_functions
+        inside = self._loop is None and node.name.value in self.facts.predict_functions
+        self._functions.append(inside)
+        return inside
+
+    def leave_FunctionDef(self, original, updated):
+        self._functions.pop()
+        return updated
 
     def visit_ClassDef(self, node) -> bool:
         return False
@@ -60,36 +73,45 @@ class PredictRule(Rule):
         if self._loop is None:
             found = _prediction_loop(node, self.facts.predict_functions)
             if found is not None:
-                self._loop = (node, found)
+                self._loop = (node, *found)
         return True
 
-    def leave_For(self, original: cst.For, updated: cst.For) -> cst.For:
+    def leave_For(self, original: cst.For, updated: cst.For):
         if self._loop is None or self._loop[0] is not original:
             return updated
-        found = self._loop[1]
+        _, found, bound = self._loop
         self._loop = None
         self._split.append(original)
         names = list(found.accumulators)
-        self.note(original, _said(code_of(original.iter), names))
-        gather = cst.parse_statement(f"{', '.join(names)}, = {ROWS}.gathered()\n")
+        self.note(original, _said(code_of(original.iter), names, self._kept))
+        after = [cst.parse_statement(f"{', '.join(names)}, = {ROWS}.gathered()\n")]
+        if self._kept and not any(self._functions) and bound:
+            after.append(cst.parse_statement(f"{ROWS}.settle(globals(), {', '.join(map(repr, bound))})\n"))
         orelse = updated.orelse
-        body = [*orelse.body.body, gather] if orelse is not None else [gather]
-        return updated.with_changes(iter=_rows(updated.iter, names),
-                                    orelse=cst.Else(body=cst.IndentedBlock(body=body)))
+        body = [*orelse.body.body, *after] if orelse is not None else after
+        split = updated.with_changes(iter=_rows(updated.iter, names), orelse=cst.Else(body=cst.IndentedBlock(body=body)))
+        if not self._kept:
+            return split
+        # a %%ddp cell runs without the script's prelude, which imports the runtime of a predicting notebook
+        return cst.FlattenSentinel([cst.parse_statement("import nbddp.runtime.predict\n").with_changes(
+            leading_lines=updated.leading_lines), split.with_changes(leading_lines=[])])
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
         """After a split loop in the same block (a ``with``, a function): a statement writing a file goes under
         ``if _nbddp.on_rank0():``. Every rank holds the gathered results there, so each would write the same
         bytes; rank 0 writes them once, as after a loop at a cell's top level."""
-        body, after_loop = list(updated.body), False
-        for k, stmt in enumerate(original.body):
+        body, after_loop, k = list(updated.body), False, 0
+        for stmt in original.body:
             if any(stmt is loop for loop in self._split):
                 after_loop = True
-            elif after_loop and _writes_file(stmt):
+                k += 1 + self._kept  # a kept cell's split loop comes after its import
+                continue
+            if after_loop and _writes_file(stmt):
                 self.note(stmt, "writes its file on rank 0 only (after the split loop above, which every rank gathered)")
                 body[k] = cst.If(test=fixed_expression(MAIN_PROCESS_EXPR),
                                  body=cst.IndentedBlock(body=[body[k].with_changes(leading_lines=[])]),
                                  leading_lines=body[k].leading_lines)
+            k += 1
         return updated.with_changes(body=body) if body != list(updated.body) else updated
 
     def leave_AugAssign(self, original: cst.AugAssign, updated: cst.AugAssign):
@@ -118,13 +140,15 @@ def _writes_file(stmt: cst.CSTNode) -> bool:
     return any(isinstance(n, ast.Call) and _writes_once(n) for n in ast.walk(tree))
 
 
-def _prediction_loop(node: cst.For, splitting: frozenset[str]) -> PredictLoop | None:
-    """``facts.predicts.prediction_loop`` of this loop, read back with ``ast`` (one decision for facts and rule)."""
+def _prediction_loop(node: cst.For, splitting: frozenset[str]) -> tuple[PredictLoop, list[str]] | None:
+    """``facts.predicts.prediction_loop`` of this loop, read back with ``ast`` (one decision for facts and rule),
+    with the other names it binds."""
     try:
         tree = ast.parse(code_of(node.with_changes(leading_lines=[])))
     except SyntaxError:
         return None
-    return prediction_loop(tree.body[0], splitting)
+    found = prediction_loop(tree.body[0], splitting)
+    return None if found is None else (found, loop_names(tree.body[0], found.accumulators))
 
 
 def _rows(iterated: cst.BaseExpression, names: list[str]) -> cst.BaseExpression:
@@ -145,15 +169,18 @@ def _rows(iterated: cst.BaseExpression, names: list[str]) -> cst.BaseExpression:
     return cst.parse_expression(f"({ROWS} := _nbddp.predict.Rows({code_of(iterated)}{counted}{kept}))")
 
 
-def _said(loop: str, names: list[str]) -> str:
+def _said(loop: str, names: list[str], kept: bool = False) -> str:
+    after = "every rank holds them" if kept else "the code after it runs on rank 0"
     return (f"for … in {loop}: each rank predicts its own contiguous block of the rows, and after the loop "
-            f"{', '.join(names)} hold every rank's results in the rows' order (the code after it runs on rank 0)")
+            f"{', '.join(names)} hold every rank's results in the rows' order ({after})")
 
 
 def refuse_unsplittable(facts, cleaned) -> None:
     """A prediction loop the ranks cannot split, refused before launch at its cell and line (``CellError``)."""
     if facts.predict_refusals:
-        _refuse(facts.predict_refusals[0], cleaned, "nbddp cannot split this prediction loop over the GPUs")
+        instead = (KEPT_INSTEAD if facts.kept_cell is not None else
+                   "Or run the notebook in its kernel, in one process")
+        _refuse(facts.predict_refusals[0], cleaned, "nbddp cannot split this prediction loop over the GPUs", instead)
 
 
 def refuse_batched(facts, cleaned) -> None:
@@ -162,11 +189,15 @@ def refuse_batched(facts, cleaned) -> None:
         _refuse(facts.batched_calls[0], cleaned, "nbddp cannot split this prediction over the GPUs")
 
 
-def _refuse(refusal, cleaned, what: str) -> None:
+#: What a kept job's ``%%ddp`` cell can do instead: its ranks stay up, holding what they held.
+KEPT_INSTEAD = ("The kept job's ranks are kept, and nothing of this cell ran: change the loop and run the cell "
+                "again, or %ddp_pull what it needs and run it in the kernel, in one process")
+
+
+def _refuse(refusal, cleaned, what: str, instead: str = "Or run the notebook in its kernel, in one process") -> None:
     clean = cleaned[refusal.position]
     j = refusal.line - 1
     line = clean.line_map[j] if 0 <= j < len(clean.line_map) else None
     lines = clean.cell.source.splitlines()
     source = lines[line - 1] if line and line <= len(lines) else ""
-    raise CellError(f"{what}: {refusal.reason}. Or run the "
-                    "notebook in its kernel, in one process", cell=clean.cell.index, line=line, source=source)
+    raise CellError(f"{what}: {refusal.reason}. {instead}", cell=clean.cell.index, line=line, source=source)
