@@ -61,7 +61,18 @@ def test_a_graphs_whole_node_features_are_refused_by_their_attribute():
     src = ("data = dataset[0]\nfor epoch in range(200):\n    out = model(data.x, data.edge_index)\n"
            "    loss = F.nll_loss(out[data.train_mask], data.y[data.train_mask])\n"
            "    loss.backward()\n    opt.step()\n")
-    with pytest.raises(CellError, match=r"trains on all of data\.x at every step"):
+    with pytest.raises(CellError, match=r"trains on all of data\.x at every step") as refused:
+        convert(DATA, MODEL, src)
+    said = str(refused.value)
+    # a graph's edges are no rows to batch beside its nodes: no TensorDataset(data.x, data.edge_index) offered
+    assert "TensorDataset" not in said and "data.x[i:i+bs]" not in said
+    assert "graph" in said and "--nproc 1" in said
+
+
+def test_a_model_of_two_inputs_is_offered_a_dataset_of_both_and_the_target():
+    src = ("x_num, x_cat = X_train[:, :2], X_train[:, 2:].long()\nfor epoch in range(50):\n"
+           "    loss = crit(model(x_num, x_cat), y_train)\n    loss.backward(); opt.step()\n")
+    with pytest.raises(CellError, match=r"TensorDataset\(x_num, x_cat, y_train\)"):
         convert(DATA, MODEL, src)
 
 
@@ -101,6 +112,16 @@ LEFT_ALONE = {
     "noise drawn each step": (
         "for step in range(100):\n    z = torch.randn(16, 4)\n    loss = model(z).pow(2).mean()\n"
         "    loss.backward(); opt.step()\n"),
+    "a sampler object drawing the batch each step": (
+        "sampler = Sampler(X_train, y_train, bs=64)\nfor step in range(1000):\n    sampler.next()\n"
+        "    loss = crit(model(sampler.xb), sampler.yb)\n    loss.backward(); opt.step()\n"),
+    "an object a helper refills each step": (
+        "buf = Buffer()\nfor step in range(1000):\n    refill(buf, X_train, y_train)\n"
+        "    loss = crit(model(buf.x), buf.y)\n    loss.backward(); opt.step()\n"),
+    "an attribute set each step": (
+        "batch = Batch()\nfor step in range(1000):\n    idx = torch.randint(0, len(X_train), (64,))\n"
+        "    batch.x, batch.y = X_train[idx], y_train[idx]\n"
+        "    loss = crit(model(batch.x), batch.y)\n    loss.backward(); opt.step()\n"),
 }
 
 

@@ -115,7 +115,8 @@ def full_batch_loops(stmt: Statement, facts: JobFacts, binding: Callable[[str], 
     variable feeds no slice) calls the model itself, and every argument of each such call (outside ``no_grad``)
     is a name or attribute bound at the top level before the statement, not inside it, not a loader, and bound
     by a statement (``binding``: the last one binding a name before ``stmt``) that takes no batch from a loader
-    and reads no rank. A helper that trains, indices drawn each step, a batch of a loader, a function's own
+    and reads no rank; an attribute's object is left as it is by the loop. A helper that trains, indices drawn
+    each step, a batch of a loader, an object that draws one (``sampler.next()``), a function's own
     parameters: left alone (the runtime's first-batches check stays the net behind this one).
     """
     if not facts.plain_loop or facts.self_distributed or not facts.ddp_models:
@@ -158,7 +159,8 @@ def _fed_whole(loop: ast.For, facts: JobFacts, inside: set[str], binding) -> lis
     for call in forwards:
         for arg in [*call.args, *(k.value for k in call.keywords)]:
             whole = _whole_tensor(arg)
-            if whole is None or not _bound_whole(whole.partition(".")[0], facts, inside, binding):
+            if whole is None or not _bound_whole(whole.partition(".")[0], facts, inside, binding) \
+                    or _object_changed(loop, whole):
                 return None
             fed.append(whole)
     targets = [t for t in _targets(loop, forwards) if _bound_whole(t.partition(".")[0], facts, inside, binding)]
@@ -222,6 +224,27 @@ def _bound_whole(name: str, facts: JobFacts, inside: set[str], binding) -> bool:
     called = {last_name(c.func) for c in stmt.calls}
     return not ({"next", "iter"} & called or any(_a_loader(n, facts) for n in read)
                 or any("rank" in n.lower() or "world_size" in n.lower() for n in read | called if n))
+
+
+def _object_changed(loop: ast.For, whole: str) -> bool:
+    """``whole`` is an object's attribute (``sampler.xb``) and the loop may change the object at each step: a
+    method of it called (``sampler.next()``; not one giving the same rows, ``data.to(device)``), the object
+    handed to a call (``refill(buf)``), an attribute of it set (``batch.x = X[idx]``)."""
+    owner, dot, _ = whole.partition(".")
+    if not dot:
+        return False
+    for node in (n for s in loop.body for n in ast.walk(s)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == owner \
+                and isinstance(node.ctx, (ast.Store, ast.Del)):
+            return True
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == owner \
+                    and func.attr not in _SAME_ROWS:
+                return True
+            if any(isinstance(a, ast.Name) and a.id == owner for a in [*node.args, *(k.value for k in node.keywords)]):
+                return True
+    return False
 
 
 def _bound_in(body: list[ast.stmt]) -> set[str]:

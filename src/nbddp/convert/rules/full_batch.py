@@ -55,12 +55,21 @@ class FullBatchRule(Rule):
         return True  # the other rules of the walk go on into it
 
 
+#: The last part of the names a graph's edges go by (PyTorch Geometric's ``edge_index``, a sparse ``adj_t``).
+_GRAPH_EDGES = frozenset({"edge_index", "adj", "adj_t"})
+
+
 def refusal(tensors: list[str]) -> str:
-    """What is said, in one line: why the loop cannot run on several GPUs, and the two ways it can."""
+    """What is said, in one line: why the loop cannot run on several GPUs, and the two ways it can (one for a
+    graph: its edges are no rows to batch beside its node features)."""
     x = tensors[0]
-    data = ", ".join(tensors[:2]) if len(tensors) > 1 else f"{x}, …"
-    return (f"this loop trains on all of {x} at every step on every rank, so two GPUs would do one GPU's work; "
-            f"feed it in batches (a DataLoader over TensorDataset({data}), or slices {x}[i:i+bs] over "
+    why = f"this loop trains on all of {x} at every step on every rank, so two GPUs would do one GPU's work; "
+    edges = next((t for t in tensors if t.rpartition(".")[2] in _GRAPH_EDGES), None)
+    if edges is not None:
+        return why + f"a whole graph ({edges}) has no rows nbddp can share out between the ranks: run it in one " \
+                     "process (--nproc 1)"
+    data = ", ".join(tensors) if len(tensors) > 1 else f"{x}, …"  # every input, then the targets
+    return (why + f"feed it in batches (a DataLoader over TensorDataset({data}), or slices {x}[i:i+bs] over "
             f"range(0, len({x}), bs)) and nbddp gives each rank its share, or run it in one process (--nproc 1)")
 
 
