@@ -333,3 +333,22 @@ def test_a_split_loop_runs_a_ddp_models_module_and_gives_ddp_its_forward_back():
     next(rows)
     rows.close()  # a loop left by an error
     assert DistributedDataParallel.forward is original
+
+
+def test_a_loader_sharded_for_training_gives_its_whole_dataset_to_a_prediction_loop(monkeypatch):
+    """A kept job's training gave the loader a DistributedSampler (in order); a %%ddp cell's prediction loop over
+    it splits every row of its dataset, not this rank's half of them."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    data = TensorDataset(torch.arange(10.0))
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=1, shuffle=False))
+    assert [b[0].tolist() for b in loader] == [[1.0, 3.0, 5.0, 7.0], [9.0]]  # the rank's own half, as the training read it
+    rows = Rows(loader)
+    assert (rows.first, rows.end, rows.total) == (0, 3, 3)
+    assert [b[0].tolist() for b in rows] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    rows = Rows(loader)  # rank 1 of 2: the later block of the dataset's 3 batches
+    assert (rows.first, rows.end, rows.total) == (1, 3, 3)
+    assert [b[0].tolist() for b in rows] == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]

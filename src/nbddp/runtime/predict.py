@@ -253,17 +253,22 @@ def _loader_share(loader, rank: int, world: int):
     """A DataLoader over this rank's contiguous block of whole batches (same batch size, workers, collate
     function), or None for anything else. A loader whose order is not its dataset's (a shuffling or custom
     sampler, an iterable dataset) is read whole by rank 0 and not at all by the others, said once: the
-    results stay right, only not faster."""
-    from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+    results stay right, only not faster. A ``DistributedSampler`` in order (a loader a kept job's training
+    sharded, read again in a ``%%ddp`` cell) gives its dataset's rows: the loop splits them all, not a rank's."""
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
     if not isinstance(loader, DataLoader):
         return None
     from .dist import print0
     from .loaders import rebuilt
 
-    batches, size = len(loader), loader.batch_size
-    plain = (type(loader) is DataLoader and isinstance(loader.sampler, SequentialSampler) and size
+    size = loader.batch_size
+    sharded = isinstance(loader.sampler, DistributedSampler) and not loader.sampler.shuffle
+    plain = (type(loader) is DataLoader and (isinstance(loader.sampler, SequentialSampler) or sharded) and size
              and not isinstance(loader.dataset, IterableDataset))
+    batches = len(loader)
+    if plain and sharded:  # the whole dataset's batches, not this rank's sampler's
+        batches = len(loader.dataset) // size if loader.drop_last else -(-len(loader.dataset) // size)
     if not plain:
         print0(f"nbddp: warning: a prediction loop reads a DataLoader with {type(loader.sampler).__name__}: rank 0 "
                "reads all of it, the other ranks none (its order is not its rows' order)", flush=True)
