@@ -165,24 +165,39 @@ def test_keep_is_refused_in_the_dry_run_as_in_the_run(shell, capsys, two_gpus, l
     assert launched == {}
 
 
-def test_cpu_ranks_that_cannot_hold_the_model_are_refused_before_launch(tmp_path, monkeypatch, capsys):
-    """``--nproc`` CPU ranks are checked against the memory with the model each holds once the notebook says which
-    (its config read as for a strategy): four ranks of an 8B model in fp32 cannot fit 64 GiB (only torch's own
-    300 MiB a rank was counted before the notebook was converted, so the run started and died out of memory)."""
+@pytest.fixture
+def big_cpu_job(tmp_path, monkeypatch):
+    """A notebook training an 8B model in fp32 (its config beside it) on a machine of 64 GiB available."""
     import json
 
     from nbddp import preflight
-    from nbddp.options import RunOptions
     from test_strategy import LLAMA_8B
 
     (tmp_path / "llama-8b").mkdir()
     (tmp_path / "llama-8b" / "config.json").write_text(json.dumps(LLAMA_8B))
     trains = ("import torch\nfrom transformers import AutoModelForCausalLM\n"
               "model = AutoModelForCausalLM.from_pretrained('llama-8b', torch_dtype=torch.float32)\n") + TRAINS.split("\n", 1)[1]
-    nb = write_notebook(tmp_path / "nb.ipynb", [trains])
     monkeypatch.setattr(preflight, "available_memory", lambda: 64 * 2**30)
     monkeypatch.chdir(tmp_path)
+    return str(write_notebook(tmp_path / "nb.ipynb", [trains]))
+
+
+def test_cpu_ranks_that_cannot_hold_the_model_are_refused_before_launch(big_cpu_job):
+    """``--nproc`` CPU ranks are checked against the memory with the model each holds once the notebook says which
+    (its config read as for a strategy): four ranks of an 8B model in fp32 cannot fit 64 GiB (only torch's own
+    300 MiB a rank was counted before the notebook was converted, so the run started and died out of memory)."""
+    from nbddp.options import RunOptions
+
     with pytest.raises(NbddpError, match=r"--nproc 4 starts 4 CPU processes of .* \(torch and the model\).*use --nproc 2 or fewer"):
-        nbddp.job_plan.plan_job(str(nb), RunOptions(nproc=4), machine=gpus.Machine(0))
-    two = nbddp.job_plan.plan_job(str(nb), RunOptions(nproc=2), machine=gpus.Machine(0))
+        nbddp.job_plan.plan_job(big_cpu_job, RunOptions(nproc=4), machine=gpus.Machine(0))
+    two = nbddp.job_plan.plan_job(big_cpu_job, RunOptions(nproc=2), machine=gpus.Machine(0))
     assert two.processes == 2
+
+
+def test_cpu_ranks_of_a_machine_elsewhere_are_not_checked_against_this_ones_memory(big_cpu_job):
+    """A Kaggle export for a CPU kernel plans the job for the accelerator's machine (``Machine(here=False)``): this
+    machine's free memory says nothing of it, so four ranks of an 8B model are not refused here."""
+    from nbddp.options import RunOptions
+
+    elsewhere = nbddp.job_plan.plan_job(big_cpu_job, RunOptions(nproc=4), machine=gpus.Machine(0, here=False))
+    assert elsewhere.processes == 4
