@@ -219,8 +219,10 @@ class _Walk:
         top, last = self._planned
         if last is None:
             return False
-        held = next(s for s in top if s.cell.position == position
-                    and s.first <= call.lineno <= max(n.end_lineno or n.lineno for n in s.nodes))
+        held = next((s for s in top if s.cell.position == position
+                     and s.first <= call.lineno <= max(n.end_lineno or n.lineno for n in s.nodes)), None)
+        if held is None:
+            return False
         defined = {n.name for n in held.nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         callers = [s for s in top if defined and any(isinstance(c.func, ast.Name) and c.func.id in defined
                                                      for c in s.calls)]
