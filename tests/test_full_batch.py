@@ -3,6 +3,7 @@ before launch, at its cell and line: every rank would train on the same rows, tw
 whose steps do get different rows (batches, sampled indices, a helper's training, a loader's batch) are left."""
 
 import textwrap
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ from nbddp.convert.engine.plan import plan_cell
 from nbddp.convert.engine.rewrite import rewrite
 from nbddp.convert.facts import gather_facts
 from nbddp.convert.rules import RULES
+from nbddp.convert.rules.full_batch import FullBatchRule
 from nbddp.errors import CellError
 
 DATA = ("import torch\nfrom torch import nn\nfrom sklearn.model_selection import train_test_split\n"
@@ -128,3 +130,11 @@ LEFT_ALONE = {
 @pytest.mark.parametrize("src", LEFT_ALONE.values(), ids=LEFT_ALONE)
 def test_a_loop_whose_steps_get_other_rows_is_not_refused(src):
     convert(DATA, MODEL, "from torch.utils.data import DataLoader\n" + src)
+
+
+def test_a_long_cell_of_loops_without_backward_is_passed_over_at_once():
+    # a cell of 6,000 comprehensions and no backward(): looked at in linear time, not once per `for` to its end
+    text = "".join(f"y{i} = [a for a in range({i})]\n" for i in range(6000))
+    started = time.perf_counter()
+    assert not FullBatchRule.could_change(text, None)
+    assert time.perf_counter() - started < 0.5

@@ -31,13 +31,17 @@ class FullBatchRule(Rule):
     # -- where it has work: Python's ast, before libcst reads anything
 
     name = "full_batch"
-    pattern = re.compile(r"\bfor\b[\s\S]*\.backward\(")
+    pattern = re.compile(r"\.backward\(")  # and a ``for`` (``could_change``): two searches, linear in the text
     keywords = frozenset()  # it reads the loops with ast, never a keyword argument
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
         _seen(facts).read(cell)  # every cell: a later loop's tensors may be bound here
         return facts.plain_loop and super().wanted(cell, facts)
+
+    @classmethod
+    def could_change(cls, text, facts) -> bool:
+        return super().could_change(text, facts) and _FOR.search(text) is not None
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
@@ -54,6 +58,9 @@ class FullBatchRule(Rule):
                 raise CodeError(refusal(tensors), line)
         return True  # the other rules of the walk go on into it
 
+
+#: A ``for`` anywhere (one pattern ``for…backward(`` would scan to the text's end from each ``for``).
+_FOR = re.compile(r"\bfor\b")
 
 #: The last part of the names a graph's edges go by (PyTorch Geometric's ``edge_index``, a sparse ``adj_t``).
 _GRAPH_EDGES = frozenset({"edge_index", "adj", "adj_t"})
