@@ -100,7 +100,7 @@ def test_a_rank_gone_between_the_look_and_the_send_ends_the_request_as_a_gone_jo
     from nbddp.kept.controller import KeptJob, KeptJobGone
 
     class Closed:
-        def send(self, message):
+        def send_bytes(self, data):
             raise BrokenPipeError(32, "Broken pipe")
 
     class Channel:

@@ -146,11 +146,18 @@ def test_kept_job_trains_again_generates_pulls_and_stops(tmp_path):
         (still,) = _run(client, nb, [STILL])
         assert "still kept, world 2" in stream(still, "stdout"), still.outputs
 
-        # values both ways: one pushed to every rank, one that does not pickle refused with the rank kept
+        # values both ways: one pushed to every rank, one that does not pickle refused with the rank kept; tensors
+        # both ways (torch's pickler for multiprocessing sent them as shared memory the other side cannot open)
         push, pushed, unpicklable, pull_bad, still = _run(client, nb, [
             "shared = {'scale': 21}\n%ddp_push shared", "%%ddp\nprint('pushed', shared['scale'] * 2)",
             "%%ddp\nunpicklable = lambda: 1", "%ddp_pull unpicklable", STILL])
         assert not errors(push) and "pushed 42" in stream(pushed, "stdout")
+        tensors = _run(client, nb, [
+            "import torch\nscale_t = torch.tensor([2.0, 3.0])\n%ddp_push scale_t", "%%ddp\nprint('pushed t', float(scale_t.sum()))",
+            "%%ddp\nheld = torch.arange(4.0) * scale_t[0]", "%ddp_pull held\nprint('pulled t', held.tolist())"])
+        assert not any(errors(c) for c in tensors), [errors(c) for c in tensors]
+        assert "pushed t 5.0" in stream(tensors[1], "stdout")
+        assert "pulled t [0.0, 2.0, 4.0, 6.0]" in stream(tensors[3], "stdout")
         assert "cannot be sent to the kernel" in "\n".join(errors(pull_bad)[0].traceback)
         assert "still kept, world 2" in stream(still, "stdout")
 

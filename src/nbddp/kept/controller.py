@@ -28,7 +28,7 @@ from ..errors import NbddpError
 from ..launch import terminate_tree
 from ..launch.supervise import POLL_S, Follower, MetricsReader
 from ..runtime import records
-from ..runtime.kept_protocol import Agree, At, Ended, Failed, Interrupt, Interrupted, Ok, Reply, Stop, Where
+from ..runtime.kept_protocol import Agree, At, Ended, Failed, Interrupt, Interrupted, Ok, Reply, Stop, Where, send
 from .channel import Channel
 
 #: Seconds the other ranks get to answer once one rank's cell failed.
@@ -109,7 +109,7 @@ class KeptJob:
         ranks = sorted(self.channel.ranks) if ranks is None else list(ranks)
         for r in ranks:
             try:
-                self.channel.ranks[r].send(message)
+                send(self.channel.ranks[r], message)
             except OSError:  # the rank ended between the look above and this send (its idle limit, say)
                 self._gone_meanwhile(r)
         answer, asked_stop, failed_at, back_at, first_at, before = Answer(), None, None, None, None, 0
@@ -127,7 +127,7 @@ class KeptJob:
                     for r in ranks:
                         if r not in answer.replies:
                             with contextlib.suppress(OSError):
-                                self.channel.ranks[r].send(Interrupt())
+                                send(self.channel.ranks[r], Interrupt())
                 continue
             now = time.monotonic()
             if failed_at is None and any(isinstance(rep, Failed) for rep in answer.replies.values()):
@@ -181,7 +181,7 @@ class KeptJob:
         replies: dict[int, Reply] = {}
         try:
             for conn in self.channel.ranks.values():
-                conn.send(Agree())
+                send(conn, Agree())
             deadline = time.monotonic() + AGREE_WAIT_S
             while len(replies) < self.nproc and time.monotonic() < deadline:
                 conns = {c: r for r, c in self.channel.ranks.items() if r not in replies}
@@ -197,7 +197,7 @@ class KeptJob:
     def ask_where(self, rank: int) -> None:
         """Ask a rank still running a cell where it is; its answer lands in ``Answer.where``."""
         with contextlib.suppress(OSError):
-            self.channel.ranks[rank].send(Where())
+            send(self.channel.ranks[rank], Where())
 
     def _gone_meanwhile(self, rank: int) -> None:
         """A rank's connection closed under a request: the job has ended, or is ended now; said as ``check_alive``
@@ -239,7 +239,7 @@ class KeptJob:
             return
         for conn in self.channel.ranks.values():
             with contextlib.suppress(OSError):
-                conn.send(Stop())
+                send(conn, Stop())
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
         self.end("stopped (%ddp_stop)")

@@ -2,7 +2,10 @@
 defined once: each side builds and reads these, by field name, never a tuple by position.
 
 They travel pickled through ``multiprocessing.connection`` (whose handshake proved the job's key), so both
-ends import this module under the same name. Frozen: a message is what was sent, not changed on the way.
+ends import this module under the same name, and both send with ``send``: plain pickle, not the connection's
+own ``send``, whose pickler carries torch's reductions for multiprocessing once torch is imported (a tensor
+goes as a handle to shared memory, which the other process, not its child, cannot open: a pulled or pushed
+tensor hung the cell). Frozen: a message is what was sent, not changed on the way.
 
 Kernel → rank (``REQUESTS``): ``Run`` lines of a converted cell's script, ``Pull``/``Push`` a name, ``Status``,
 ``Agree`` (after a Stop), ``Stop`` (leave), and two read by the rank's reader thread while a cell runs:
@@ -13,8 +16,15 @@ kernel's Stop cut short, ``Interrupted``; ``At`` for ``Where``; ``Ended`` when t
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
+
+
+def send(conn, message) -> None:
+    """``message`` over a ``multiprocessing.connection.Connection``, pickled plainly (its tensors' bytes with it);
+    the other end's ``recv`` reads it as any message."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @dataclass(frozen=True)

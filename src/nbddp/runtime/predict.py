@@ -353,7 +353,7 @@ def _guard_trainers() -> None:
     ran unguarded before the cell and stay so after it."""
     from . import serve
 
-    if serve._cell_running.is_set():
+    if serve.in_cell():
         return
     from .trainer_rows import guard
 

@@ -34,7 +34,7 @@ import time
 import traceback
 
 from .kept_protocol import (Agree, At, Ended, Failed, Hello, Interrupt, Interrupted, Ok, Pull, Push, Reply, Run,
-                            Status, Stop, Where)
+                            Status, Stop, Where, send)
 from .rank import rank_info
 
 #: The environment a kept rank reads.
@@ -68,7 +68,7 @@ def serve(namespace: dict) -> None:
     _stop_file = None  # from here a Stop comes on the channel
     signal.signal(signal.SIGINT, _interrupt_cell)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ[KEY_ENV]))
-    conn.send(Hello(info.rank, os.getpid(), _device_name(info.device)))
+    send(conn, Hello(info.rank, os.getpid(), _device_name(info.device)))
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(conn, inbox), daemon=True, name="nbddp-keep-reader").start()
     _install_stop_callback(namespace)
@@ -129,12 +129,12 @@ def _send(conn, reply) -> None:
     """The reply, or what kept it from being sent (a pulled value that does not pickle): the rank stays up."""
     try:
         with _send_lock:
-            conn.send(reply)
+            send(conn, reply)
     except OSError:
         pass
     except Exception as exc:
         with contextlib.suppress(OSError), _send_lock:
-            conn.send(Failed(f"the value cannot be sent to the kernel: {type(exc).__name__}: {exc}"))
+            send(conn, Failed(f"the value cannot be sent to the kernel: {type(exc).__name__}: {exc}"))
 
 
 def _read(conn, inbox: queue.Queue) -> None:
@@ -180,6 +180,11 @@ def _interrupt_cell(signum, frame) -> None:
     cells, or once training takes the Stop at its step, the signal is let go."""
     if _interruptible():
         raise KeyboardInterrupt
+
+
+def in_cell() -> bool:
+    """Whether a kept job's ``%%ddp`` cell is running in this rank (not the job's own cells)."""
+    return _cell_running.is_set()
 
 
 def _interruptible() -> bool:
