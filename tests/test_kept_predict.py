@@ -112,7 +112,6 @@ TRAIN = ("%%ddp_train --keep --nproc 2\nfor _ in range(3):\n"
 PREDICT = ("%%ddp\nmodel.eval()\npreds, correct = [], 0\nfor x, y in test_loader:\n"
            "    out = model(x).argmax(-1)\n    preds.extend(out.tolist())\n    correct += (out == y).sum().item()\n"
            "state = {k: v.tolist() for k, v in model.module.state_dict().items()}\n")
-#  (lists, not tensors: %ddp_pull of a tensor fails today, its pickle shares memory the kernel cannot open)
 #: A later cell, on every rank: each holds every row, and the last batch as the kernel's loop would leave it.
 EVERY_RANK = ("%%ddp\nheld = torch.tensor([float(len(preds)), float(correct), float(len(x))])\n"
               "torch.distributed.all_reduce(held)\nprint('held', held.tolist())\n")
