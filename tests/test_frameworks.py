@@ -305,3 +305,14 @@ def test_vllm_after_a_trainer_trained_where_it_is_made_runs_on_rank_0_alone():
                      "Trainer(model=model, args=args, train_dataset=ds).train()\n",
                      "from vllm import LLM\nllm = LLM(model='out')\n")
     assert "if _nbddp.on_rank0():\n    from vllm import LLM\n    llm = LLM(model='out')" in script.text
+
+
+@pytest.mark.parametrize("kept", ["kept_tail", "kept_cell"])
+def test_vllm_after_training_in_a_kept_job_is_refused(kept):
+    # a kept job runs the code after its training on every rank (a later cell may use every rank): the engine
+    # would start on each, so the after-training pass of a job's script does not hold there
+    cells = [Cell(i, textwrap.dedent(s)) for i, s in enumerate(
+        [*TRL_TRAINING, "from vllm import LLM\nllm = LLM(model='out-merged')\n"], start=1)]
+    with pytest.raises(CellError) as info:
+        convert_cells(cells, launcher_facts=False, **{kept: True})
+    assert (info.value.cell, info.value.line) == (3, 2) and "vLLM" in str(info.value)

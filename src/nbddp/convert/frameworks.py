@@ -121,11 +121,12 @@ class _Found:
     message: str
 
 
-def check_frameworks(cleaned: list[CleanCell], codes: list[CellCode]) -> None:
-    """Raise ``CellError`` at the first training nbddp does not distribute (see the module's docstring)."""
+def check_frameworks(cleaned: list[CleanCell], codes: list[CellCode], kept: bool = False) -> None:
+    """Raise ``CellError`` at the first training nbddp does not distribute (see the module's docstring).
+    ``kept``: a kept job's cells, whose code after training runs on every rank, not on rank 0 alone."""
     if not any(marker in clean.code for clean in cleaned for marker in _MARKERS):
         return
-    found = _Walk(codes).first()
+    found = _Walk(codes, kept).first()
     if found is None:
         return
     clean = cleaned[found.position]
@@ -139,8 +140,9 @@ def check_frameworks(cleaned: list[CleanCell], codes: list[CellCode]) -> None:
 class _Walk:
     """One pass over the notebook's cells in order: the frameworks imported, then their training calls."""
 
-    def __init__(self, codes: list[CellCode]):
+    def __init__(self, codes: list[CellCode], kept: bool = False):
         self.codes = codes
+        self.kept = kept  # code after training runs on every rank (a kept job): no call is rank 0's alone
         self.imported: set[str] = set()  # the top-level modules of _TF/_JAX/_LIGHTNING imported
         self.lightning: set[str] = set()  # names bound to Lightning's modules or to its Trainer
         self.jax_names: set[str] = set()  # ``grad``/``value_and_grad`` imported from jax by name
@@ -216,6 +218,8 @@ class _Walk:
         """Whether the call runs on rank 0 alone: every top-level statement that runs it (the one holding it; for
         a call in a function defined at the top level, those calling the function, where any does) comes after
         the notebook's last training statement, the planner's own (``JobFacts.training``)."""
+        if self.kept:
+            return False
         top, last = self._planned
         if last is None:
             return False

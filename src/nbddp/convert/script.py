@@ -150,7 +150,7 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
         raise NotebookError(f"{origin}: no code to convert (the notebook has no code cells, or only empty ones)")
     warnings: list[str] = list(notes)
     cleaned, codes = _clean_cells(cells, skip_bad_cells, warnings)
-    check_frameworks(cleaned, codes)  # TensorFlow, JAX, Lightning, Opacus without DPDDP: refused here
+    check_frameworks(cleaned, codes, kept=kept_cell or kept_tail)  # TensorFlow, JAX, Lightning, Opacus…: refused here
     facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None, kept_tail=kept_tail,
                          every_rank=every_rank)
     refuse_unsplittable(facts, cleaned)  # a prediction loop the ranks cannot split: refused at its cell and line
