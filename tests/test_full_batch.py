@@ -3,7 +3,6 @@ before launch, at its cell and line: every rank would train on the same rows, tw
 whose steps do get different rows (batches, sampled indices, a helper's training, a loader's batch) are left."""
 
 import textwrap
-import time
 
 import pytest
 
@@ -132,9 +131,15 @@ def test_a_loop_whose_steps_get_other_rows_is_not_refused(src):
     convert(DATA, MODEL, "from torch.utils.data import DataLoader\n" + src)
 
 
-def test_a_long_cell_of_loops_without_backward_is_passed_over_at_once():
-    # a cell of 6,000 comprehensions and no backward(): looked at in linear time, not once per `for` to its end
-    text = "".join(f"y{i} = [a for a in range({i})]\n" for i in range(6000))
-    started = time.perf_counter()
-    assert not FullBatchRule.could_change(text, None)
-    assert time.perf_counter() - started < 0.5
+def test_the_loop_rules_look_further_only_where_a_for_and_a_backward_are():
+    # two searches, linear in the text (one pattern for…backward( scanned to the text's end from each for: 7 s for
+    # a cell of 6,000 comprehensions), the same test for both loop rules
+    from nbddp.convert.rules.shard_loop import ShardLoopRule
+
+    comprehensions = "".join(f"y{i} = [a for a in range({i})]\n" for i in range(50))
+    for rule in (FullBatchRule, ShardLoopRule):
+        assert not rule.could_change(comprehensions, None)
+        assert not rule.could_change("loss.backward()\n", None)
+        assert rule.could_change(comprehensions + "loss.backward()\n", None)
+        assert rule.could_change("for x in X:\n    model(x).sum().backward()\n", None)
+

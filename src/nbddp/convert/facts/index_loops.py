@@ -7,6 +7,7 @@ has no steps to share out: ``rules/full_batch.py`` refuses it before launch."""
 from __future__ import annotations
 
 import ast
+import re
 from typing import TYPE_CHECKING, Callable
 
 from ..ast_helpers import compound_bodies, dotted_name, is_compound, is_dead_if, last_name
@@ -15,6 +16,17 @@ from .loaders import loader_name
 if TYPE_CHECKING:
     from ..code import Statement
     from .job_facts import JobFacts
+
+#: A ``for`` and a ``.backward(`` anywhere: what a cell holding a training loop has (``may_train_in_a_loop``).
+_FOR, _BACKWARD = re.compile(r"\bfor\b"), re.compile(r"\.backward\(")
+
+
+def may_train_in_a_loop(text: str) -> bool:
+    """Whether ``text`` may hold a loop calling ``backward``: the loop rules' cheap test before any ast walk. Two
+    searches, linear in the text (one pattern ``for…backward(`` scanned to the text's end from each ``for``: 7 s
+    for a cell of 6,000 comprehensions)."""
+    return _BACKWARD.search(text) is not None and _FOR.search(text) is not None
+
 
 #: What the kinds of loop become: the runtime helper taking this rank's share of the steps.
 SHARDS = {"range": "_nbddp.shard_range", "items": "_nbddp.shard_items"}

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..code import CodeError
 from ..engine.rule import Rule
-from ..facts.index_loops import full_batch_loops
+from ..facts.index_loops import full_batch_loops, may_train_in_a_loop
 
 if TYPE_CHECKING:
     from ..code import CellCode, Statement
@@ -31,7 +30,7 @@ class FullBatchRule(Rule):
     # -- where it has work: Python's ast, before libcst reads anything
 
     name = "full_batch"
-    pattern = re.compile(r"\.backward\(")  # and a ``for`` (``could_change``): two searches, linear in the text
+    pattern = None  # ``could_change``: a ``for`` and a ``.backward(`` (index_loops.may_train_in_a_loop)
     keywords = frozenset()  # it reads the loops with ast, never a keyword argument
 
     @classmethod
@@ -41,7 +40,7 @@ class FullBatchRule(Rule):
 
     @classmethod
     def could_change(cls, text, facts) -> bool:
-        return super().could_change(text, facts) and _FOR.search(text) is not None
+        return may_train_in_a_loop(text)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
@@ -58,9 +57,6 @@ class FullBatchRule(Rule):
                 raise CodeError(refusal(tensors), line)
         return True  # the other rules of the walk go on into it
 
-
-#: A ``for`` anywhere (one pattern ``for…backward(`` would scan to the text's end from each ``for``).
-_FOR = re.compile(r"\bfor\b")
 
 #: The last part of the names a graph's edges go by (PyTorch Geometric's ``edge_index``, a sparse ``adj_t``).
 _GRAPH_EDGES = frozenset({"edge_index", "adj", "adj_t"})

@@ -4,11 +4,10 @@ where it has work."""
 from __future__ import annotations
 
 import ast
-import re
 
 from ..cst_helpers import code_of, cst, fixed_expression
 from ..engine.rule import Rule
-from ..facts.index_loops import SHARDS, shardable_loop
+from ..facts.index_loops import SHARDS, may_train_in_a_loop, shardable_loop
 
 
 class ShardLoopRule(Rule):
@@ -28,11 +27,15 @@ class ShardLoopRule(Rule):
     # -- where it has work: Python's ast, before libcst reads anything
 
     name = "shard_loop"
-    pattern = re.compile(r"\bfor\b[\s\S]*\.backward\(")
+    pattern = None  # ``could_change``: a ``for`` and a ``.backward(`` (index_loops.may_train_in_a_loop)
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
         return facts.plain_loop and super().wanted(cell, facts)
+
+    @classmethod
+    def could_change(cls, text, facts) -> bool:
+        return may_train_in_a_loop(text)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
