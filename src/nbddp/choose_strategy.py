@@ -128,7 +128,7 @@ def estimate(shape: JobShape, config: dict, world: int, predicting: bool = False
     params = linear + other
     source = f"{params / 1e9:.2f}B parameters, {dtype}" + (f", {shape.bits}-bit" if shape.bits < 16 else "")
     if predicting:
-        return _inference(dims, shape, weights, min(width, 2), params, world, source)
+        return _inference(dims, shape, weights, width, params, world, source)
     if shape.lora_r:
         trainable = dims.lora_params(shape.lora_r, shape.lora_targets)
         train_width = 4  # PEFT keeps adapters in fp32
@@ -155,8 +155,9 @@ def _inference(dims: Dims, shape: JobShape, weights: int, width: int, params: in
     """A notebook that only predicts holds its weights, the attention cache of a batch (keys and values of every
     layer, ``kv_out`` wide) and one layer's tensors at a time (nothing kept for a backward), and the logits of
     its tokens in the model's width (no loss, so no fp32 copy): no gradients, no optimizer states. Not fitted to measured peaks as training is (the
-    batch and length are the training defaults where the notebook says neither): an upper bound for a loop
-    that generates one prompt at a time. FSDP is never chosen for it (``choose``), so its figure is DDP's."""
+    batch and length are the training defaults where the notebook says neither; an encoder keeps no cache):
+    an upper bound for a loop that generates one prompt at a time. In the weights' width: a model loaded in
+    fp32 computes in fp32. FSDP is never chosen for it (``choose``), so its figure is DDP's."""
     tokens = shape.batch * (shape.seq_len or 1024)
     cache = 2 * dims.layers * dims.kv_out * tokens * width
     activations = (12 * dims.hidden + 4 * dims.intermediate + dims.vocab) * tokens * width
