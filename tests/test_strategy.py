@@ -500,3 +500,11 @@ def test_a_prediction_too_big_for_one_gpu_is_split_never_sharded(llama_8b):
     assert many.strategy == "split", many.summary()
     with pytest.raises(NbddpError, match="only predicts.*--strategy split"):
         _settle(PREDICTS, llama_8b, t4, requested="fsdp")
+
+
+def test_a_predictions_activations_are_counted_in_the_models_width():
+    config = {**LLAMA_8B, "model_type": "llama"}
+    half = strategy.estimate(strategy.JobShape(model="m", dtype="float16"), config, world=2, predicting=True)
+    full = strategy.estimate(strategy.JobShape(model="m", dtype="float32"), config, world=2, predicting=True)
+    assert full.parts["activations"] == 2 * half.parts["activations"]
+    assert full.parts["attention cache"] == 2 * half.parts["attention cache"]
