@@ -69,3 +69,37 @@ def no_rank_processes(marker: str) -> bool:
 #: For a test of forked ranks themselves: where GPUs are, ranks start fresh by design, whatever the switch says
 #: (``tests/gpu/check_forked_ranks.py`` proves that there).
 NEEDS_FORKED_RANKS = pytest.mark.skipif(not forked_ranks.possible_here(), reason="ranks start fresh on a machine with GPUs")
+
+
+
+def rewrite_cells(cells, every_statement: bool):
+    """Cells (dedented) through the rules, with the precheck or over every statement (the reference the checks
+    are tested against): the new sources and the ``(cell position, rule, line, message)`` changes."""
+    import textwrap
+
+    from nbddp.convert.code import CellCode
+    from nbddp.convert.engine.plan import plan_cell
+    from nbddp.convert.engine.rewrite import rewrite as rewrite_cell
+    from nbddp.convert.facts import gather_facts
+    from nbddp.convert.rules import RULES
+
+    codes = [CellCode.read(textwrap.dedent(c), position=i) for i, c in enumerate(cells)]
+    facts = gather_facts(codes)
+    out, changes = [], []
+    for code in codes:
+        plan = plan_cell(code, facts, RULES, every_statement=every_statement)
+        new, made = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
+        out.append(new)
+        changes += [(code.position, *change) for change in made]
+    return out, changes
+
+
+@pytest.fixture(params=["checks", "every statement"])
+def rewrite(request):
+    """``rewrite_cells`` both ways: the new sources and the ``(rule, line, message)`` changes."""
+
+    def run(*cells):
+        out, changes = rewrite_cells(cells, every_statement=request.param != "checks")
+        return out, [change[1:] for change in changes]
+
+    return run

@@ -1,34 +1,21 @@
 """A notebook's ``nn.DataParallel`` under whatever name the notebook binds it to (an alias assignment, an import's
 ``as``, a module alias) becomes ``_nbddp.data_parallel``; a name bound to something else is left alone."""
 
-import textwrap
-
 import pytest
 
-from nbddp.convert.code import CellCode
-from nbddp.convert.engine.plan import plan_cell
-from nbddp.convert.engine.rewrite import rewrite as rewrite_cell
-from nbddp.convert.facts import gather_facts
-from nbddp.convert.rules import RULES
+from conftest import rewrite_cells
 
 LOOP = "opt = SGD(model.parameters())\nfor x, y in loader:\n    crit(model(x), y).backward()\n    opt.step()\n"
 
 
 @pytest.fixture(params=["checks", "every statement"])
 def rewrite(request):
-    """Cells (dedented) through the rules, with the checks and over every statement: the new sources and the
-    data_parallel rule's ``(line, message)`` changes."""
+    """``rewrite_cells`` both ways: the new sources and the data_parallel rule's ``(cell position, line, message)``
+    changes."""
 
     def run(*cells):
-        codes = [CellCode.read(textwrap.dedent(c), position=i) for i, c in enumerate(cells)]
-        facts = gather_facts(codes)
-        out, said = [], []
-        for code in codes:
-            plan = plan_cell(code, facts, RULES, every_statement=request.param != "checks")
-            new, changes = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
-            out.append(new)
-            said += [(code.position, line, message) for rule, line, message in changes if rule == "data_parallel"]
-        return out, said
+        out, changes = rewrite_cells(cells, every_statement=request.param != "checks")
+        return out, [(position, line, message) for position, rule, line, message in changes if rule == "data_parallel"]
 
     return run
 

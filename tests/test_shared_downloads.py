@@ -6,36 +6,12 @@ once (``wget`` even writes ``x (1).csv`` on the second)."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 
 from conftest import write_notebook
-from nbddp.convert.code import CellCode
-from nbddp.convert.engine.plan import plan_cell
-from nbddp.convert.engine.rewrite import rewrite as rewrite_cell
-from nbddp.convert.facts import gather_facts
-from nbddp.convert.rules import RULES
 
 TRAIN = "trainer = Trainer(model=model)\ntrainer.train()\n"
-
-
-@pytest.fixture(params=["checks", "every statement"])
-def rewrite(request):
-    """Cells (dedented) through the rules: the new sources and the ``(rule, line, message)`` changes."""
-
-    def run(*cells):
-        codes = [CellCode.read(textwrap.dedent(c), position=i) for i, c in enumerate(cells)]
-        facts = gather_facts(codes)
-        out, changes = [], []
-        for code in codes:
-            plan = plan_cell(code, facts, RULES, every_statement=request.param != "checks")
-            new, ch = rewrite_cell(code, plan, facts) if plan is not None else (code.code, [])
-            out.append(new)
-            changes += ch
-        return out, changes
-
-    return run
 
 
 def sent(names: str, *body: str) -> str:
