@@ -352,3 +352,79 @@ def test_a_loader_sharded_for_training_gives_its_whole_dataset_to_a_prediction_l
     rows = Rows(loader)  # rank 1 of 2: the later block of the dataset's 3 batches
     assert (rows.first, rows.end, rows.total) == (1, 3, 3)
     assert [b[0].tolist() for b in rows] == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+
+
+#: Loops whose rows are independent, each with a name bound only in a comprehension's or lambda's own scope
+#: (or read there), which is no value carried from row to row, nor read after the loop.
+SCOPED = {
+    "generator": "answers = []\nfor x in xs:\n    out = model(x)\n    answers.append(' '.join(str(t) for t in out.tolist()))",
+    "list comprehension": "answers = []\nfor x in xs:\n    answers.append([round(t, 2) for t in model(x).tolist()])",
+    "dict and set": ("answers = []\nfor x in xs:\n    out = model(x).tolist()\n    d = {k: v for k, v in enumerate(out)}\n"
+                     "    answers.append((d, {round(v) for v in out}))"),
+    "lambda": "answers = []\nfor x in xs:\n    out = model(x).tolist()\n    answers.append(sorted(out, key=lambda t: -t))",
+    "shadowing": ("answers = []\nfor x in xs:\n    out = model(x).tolist()\n    best = max(out, key=lambda t: t)\n"
+                  "    t = [t for t in out if t < best]\n    answers.append(t)"),
+    "walrus head": "answers = []\nfor x in xs:\n    if (out := model(x)) is not None:\n        answers.append(out)",
+    "comprehension mutates its items": ("answers = []\nfor x in xs:\n    rows = [[], []]\n"
+                                        "    [r.append(model(x)) for r in rows]\n    answers.append(rows)"),
+}
+
+
+@pytest.mark.parametrize("case", SCOPED)
+def test_a_name_of_a_comprehension_or_lambda_in_a_prediction_loop_is_not_carried_from_row_to_row(case):
+    script = convert(SETUP, SCOPED[case], "print(answers)")
+    assert script.predicts
+    header = next(line for line in script.text.splitlines() if "predict.Rows(" in line)
+    assert header == "for x in (_nbddp_rows := _nbddp.predict.Rows(xs, answers=answers)):"
+    compile(script.text, "script.py", "exec")
+
+
+def test_a_comprehension_after_the_loop_reuses_a_loop_name_as_its_own_and_reads_nothing_of_the_last_row():
+    # [x for x in …] after the loop binds its own x; in a function the same, and a generator in its loop's rows
+    after = convert(SETUP, "out = []\nfor x in xs:\n    out.append(model(x))", "print([x.shape for x in out])")
+    assert after.predicts
+    inside = convert(SETUP, "def run(xs):\n    out = []\n    for x in xs:\n        out.append(model(x))\n"
+                            "    return [x.sum() for x in out], sorted(out, key=lambda x: x.sum())", "res = run(xs)")
+    assert inside.predicts
+    in_function = convert(SETUP, "def run(xs):\n    answers = []\n    for x in xs:\n        out = model(x)\n"
+                                 "        answers.append(' '.join(str(t) for t in out.tolist()))\n    return answers",
+                          "res = run(xs)")
+    assert "for x in (_nbddp_rows := _nbddp.predict.Rows(xs, answers=answers)):" in in_function.text
+
+
+#: Still refused: a walrus in a comprehension binds in the loop's own scope, so it carries; a name bound in the
+#: loop read in a comprehension or lambda after it reads the last row's; a comprehension's name shadowing an
+#: outer one does not hide a write into that outer one.
+STILL_REFUSED = {
+    "walrus in a comprehension": ("total = 0\nout = []\nfor x in xs:\n"
+                                  "    out.append([(total := total + t) for t in model(x).tolist()])",
+                                  "total carries a value from one row to the next"),
+    "read in a later comprehension": ("out = []\nfor x in xs:\n    y = model(x)\n    out.append(y)\n"
+                                      "print([y + t for t in out])", "y is read after the loop"),
+    "read in a later lambda": ("def run(xs):\n    out = []\n    for x in xs:\n        y = model(x)\n"
+                               "        out.append(y)\n    return sorted(out, key=lambda t: (t - y).sum())\nres = run(xs)",
+                               "y is read after the loop"),
+    "outer name written": ("t = {}\nout = []\nfor x in xs:\n    out.append([t for t in model(x).tolist()])\n"
+                           "    t['last'] = 1", "it writes into t['last']"),
+}
+
+
+@pytest.mark.parametrize("case", STILL_REFUSED)
+def test_a_name_a_comprehension_binds_in_the_loops_scope_or_reads_from_it_is_still_refused(case):
+    source, said = STILL_REFUSED[case]
+    with pytest.raises(CellError) as caught:
+        convert(SETUP, source)
+    assert said in str(caught.value) and "cannot split this prediction loop" in str(caught.value)
+
+
+def test_a_kept_cells_loop_gives_every_rank_its_own_names_not_a_comprehensions(tmp_path):
+    # settle() sends the names the loop binds from the last row's rank; a generator's t is bound nowhere after it
+    from nbddp.kept.cell import convert_kept_cell
+
+    history = [Cell(1, "import torch\nmodel = torch.nn.Linear(4, 3)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                       "xs = list(torch.randn(5, 4))"),
+               Cell(2, "for _ in range(3):\n    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+                       "    opt.zero_grad()\n    loss.backward()\n    opt.step()")]
+    source = "answers = []\nfor x in xs:\n    out = model(x)\n    answers.append(' '.join(str(t) for t in out.tolist()))"
+    code = convert_kept_cell(source, history, tmp_path, 1).code
+    assert "_nbddp_rows.settle(globals(), 'out', 'x')" in code

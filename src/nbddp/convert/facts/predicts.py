@@ -10,7 +10,8 @@ A loop whose rows cannot be split is refused before launch, at its cell and line
 state carried from one row to the next other than an accumulator, a ``break`` (it stops at a row count),
 a write into something other than an accumulator inside the loop (it would hold only this rank's rows), a
 name the loop binds read after it (each rank holds its own last row's), a shuffled loader (its order is not
-its rows').
+its rows'). The names a comprehension or a lambda binds for itself (``" ".join(str(t) for t in out)``) are
+its own: no state of the loop, nor read by it after (``_own_names``).
 
 A statement calling ``trainer.predict(…)``/``trainer.evaluate(…)`` is a prediction statement too, left as it is:
 the Trainer shards its rows over the ranks and gathers them back in order itself (its loss is one process's
@@ -78,15 +79,17 @@ def prediction_loop(loop: ast.AST, splitting: frozenset[str] = frozenset()) -> P
         return None
     if not any(_MODEL_CALL.search(dotted_name(c.func) or last_name(c.func) or "") for c in calls):
         return None
+    names = list(_own_names(loop.body))
+    own = {id(n) for n in names}  # ``[r.append(…) for r in rows]`` grows no list named before the loop
     found: dict[str, str] = {}
     for node in inside:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LIST_GROWS \
-                and isinstance(node.func.value, ast.Name):
+                and isinstance(node.func.value, ast.Name) and id(node.func.value) in own:
             found.setdefault(node.func.value.id, "list")
         elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
             found.setdefault(node.target.id, "sum")
     augmented = {id(n.target) for n in inside if isinstance(n, ast.AugAssign)}
-    fresh = _stored(loop.target) | {n.id for n in inside if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    fresh = _stored(loop.target) | {n.id for n in names if isinstance(n.ctx, ast.Store)
                                     and id(n) not in augmented}  # a list made anew for each row is the row's own
     found = {n: kind for n, kind in found.items() if n not in fresh}
     return PredictLoop(found) if found else None
@@ -95,8 +98,49 @@ def prediction_loop(loop: ast.AST, splitting: frozenset[str] = frozenset()) -> P
 def loop_names(loop: ast.For, accumulators) -> list[str]:
     """The names a loop binds other than its accumulators (its target, what its rows compute), sorted: after a
     split loop each rank holds its own share's last row in them."""
-    bound = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound = _bound_in(loop.body)
     return sorted((bound | _stored(loop.target)) - set(accumulators))
+
+
+def _bound_in(body: list[ast.stmt]) -> set[str]:
+    """The names ``body`` binds in its own scope: not a comprehension's targets or a lambda's parameters."""
+    return {n.id for n in _own_names(body) if isinstance(n.ctx, ast.Store)}
+
+
+#: Expressions with a scope of their own: their targets (a lambda's parameters) are theirs, not the loop's.
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def _own_names(nodes: list[ast.AST], functions: bool = False):
+    """The ``ast.Name`` nodes of ``nodes``' own scope, in source order: a name a comprehension binds (its
+    ``for`` targets) or a lambda (its parameters, a walrus in its body), and the reads of it there, are that
+    expression's own, so ``" ".join(str(t) for t in out)`` in a row carries no ``t`` to the next. A walrus in a
+    comprehension binds in the enclosing scope, so it is one. Functions and classes defined in ``nodes`` are
+    left out, unless ``functions`` (their bodies read names of the scope too, when called)."""
+    todo = [(node, frozenset()) for node in reversed(nodes)]
+    while todo:
+        node, local = todo.pop()
+        if isinstance(node, ast.Name):
+            if node.id not in local:
+                yield node
+        elif functions or not isinstance(node, DEFS):
+            todo.extend(reversed(_children_in_scope(node, local)))
+
+
+def _children_in_scope(node: ast.AST, local: frozenset[str]) -> list[tuple[ast.AST, frozenset[str]]]:
+    """``node``'s children, each with the names local to the expression scopes around it."""
+    if isinstance(node, _COMPREHENSIONS):
+        inner = local.union(*(_stored(g.target) for g in node.generators))
+        parts = [part for g in node.generators for part in (g.target, g.iter, *g.ifs)]
+        parts += [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        # the first iterable is read in the enclosing scope, the rest in the comprehension's
+        return [(part, local if part is node.generators[0].iter else inner) for part in parts]
+    if isinstance(node, ast.Lambda):
+        args = node.args
+        params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg) if a}
+        inner = local | params | _stored(node.body)  # a walrus in a lambda binds in the lambda
+        return [*((d, local) for d in (*args.defaults, *args.kw_defaults) if d is not None), (node.body, inner)]
+    return [(child, local) for child in ast.iter_child_nodes(node)]
 
 
 def _walk_body(body: list[ast.stmt]):
@@ -325,7 +369,7 @@ def _draws(loop: ast.For) -> str | None:
     calls = [n for n in _walk_body(loop.body) if isinstance(n, ast.Call)]
     if any(last_name(c.func) in _SEEDS for c in calls):
         return None
-    bound = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound = _bound_in(loop.body)
     for call in calls:
         generator = keyword(call, "generator")
         if generator is not None and isinstance(generator.value, ast.Name) and generator.value.id not in bound:
@@ -372,7 +416,7 @@ def _stored(target: ast.AST) -> set[str]:
 
 def _carried(loop: ast.For, accumulators: set[str]) -> str | None:
     """A name the body binds and reads, in some row, before binding it in that row: the previous row's value."""
-    bound_in_body = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound_in_body = _bound_in(loop.body)
     candidates = bound_in_body - accumulators
     bound = _stored(loop.target)
     for stmt in loop.body:
@@ -391,8 +435,8 @@ def _accumulator_read(loop: ast.For, accumulators: set[str]) -> str | None:
             growing.add(id(node.target))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LIST_GROWS:
             growing.add(id(node.func.value))
-    for node in _walk_body(loop.body):
-        if isinstance(node, ast.Name) and node.id in accumulators and id(node) not in growing:
+    for node in _own_names(loop.body):
+        if node.id in accumulators and id(node) not in growing:
             return node.id
     return None
 
@@ -423,11 +467,9 @@ def _reads_before_binds(stmt: ast.stmt, bound: set[str]):
         if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
             yield stmt.target.id
     for head in heads:
-        for node in ast.walk(head):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
-                yield node.id
-        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            pass
+        names = list(_own_names([head]))
+        yield from (n.id for n in names if isinstance(n.ctx, ast.Load) and n.id not in bound)
+        bound |= {n.id for n in names if isinstance(n.ctx, ast.Store)}  # ``if (out := model(x)) …:``
     if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
         for target in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]):
             for node in ast.walk(target):  # a subscript or attribute target reads its base
@@ -443,22 +485,22 @@ def _written_elsewhere(loop: ast.For, accumulators: set[str]) -> str | None:
     """Something named before the loop that the body writes into other than by an accumulator: a subscript or
     attribute assigned, a method that changes its object (``df.loc[i, "p"] = …``, ``results.update(…)``,
     ``f.write(…)``)."""
-    fresh = {n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} \
-        | _stored(loop.target)
+    fresh = _bound_in(loop.body) | _stored(loop.target)
+    own = {id(n) for n in _own_names(loop.body)}  # not a comprehension's item: ``[r.append(…) for r in rows]``
     for node in _walk_body(loop.body):
         targets = []
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         for target in targets:
             if isinstance(target, (ast.Subscript, ast.Attribute)):
-                base = _base_name(target)
-                if base is not None and base not in fresh:
+                base = _base(target)
+                if base is not None and base.id not in fresh:
                     return ast.unparse(target)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATES:
-            base = _base_name(node.func.value)
-            plain_accumulator = isinstance(node.func.value, ast.Name) and base in accumulators \
+            base = _base(node.func.value)
+            plain_accumulator = isinstance(node.func.value, ast.Name) and base.id in accumulators \
                 and node.func.attr in _LIST_GROWS
-            if base is not None and base not in fresh and not plain_accumulator:
+            if base is not None and id(base) in own and base.id not in fresh and not plain_accumulator:
                 return ast.unparse(node.func.value)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print" \
                 and keyword(node, "file") is not None:
@@ -466,10 +508,11 @@ def _written_elsewhere(loop: ast.For, accumulators: set[str]) -> str | None:
     return None
 
 
-def _base_name(node: ast.AST) -> str | None:
+def _base(node: ast.AST) -> ast.Name | None:
+    """The name an attribute, subscript or call chain starts from (``df`` of ``df.loc[i]``)."""
     while isinstance(node, (ast.Subscript, ast.Attribute, ast.Call)):
         node = node.value if not isinstance(node, ast.Call) else node.func
-    return node.id if isinstance(node, ast.Name) else None
+    return node if isinstance(node, ast.Name) else None
 
 
 def _iterated(expr: ast.AST) -> ast.AST:
@@ -504,10 +547,9 @@ def _shuffled(iterated: ast.AST, before: list[Statement]) -> str | None:
 
 def _read_later(loop: ast.For, accumulators: set[str], function: ast.FunctionDef) -> str | None:
     """In a function: a name the loop binds (not an accumulator) whose first use after the loop reads it."""
-    bound = ({n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-             | _stored(loop.target)) - accumulators
-    later = sorted((n.lineno, n.col_offset, isinstance(n.ctx, ast.Load), n.id) for n in _walk_body(function.body)
-                   if isinstance(n, ast.Name) and n.id in bound and n.lineno > loop.end_lineno)
+    bound = (_bound_in(loop.body) | _stored(loop.target)) - accumulators
+    later = sorted((n.lineno, n.col_offset, isinstance(n.ctx, ast.Load), n.id) for n in _own_names(function.body)
+                   if n.id in bound and n.lineno > loop.end_lineno)
     first: dict[str, bool] = {}
     for _, _, load, name in later:
         first.setdefault(name, load)
@@ -516,13 +558,15 @@ def _read_later(loop: ast.For, accumulators: set[str], function: ast.FunctionDef
 
 def _read_after(loop: ast.For, accumulators: set[str], after: list[Statement]) -> str | None:
     """A name the loop binds (not an accumulator) that a later top-level statement reads before binding it."""
-    bound = ({n.id for n in _walk_body(loop.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-             | _stored(loop.target)) - accumulators
+    bound = (_bound_in(loop.body) | _stored(loop.target)) - accumulators
     for stmt in after:
         if isinstance(stmt.nodes[0], DEFS):
             bound -= stmt.binds
             continue
         read = sorted((stmt.reads - stmt.binds) & bound)
+        if read:  # ``[x for x in out]`` after the loop reads its own x, not the loop's
+            read = sorted(set(read) & {n.id for n in _own_names(stmt.nodes, functions=True)
+                                       if isinstance(n.ctx, ast.Load)})
         if read:
             return read[0]
         bound -= stmt.binds
