@@ -201,3 +201,13 @@ def test_cpu_ranks_of_a_machine_elsewhere_are_not_checked_against_this_ones_memo
 
     elsewhere = nbddp.job_plan.plan_job(big_cpu_job, RunOptions(nproc=4), machine=gpus.Machine(0, here=False))
     assert elsewhere.processes == 4
+
+
+def test_the_dry_run_names_predict_mode(tmp_path, capsys):
+    """A notebook that only predicts is planned as ``mode: predict`` (it read "every rank", which is what
+    ``--every-rank`` does: every rank predicting every row)."""
+    loop = ("import torch\nmodel = torch.nn.Linear(4, 2)\nrows = torch.randn(10, 4)\npreds = []\n"
+            "for x in rows:\n    preds.append(model(x).argmax().item())\nprint(preds)\n")
+    nb = write_notebook(tmp_path / "nb.ipynb", [loop])
+    assert cli.main(["run", str(nb), "--dry-run"]) == 0
+    assert "  mode:        predict: each rank predicts its own block of the rows" in capsys.readouterr().out

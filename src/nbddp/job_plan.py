@@ -96,10 +96,10 @@ class JobPlan:
 
     @property
     def label(self) -> str:
-        """The mode as a person names it: DDP (a training call found), every rank (asked for, or a kept job's
-        cells without one), launched."""
-        if self.mode == LAUNCHED:
-            return "launched"
+        """The mode as a person names it: DDP (a training call found), predict (no training, prediction loops
+        split), every rank (asked for, or a kept job's cells without one), launched."""
+        if self.mode in (LAUNCHED, PREDICT):
+            return self.mode
         return "DDP" if self.script.trains else "every rank"
 
     @property
