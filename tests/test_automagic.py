@@ -63,6 +63,19 @@ def test_automagic_reads_one_line_cells_only_as_ipython_does():
     ("pip install torch  # already there", ["pip", "install", "torch"]),
     ("!pip install -q peft # the adapter", ["pip", "install", "-q", "peft"]),
     ("pip install git+https://github.com/x/y.git#egg=y", ["pip", "install", "git+https://github.com/x/y.git#egg=y"]),
+    # a quote in the comment is the comment's (the course notebooks' "# this is the version we're using"): it was
+    # refused as an unclosed quote, though the kernel's shell runs the line
+    ("!pip install torchmetrics==0.9.3 # this is the version we're using", ["pip", "install", "torchmetrics==0.9.3"]),
+    ("!pip install -q torchmetrics -U mlxtend # <- Note: If you're using Colab", ["pip", "install", "-q", "torchmetrics",
+                                                                                 "-U", "mlxtend"]),
+    ("!pip install 'a # b' c # it's quoted", ["pip", "install", "a # b", "c"]),
+    ("!pip install a\\\\ #b", ["pip", "install", "a\\"]),  # an escaped backslash, then a comment
+    ("!pip install a\\ #b", ["pip", "install", "a #b"]),  # an escaped space: the # is inside the word
 ])
 def test_an_install_runs_without_its_trailing_comment_as_the_shell_runs_it(line, argv):
     assert [i.argv() for i in convert(line).installs] == [argv]
+
+
+def test_an_install_line_with_an_unclosed_quote_before_its_comment_is_refused():
+    with pytest.raises(CellError, match="cannot read this install line"):
+        [i.argv() for i in convert("!pip install 'torch # why").installs]

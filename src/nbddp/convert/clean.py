@@ -62,14 +62,35 @@ class Install:
 
     def argv(self) -> list[str]:
         """The command's words, less a trailing comment (``pip install x  # why``): the kernel's shell, which
-        runs ``!pip``/``%pip`` lines, drops a word starting with ``#`` and all after it; a ``#`` inside a word
-        (``git+https://…#egg=x``) stays."""
+        runs ``!pip``/``%pip`` lines, drops a word starting with ``#`` and all after it, quotes in it too
+        (``# the version we're using``); a ``#`` inside a word (``git+https://…#egg=x``) or quotes stays."""
         try:
-            words = shlex.split(self.command)
+            return shlex.split(_without_comment(self.command))
         except ValueError as exc:  # an unclosed quote: the kernel's shell refuses it too
             raise CellError(f"cannot read this install line ({exc}): close its quote", cell=self.cell,
                             line=self.line, source=f"!{self.command}") from None
-        return words[: next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
+
+
+def _without_comment(command: str) -> str:
+    """``command`` up to the ``#`` that starts a word outside quotes, as a POSIX shell reads it. By hand:
+    ``shlex``'s own comments cut a ``#`` inside a word too (``…#egg=x``)."""
+    quote, escaped, word_start = None, False, True
+    for at, char in enumerate(command):
+        starts = word_start
+        word_start = False
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char.isspace():
+            word_start = True
+        elif char == "#" and starts:
+            return command[:at]
+    return command
 
 
 @dataclass(frozen=True)
