@@ -211,3 +211,12 @@ def test_the_dry_run_names_predict_mode(tmp_path, capsys):
     nb = write_notebook(tmp_path / "nb.ipynb", [loop])
     assert cli.main(["run", str(nb), "--dry-run"]) == 0
     assert "  mode:        predict: each rank predicts its own block of the rows" in capsys.readouterr().out
+
+
+def test_the_dry_run_reads_the_install_lines_as_the_run_does(tmp_path, capsys):
+    """An install line the run cannot read (an unclosed quote) is refused by the dry run too, with the same words
+    and exit status (the dry run never read them, so it planned a job the run then refused at once)."""
+    nb = write_notebook(tmp_path / "nb.ipynb", ["!pip install 'peft", TRAINS])
+    assert cli.main(["run", str(nb), "--dry-run"]) == 2
+    assert "cell 1, line 1: cannot read this install line" in capsys.readouterr().err
+    assert cli.main(["run", str(nb), "--dry-run", "--skip-installs"]) == 0  # not read where they are skipped

@@ -154,6 +154,9 @@ def plan_job(source: JobSource, options: RunOptions | None = None, *, keep: bool
     options = options or RunOptions()
     job = prepare_job(source, skip_bad_cells=options.skip_bad_cells, keep=keep, every_rank=options.every_rank)
     script = job.script
+    if not options.skip_installs:  # read as the run reads them before it installs: a line it cannot read is refused
+        for install in script.installs:
+            install.argv()
     mode = decide_mode(script, options.every_rank, keep=keep)
     if mode == LAUNCHED:
         if keep:
