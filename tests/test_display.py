@@ -168,3 +168,28 @@ def test_the_loss_plot_is_drawn_again_on_one_figure():
     assert plot.ax.get_ylim()[0] <= 1.0  # rescaled to the new points
     loss_plot_png([(2, 2.6)])
     assert plot.ax.get_legend() is None and not plot.eval.get_visible()
+
+
+SAME = ("SameBatches: nbddp: ranks 0 and 1 trained on the same samples in their first 3 training steps … Fix: feed the "
+        "training loop from a DataLoader")
+OWN_STOP_TRACEBACK = f"""Traceback (most recent call last):
+  File "nb.ipynb", cell 40, line 18, in <module>
+    y_pred = model_0(X_train)
+  File "/lib/torch/nn/modules/module.py", line 1811, in inner
+    args_kwargs_result = hook(self, args, kwargs)
+nbddp.runtime.same_batches.SameBatches: {SAME.removeprefix('SameBatches: ')}"""
+
+
+def test_a_stop_of_nbddps_own_is_said_without_a_traceback(tmp_path):
+    """The same-samples check (or the replica guard) stops a rank with its reason, cell, line and fix: said once, not
+    again at the end of a traceback through torch's hook frames that ends in nbddp's own exception class."""
+    from nbddp.display import failure_report
+
+    failure = RankFailure(rank=0, message=SAME, traceback=OWN_STOP_TRACEBACK, cell=40, line=18,
+                          source="y_pred = model_0(X_train)")
+    report = failure_report(failure, label=lambda i: f"cell {i}")
+    assert report.count("trained on the same samples") == 1 and "Traceback" not in report and "module.py" not in report
+    assert "rank 0 failed in cell 40, line 18: SameBatches" in report and "y_pred = model_0(X_train)" in report
+    error = outcome_error(JobResult(run_result(tmp_path, returncode=1, failure=failure), tmp_path), lambda i: f"cell {i}")
+    assert "trained on the same samples" in str(error)
+    assert not any("module.py" in line or "Traceback" in line for line in error._render_traceback_())

@@ -116,6 +116,14 @@ def _cell_frame(m: re.Match, label: Callable[[int], str] | None) -> str:
     return f"{m.group('indent')}{where}{m.group('rest')}{note}"
 
 
+def own_stop(traceback: str) -> bool:
+    """Whether a rank stopped on one of nbddp's own checks (the same-samples check, the replica guard: an
+    exception of ``nbddp.runtime``): its message holds the reason, the cell and line and the fix, so no traceback
+    follows it (one would go through torch's hook frames and end in nbddp's class, saying it all again)."""
+    lines = [line for line in traceback.rstrip().splitlines() if line.strip()]
+    return bool(lines) and lines[-1].startswith("nbddp.runtime.")
+
+
 def _is_hidden(file: str, folders: list[Path]) -> bool:
     path = Path(file)
     return any(path == f or f in path.parents for f in folders)
@@ -125,7 +133,7 @@ def failure_report(failure: RankFailure, label: Callable[[int], str] | None = No
                    hidden: Iterable[Path] = ()) -> str:
     """The failing rank, the notebook cell and line, its traceback with script lines mapped, then ``others``:
     lines on where the other ranks were when stopped (``launch.where_ranks_were``)."""
-    tb = clean_traceback(failure.traceback, label, hidden)
+    tb = "" if own_stop(failure.traceback) else clean_traceback(failure.traceback, label, hidden)
     tb = f"\n\n{tb}\n" if tb.strip() else "\n"
     rest = "".join(f"nbddp:   {line}\n" for line in others)
     return f"nbddp: {failure_headline(failure, label)}{tb}" + (f"nbddp: when the job stopped:\n{rest}" if rest else "")
@@ -150,7 +158,8 @@ def outcome_error(job: "JobResult", label: Callable[[int], str] | None = None) -
     if job.timed_out:
         return JobFailed(f"timed out after {job.duration_s:.0f} s; every rank has been stopped (logs: {job.log_dir})")
     if job.failure:
-        tb = clean_traceback(job.failure.traceback, label, hidden=[job.script_path])
+        tb = "" if own_stop(job.failure.traceback) else clean_traceback(job.failure.traceback, label,
+                                                                        hidden=[job.script_path])
         raw = f"\n(every rank's own traceback and output: {job.log_dir})" if tb.strip() else ""
         return JobFailed(failure_headline(job.failure, label), report=tb + raw)
     return JobFailed(f"torchrun exited with {job.run.returncode}; see {job.run_dir / 'torchrun.log'}")
