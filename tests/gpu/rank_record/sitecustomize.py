@@ -21,6 +21,7 @@ What is recorded:
 - ``losses``: every scalar ``backward()`` (each micro-batch's loss), in order;
 - ``optimizers``: per optimizer (in creation order) the steps taken and a hash of its parameters after the
   last step (the weights each replica ends with);
+- ``devices``: each device a loss was on, once, a GPU's with its UUID (which card a rank used);
 - ``writes``: files opened for writing under the notebook's folder, relative to it, with ``torch.save``'s and
   safetensors' files among them (the record's own folder left out).
 
@@ -62,7 +63,7 @@ else:
 ROOT = os.path.realpath(ROOT_DIR or os.getcwd())
 
 record: dict = {"passes": [], "losses": [], "optimizers": [], "writes": [], "world": os.environ.get("WORLD_SIZE"),
-                "inner": bool(os.environ.get("NBDDP_LAUNCHED_INNER")), "began": time.time()}
+                "inner": bool(os.environ.get("NBDDP_LAUNCHED_INNER")), "began": time.time(), "devices": []}
 _optimizers: list = []
 
 
@@ -109,12 +110,23 @@ def _patch_loaders() -> None:
     base.__init__, base._next_index = __init__, _next_index
 
 
+def _device(torch, device) -> None:
+    """The device a loss was on, with its GPU's UUID: the same ``cuda:0`` in two ranks that each see one GPU is
+    two cards."""
+    name = str(device)
+    if device.type == "cuda":
+        name += " " + str(torch.cuda.get_device_properties(device).uuid)
+    if name not in record["devices"]:
+        record["devices"].append(name)
+
+
 def _patch_backward(torch) -> None:
     backward = torch.Tensor.backward
 
     def tensor_backward(self, *args, **kwargs):
         if self.numel() == 1:
             record["losses"].append([len(_optimizers) - 1, float(self.detach().float())])
+            _device(torch, self.device)
         return backward(self, *args, **kwargs)
 
     torch.Tensor.backward = tensor_backward
@@ -183,7 +195,7 @@ def _write() -> None:
     os.makedirs(FOLDER, exist_ok=True)
     path = os.path.join(FOLDER, NAME)
     kept = record if WHOLE else {"passes": record["passes"], "losses": [v for _, v in record["losses"]],
-                                 "writes": record["writes"]}
+                                 "writes": record["writes"], "devices": record["devices"]}
     with open(path + ".tmp", "w") as fh:
         json.dump(kept, fh)
     os.replace(path + ".tmp", path)
