@@ -177,7 +177,28 @@ def timed(side: str, notebook: Path, work: Path, nproc: int, timeout: int) -> di
     if done.returncode or not submission.exists():
         raise SystemExit(f"{side} {notebook.name} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     return {"to_submission_s": round(submission.stat().st_mtime - started, 3), "wall_s": round(ended - started, 3),
-            "bytes": submission.read_bytes(), "tail": done.stdout.strip().splitlines()[-1:]}
+            "bytes": submission.read_bytes(), "tail": done.stdout.strip().splitlines()[-1:],
+            "ranks": rank_times(folder / "runs", started, submission.stat().st_mtime) if side == "nbddp" else []}
+
+
+def rank_times(runs: Path, started: float, written: float) -> list[dict]:
+    """Where each rank's seconds went, from the run's share records (``shares/rank<r>.jsonl`` and
+    ``-times.jsonl``, the first prediction loop): from the launch to its first row (``start_s``: converting,
+    torchrun, the imports, the model built), its rows (``rows_s``), waiting in the gather (``gather_s``), and
+    from the gather to the written file (``write_s``)."""
+    out = []
+    for share in sorted(runs.glob("*/shares/rank*.jsonl")):
+        if share.stem.endswith("-times"):
+            continue
+        began = json.loads(share.read_text().splitlines()[0])
+        times_file = share.with_name(f"{share.stem}-times.jsonl")
+        if "began" not in began or not times_file.exists():
+            continue
+        times = json.loads(times_file.read_text().splitlines()[0])
+        out.append({"rank": began["rank"], "rows": began["end"] - began["first"],
+                    "start_s": round(began["began"] - started, 2), "rows_s": times["rows_s"],
+                    "gather_s": times["gather_s"], "write_s": round(written - times["gathered"], 2)})
+    return sorted(out, key=lambda r: r["rank"])
 
 
 def machine() -> dict:
@@ -217,11 +238,14 @@ def measure(names: list[str], sizes: dict, repeats: int, nproc: int, timeout: in
                    "nproc": nproc, "call": call["started"], "equal": run["single"]["bytes"] == run["nbddp"]["bytes"],
                    "rows_written": run["single"]["bytes"].count(b"\n") - 1,
                    **{f"{side}_{what}": run[side][what] for side in ("single", "nbddp") for what in
-                      ("to_submission_s", "wall_s")}}
+                      ("to_submission_s", "wall_s")}, "nbddp_ranks": run["nbddp"]["ranks"]}
             print(f"{name:10s} pass {n}: one process {row['single_to_submission_s']:7.2f} s, nbddp "
                   f"{row['nbddp_to_submission_s']:7.2f} s to submission.csv (× "
                   f"{row['single_to_submission_s'] / row['nbddp_to_submission_s']:.2f}); byte-equal: {row['equal']}",
                   flush=True)
+            for r in row["nbddp_ranks"]:
+                print(f"    nbddp rank {r['rank']}: {r['rows']} rows; start {r['start_s']} s, rows {r['rows_s']} s, "
+                      f"gather {r['gather_s']} s, to the file {r['write_s']} s", flush=True)
             with open(runs_file, "a") as fh:  # every pair as it ends
                 fh.write(json.dumps(row) + "\n")
     shutil.rmtree(work, ignore_errors=True)

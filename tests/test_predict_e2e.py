@@ -47,6 +47,12 @@ def test_a_predicting_notebook_splits_its_rows_and_writes_what_one_process_write
     for first, second in zip(shares[0], shares[1]):
         assert first["first"] == 0 and first["end"] == second["first"] < second["end"] == first["total"]
         assert 0 < first["end"]
+    # and how long each share took and then waited for the other rank: a line per loop, after its rows
+    for r in (0, 1):
+        times = [json.loads(ln) for ln in (result.run_dir / "shares" / f"rank{r}-times.jsonl").read_text().splitlines()]
+        assert [t["loop"] for t in times] == [s["loop"] for s in shares[r]]
+        assert all(t["rows_s"] >= 0 and t["gather_s"] >= 0 and t["gathered"] >= s["began"]
+                   for t, s in zip(times, shares[r]))
     # the code after the loops ran once, on rank 0
     assert printed.startswith("accuracy") and printed in result.rank_log(0).read_text()
     assert "accuracy" not in result.rank_log(1).read_text()

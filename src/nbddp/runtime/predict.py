@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 #: How many prediction loops this process has entered (the share records count them from 1).
 _loops = 0
@@ -96,23 +97,20 @@ class Rows:
         return len(self.share)
 
     def _record(self) -> None:
-        """This rank's share, on a line of ``<run dir>/shares/rank<r>.jsonl`` (where a run directory is)."""
-        from . import settings
+        """This rank's share, on a line of ``<run dir>/shares/rank<r>.jsonl`` (where a run directory is), when the
+        loop starts: a loop that fails still says which rows each rank had."""
+        self.began = time.time()
+        _append_share_line(f"rank{self.rank}.jsonl", {
+            "loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit, "first": self.first,
+            "end": self.end, "total": self.total, "began": round(self.began, 3)})
 
-        run_dir = settings.current().run_dir
-        if not run_dir:
-            return
-        from .records import append_line, dropped_write
-
-        folder = os.path.join(run_dir, "shares")
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as exc:  # a full or read-only disk: the record is dropped, the prediction goes on
-            dropped_write(folder, exc)
-            return
-        line = {"loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit,
-                "first": self.first, "end": self.end, "total": self.total}
-        append_line(os.path.join(folder, f"rank{self.rank}.jsonl"), json.dumps(line))
+    def _record_times(self, predicted: float, gathered: float) -> None:
+        """How long this rank's share took and how long it then waited in the gather (for the slowest rank), on a
+        line of ``shares/rank<r>-times.jsonl``: where two GPUs fall short of twice one's speed, these say
+        whether the rows or the waiting took the time."""
+        _append_share_line(f"rank{self.rank}-times.jsonl", {
+            "loop": self.loop, "rank": self.rank, "rows_s": round(predicted - self.began, 3),
+            "gather_s": round(gathered - predicted, 3), "gathered": round(gathered, 3)})
 
     # -- what it accumulates
 
@@ -129,11 +127,13 @@ class Rows:
 
         mine = {"lists": {n: _portable(v[self.before[n]:]) for n, v in self.lists.items()},
                 "sums": {n: _portable(v) for n, v in self.increments.items()}, "ran": self.end > self.first}
+        predicted = time.time()
         every = [None] * self.world
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_gather_object(every, mine)
         else:
             every = [mine]
+        self._record_times(predicted, time.time())
         self.last_rank = max((r for r, part in enumerate(every) if part["ran"]), default=None)
         every = [_local(part) if r != self.rank else None for r, part in enumerate(every)]
         out = []
@@ -167,6 +167,24 @@ class Rows:
         dist.broadcast_object_list(packed, src=self.last_rank)
         if self.rank != self.last_rank:
             unpack(packed[0], namespace, device())
+
+
+def _append_share_line(name: str, line: dict) -> None:
+    """A line of ``<run dir>/shares/<name>`` (where a run directory is)."""
+    from . import settings
+
+    run_dir = settings.current().run_dir
+    if not run_dir:
+        return
+    from .records import append_line, dropped_write
+
+    folder = os.path.join(run_dir, "shares")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:  # a full or read-only disk: the record is dropped, the prediction goes on
+        dropped_write(folder, exc)
+        return
+    append_line(os.path.join(folder, name), json.dumps(line))
 
 
 def _sync_buffers(frame) -> None:
