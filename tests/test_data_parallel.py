@@ -53,6 +53,17 @@ def test_data_parallel_under_an_alias_trains_as_ddp_on_disjoint_rows(tmp_path):
     assert "DP(model" not in text and "_nbddp.data_parallel(model, device_ids=" in text
 
 
+#: The same notebook with a fixed ``batch_size=8``: the step DataParallel split over the kernel's two GPUs, 4 each.
+FIXED_BATCH = [NOTEBOOK[0], NOTEBOOK[1].replace("batch_size=4 * torch.cuda.device_count()", "batch_size=8"),
+               *NOTEBOOK[2:]]
+
+
+def test_a_fixed_batch_is_the_kernels_step_each_rank_takes_its_part(tmp_path):
+    assert "batch_size=8," in FIXED_BATCH[1]
+    text = _trains_as_ddp_on_disjoint_rows(tmp_path, FIXED_BATCH)
+    assert "batch_size=_nbddp.data_parallel_batch(8)" in text
+
+
 def _trains_as_ddp_on_disjoint_rows(tmp_path, cells) -> str:
     """Run the notebook on two gloo ranks; check each trained its own rows into one model; the script's code."""
     chunks = []
@@ -62,7 +73,7 @@ def _trains_as_ddp_on_disjoint_rows(tmp_path, cells) -> str:
     text = "\n".join(line for line in job.script.text.splitlines() if not line.lstrip().startswith("#"))
     assert job.run.ok, out[-3000:]
     batches = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
-    # the kernel's step was 4 * 2 GPUs = 8 rows; each rank takes 4 of them (its device_count() is 1), not 8
+    # the kernel's step was 4 * 2 GPUs = 8 rows, which DataParallel split 4 a GPU: each rank takes 4, not 8
     assert [len(batch) for batch in batches[0] + batches[1]] == [4] * 16
     seen = [sum(batches[rank], []) for rank in (0, 1)]
     assert len(seen[0]) == len(seen[1]) == 32 and set(seen[0]).isdisjoint(seen[1])

@@ -19,7 +19,7 @@ from .dist import (
     set_epoch,
     unwrap,
 )
-from .data_parallel import data_parallel, device_count
+from .data_parallel import data_parallel, data_parallel_batch, device_count
 from .from_rank0 import from_rank0
 from .handoff import for_accelerate
 from .lifecycle import cleanup, setup
@@ -36,6 +36,7 @@ __all__ = [
     "cd",
     "cleanup",
     "data_parallel",
+    "data_parallel_batch",
     "ddp",
     "device",
     "device_count",

@@ -32,6 +32,31 @@ def data_parallel(module, *args, **kwargs):
     return wrapped
 
 
+def data_parallel_batch(size):
+    """A training loader's ``batch_size`` in a notebook that calls DataParallel: this rank's part of the step.
+
+    DataParallel split each batch of ``size`` over the kernel's GPUs (``ceil(size / n)`` on the first ones);
+    the ranks do that work, so each takes ``ceil(size / world)`` and a step holds the kernel's ``size`` samples
+    (one more per rank short where ``size`` does not divide: every rank must take as many steps, said once).
+    One process, or a size that is not a positive whole number: ``size`` as given."""
+    import math
+
+    from .dist import print0, rank_info
+
+    world = rank_info().world_size
+    if world < 2 or not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return size
+    part = math.ceil(size / world)
+    if part * world != size and size not in _said_uneven:
+        _said_uneven.add(size)
+        print0(f"nbddp: batch_size {size} (the step DataParallel split over the GPUs) does not divide over {world} "
+               f"ranks: each takes {part}, a step of {part * world} samples", flush=True)
+    return part
+
+
+_said_uneven: set[int] = set()
+
+
 def device_count() -> int:
     """The GPUs this rank uses, for the notebook's own ``torch.cuda.device_count()`` (``rules/device_count.py``).
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 
 from ..code import CellCode, Statement
+from .data_parallel import calls_data_parallel
 from .job_facts import JobFacts, Seen
 from .kept import plan_kept_cell
 from .loaders import plan_helper_training_loaders, plan_loaders
@@ -58,6 +59,7 @@ def gather_facts(cells: list[CellCode], kept_cell: int | None = None, kept_tail:
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:
         _plan_around_training(top, trains, facts)
+        facts.data_parallel = facts.plain_loop and calls_data_parallel(cells)  # its loaders' batches: every GPU's
     elif kept_cell is None and not every_rank:
         plan_predictions(top, facts)  # a notebook that only predicts: its loops split over the ranks
     if kept_cell is not None:

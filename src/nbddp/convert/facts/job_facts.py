@@ -49,6 +49,9 @@ class JobFacts:
     cuda_amp_names: set[str] = field(default_factory=set)
     #: the notebook distributes itself (its own DistributedDataParallel)
     self_distributed: bool = False
+    #: the notebook calls ``nn.DataParallel`` (by any name it binds: ``rules/data_parallel.calls_data_parallel``):
+    #: its loaders' batch sizes are what one process split over every GPU, so a rank takes its part of each
+    data_parallel: bool = False
     #: names bound to ``Accelerator()``, and the names handed to or bound by their ``prepare(…)``: Accelerate
     #: wraps and shards those; plain loops elsewhere in the notebook are still nbddp's
     accelerators: set[str] = field(default_factory=set)

@@ -26,6 +26,11 @@ class DeviceCountRule(Rule):
     wrap does its work), every GPU in the single process of ``split``, and 0 without CUDA, as torch says.
     ``from torch.cuda import device_count`` binds the runtime's count after the import.
 
+    Not in a notebook that calls DataParallel: there the count stays torch's (every GPU), as the kernel's
+    ``DataParallel(model, device_ids=list(range(n)))`` and ``batch_size = 32 * n`` saw it, and each training
+    loader's batch, the step DataParallel split over those GPUs, is shared out over the ranks instead
+    (``rules/sampler.py``: ``_nbddp.data_parallel_batch``).
+
     Only the notebook's own loop: a trainer's ``per_device_train_batch_size`` is per GPU in the kernel as in
     a rank, and Accelerate's ``notebook_launcher`` processes saw every GPU in the kernel too, so there the
     count stays torch's. Libraries count for themselves and are not affected.
@@ -38,7 +43,7 @@ class DeviceCountRule(Rule):
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
-        return facts.plain_loop and not facts.accelerators and super().wanted(cell, facts)
+        return facts.plain_loop and not facts.accelerators and not facts.data_parallel and super().wanted(cell, facts)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:

@@ -160,6 +160,7 @@ class DistributedSamplerRule(Rule):
             new = updated.with_changes(args=args)
         else:
             new, _ = set_keyword(updated.with_changes(args=args), "sampler", sampler)
+        new = self._data_parallel_batch(original, new)
         if depends:
             self.note(original, f"DataLoader: DistributedSampler when {shuffle_code} (a training loader: each rank "
                                 "reads its own share), the whole data set otherwise")
@@ -178,7 +179,27 @@ class DistributedSamplerRule(Rule):
         sampler = cst.parse_expression(f"_nbddp.distributed_sampler({code_of(dataset)}, shuffle={shuffles})")
         args = [a.with_changes(value=sampler) if a is given else a for a in updated.args]
         self.note(original, f"DataLoader: {kind} → DistributedSampler(shuffle={shuffles}), each rank reads its own share")
-        return updated.with_changes(args=args)
+        return self._data_parallel_batch(original, updated.with_changes(args=args))
+
+    def _data_parallel_batch(self, original: cst.Call, call: cst.Call) -> cst.Call:
+        """In a notebook that calls DataParallel, the training loader's ``batch_size`` → each rank's part of it.
+
+        DataParallel split each batch over the kernel's GPUs: a step of ``batch_size`` samples, ``batch_size /
+        n`` on each GPU. Each rank taking the whole ``batch_size`` would make a step of ``n`` times the kernel's
+        samples and ``n`` times fewer steps: the loss would follow another curve than the kernel's. A loader
+        without ``batch_size`` (one sample a step: nothing for DataParallel to split) is left alone."""
+        if not self.facts.data_parallel:
+            return call
+        given = keyword(call, "batch_size")
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        arg = given or (positional[1] if len(positional) > 1 else None)
+        if arg is None:
+            return call
+        size = code_of(arg.value)
+        wrapped = arg.with_changes(value=cst.parse_expression(f"_nbddp.data_parallel_batch({size})"))
+        self.note(original, f"DataLoader: batch_size {size} is the step DataParallel split over the GPUs: each rank "
+                            f"takes its part ({size} ÷ ranks), so a step holds the kernel's samples")
+        return call.with_changes(args=[wrapped if a is arg else a for a in call.args])
 
 
 def _plain_sampler(call: cst.Call) -> tuple[str, cst.BaseExpression] | None:

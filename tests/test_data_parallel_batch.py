@@ -1,0 +1,72 @@
+"""In a notebook that calls ``nn.DataParallel``, a training loader's ``batch_size`` is the step DataParallel split
+over the kernel's GPUs: each rank takes its part (``_nbddp.data_parallel_batch``), so a step holds the kernel's
+samples and the loss follows the kernel's curve; ``torch.cuda.device_count()`` stays torch's there (the batch a
+notebook sized with it is the kernel's step too). Notebooks without DataParallel keep the batch per rank."""
+
+import importlib
+
+import pytest
+
+from conftest import rewrite_cells
+
+runtime = importlib.import_module("nbddp.runtime.data_parallel")  # the module: the package's name is its function
+
+LOOP = ("model = Net()\n{wrap}\nopt = SGD(model.parameters(), lr=0.1)\n"
+        "for x, y in train_loader:\n    crit(model(x), y).backward()\n    opt.step()\n")
+IMPORTS = "import torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader\n"
+
+
+@pytest.fixture(params=["checks", "every statement"])
+def rewrite(request):
+    def run(*cells):
+        return rewrite_cells(cells, every_statement=request.param != "checks")
+    return run
+
+
+@pytest.mark.parametrize("loader, expected", [
+    ("DataLoader(ds, batch_size=64, shuffle=True)", "batch_size=_nbddp.data_parallel_batch(64)"),
+    ("DataLoader(ds, 64, shuffle=True)", "DataLoader(ds, _nbddp.data_parallel_batch(64), sampler="),
+    ("DataLoader(ds, batch_size=bs, sampler=RandomSampler(ds))", "batch_size=_nbddp.data_parallel_batch(bs)"),
+])
+def test_a_training_loaders_batch_is_shared_out_where_the_notebook_calls_data_parallel(rewrite, loader, expected):
+    cells, changes = rewrite(IMPORTS + f"train_loader = {loader}\n",  # the loader above the DataParallel call
+                             LOOP.format(wrap="if torch.cuda.device_count() > 1:\n    model = nn.DataParallel(model)"))
+    assert expected in cells[0]
+    assert any(rule == "sampler" and "the step DataParallel split over the GPUs" in message
+               for _, rule, _, message in changes)
+
+
+def test_device_count_stays_torchs_where_the_notebook_calls_data_parallel(rewrite):
+    cells, _ = rewrite(IMPORTS + "bs = 32 * torch.cuda.device_count()\n"
+                       "train_loader = DataLoader(ds, batch_size=bs, shuffle=True)\n",
+                       LOOP.format(wrap="model = nn.DataParallel(model)"))
+    assert "bs = 32 * torch.cuda.device_count()" in cells[0]  # 64 on the kernel's two GPUs: the step it took
+    assert "batch_size=_nbddp.data_parallel_batch(bs)" in cells[0]
+
+
+@pytest.mark.parametrize("wrap", ["model = model.to('cuda')",  # no DataParallel: the batch is each rank's
+                                  "from torch_geometric.nn import DataParallel\nmodel = DataParallel(model)"])
+def test_without_torchs_data_parallel_the_batch_and_device_count_are_each_ranks(rewrite, wrap):
+    cells, _ = rewrite(IMPORTS + "bs = 32 * torch.cuda.device_count()\n"
+                       "train_loader = DataLoader(ds, batch_size=bs, shuffle=True)\n", LOOP.format(wrap=wrap))
+    assert "data_parallel_batch" not in cells[0]
+    assert "bs = 32 * _nbddp.device_count()" in cells[0]
+
+
+def test_an_evaluation_loader_and_a_loader_without_a_batch_size_are_left_alone(rewrite):
+    cells, _ = rewrite(IMPORTS + "train_loader = DataLoader(ds, shuffle=True)\n"
+                       "test_loader = DataLoader(test_ds, batch_size=50)\n",
+                       LOOP.format(wrap="model = nn.DataParallel(model)"))
+    assert "data_parallel_batch" not in cells[0]
+    assert "test_loader = DataLoader(test_ds, batch_size=50)" in cells[0]
+
+
+@pytest.mark.parametrize("world, size, part", [(1, 50, 50), (2, 50, 25), (2, 33, 17), (4, 64, 16), (2, 1, 1),
+                                               (2, "auto", "auto"), (2, None, None)])
+def test_each_rank_takes_its_part_of_the_step(monkeypatch, capsys, world, size, part):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(runtime, "_said_uneven", set())
+    assert runtime.data_parallel_batch(size) == part
+    said = capsys.readouterr().out
+    assert ("does not divide" in said) == (world > 1 and size in (33, 1)), said
