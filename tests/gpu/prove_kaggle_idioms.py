@@ -14,8 +14,9 @@ the last, which trains, under ``%%ddp_train --nproc 2``. The test recorder
 (``tests/gpu/rank_record``) writes what each process read, its losses and the card (UUID) each loss was on.
 A run passes when its two ranks used two different cards, shared each epoch's 400 samples (each once), ended
 with the same weights, wrote the notebook's files once (rank 0) and its loss fell; the losses are printed beside
-the one process's: two ranks take half the steps, each on twice the samples (the notebook's batch on each
-rank), so the trajectories are compared per epoch, not per step. Exit 0 when every run passed; 2 (SKIP) with
+the one process's. Where the notebook calls DataParallel, its loader's batch is the kernel's step, shared out
+over the ranks: they take as many steps as the one process (checked) and the loss follows its curve; without
+DataParallel each rank takes the notebook's batch, half the steps (checked). Exit 0 when every run passed; 2 (SKIP) with
 fewer than 2 GPUs. ``--cpu`` runs the harness on two gloo processes with the copy's CPU lines (no card to tell).
 
     python tests/gpu/prove_kaggle_idioms.py [--cpu] [--only data_parallel|fstring_device] [--ways run,kernel]
@@ -123,7 +124,9 @@ def epoch_losses(rec: dict) -> list[float]:
     return [round(sum(values[i:i + n]) / len(values[i:i + n]), 4) for i in range(0, n * EPOCHS, n)]
 
 
-def judge(one: dict, two: dict[str, dict], cpu: bool) -> list[str]:
+def judge(one: dict, two: dict[str, dict], cpu: bool, data_parallel: bool) -> list[str]:
+    """What the two ranks' records must show against the one process's (``data_parallel``: the notebook calls
+    DataParallel, so a step is the kernel's whole batch shared out and the ranks take as many steps as it)."""
     problems = []
     r0, r1 = two.get("0"), two.get("1")
     if not (r0 and r1):
@@ -136,6 +139,11 @@ def judge(one: dict, two: dict[str, dict], cpu: bool) -> list[str]:
     stepped = [[(o["steps"], o["hash"]) for o in r["optimizers"] if o["steps"]] for r in (r0, r1)]
     if not stepped[0] or stepped[0] != stepped[1]:
         problems.append(f"the same weights on both ranks (steps and hashes {stepped})")
+    kernel_steps = [o["steps"] for o in one["optimizers"] if o["steps"]]
+    want = kernel_steps if data_parallel else [k // 2 for k in kernel_steps]
+    if [s for s, _ in stepped[0]] != want:
+        problems.append(f"{want} steps on each rank, the kernel's {kernel_steps} "
+                        f"{'(its batch shared out)' if data_parallel else 'over two ranks (a batch each)'}")
     cards = [r["devices"] for r in (r0, r1)]
     if not cpu and not (all(len(c) == 1 and c[0].startswith("cuda") for c in cards) and cards[0] != cards[1]):
         problems.append(f"each rank on its own GPU (devices {cards})")
@@ -183,7 +191,8 @@ def main() -> int:
                 path = notebook(name, work / way, args.cpu)
                 failed = start(path, work / f"rec-{way}")
                 check = f"{name} via {'nbddp run' if way == 'run' else '%ddp_train in a kernel'}"
-                results[check] = [failed] if failed else judge(one, records(work / f"rec-{way}"), args.cpu)
+                data_parallel = args.cpu or name == "data_parallel"  # the CPU copy calls DataParallel in both
+                results[check] = [failed] if failed else judge(one, records(work / f"rec-{way}"), args.cpu, data_parallel)
     for check, problems in results.items():
         print(f"{'PASS' if not problems else 'FAIL'} {check}" + (f": {problems}" if problems else ""))
     return 0 if all(not p for p in results.values()) else 1
