@@ -51,15 +51,14 @@ def test_an_expression_download_keeps_its_barrier(rewrite):
                     "_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")
 
 
-@pytest.mark.parametrize("download", [
-    "config.path = wget.download(url)",  # an object's attribute: rank 0 alone would hold it
-    "paths[0] = wget.download(url)",
-    "path = (wget.download(url), dist.barrier())[0]",  # a collective in it: every rank must run it
-    "path = helper.download(url)",  # not a download nbddp knows
-])
-def test_other_assigned_downloads_stay_on_every_rank(rewrite, download):
-    (code, _), _ = rewrite(download + "\n", TRAIN)
-    assert code == download + "\n"
+def test_a_download_into_an_item_of_a_list_sends_the_list(rewrite):
+    (code, _), _ = rewrite("paths[0] = wget.download(url)\n", TRAIN)
+    assert code == sent("paths", "paths[0] = wget.download(url)")
+
+
+def test_a_download_nbddp_does_not_know_stays_on_every_rank(rewrite):
+    (code, _), _ = rewrite("path = helper.download(url)\n", TRAIN)
+    assert code == "path = helper.download(url)\n"
 
 
 @pytest.mark.parametrize("download", [
@@ -138,3 +137,132 @@ def test_a_download_whose_path_every_rank_reads_is_fetched_once_and_trains_on_ev
     weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]
     assert weights[0] == weights[1]  # trained together on it
     assert "with _nbddp.from_rank0(globals(), 'headers', 'path'):" in job.script.text
+
+
+# ------------------------------------------------------------------ a download inside a loop or a function
+
+
+def test_a_loop_of_downloads_before_training_runs_on_rank_0_and_every_rank_gets_what_it_binds(rewrite):
+    """``for url in urls: urlretrieve(url, name)`` ran once in the kernel: rank 0 runs the whole loop, the
+    others wait and get the names it bound (its target, a list it grew)."""
+    loop = "for url in urls:\n    name = url.rsplit('/', 1)[1]\n    urlretrieve(url, name)\n    files.append(name)"
+    (code, _), changes = rewrite("files = []\n" + loop + "\n", TRAIN)
+    assert code == "files = []\n" + sent("files, name, url", *loop.splitlines())
+    assert ("rank0", 2, "runs on rank 0 only, once as in the kernel (a loop that downloads); the other ranks wait "
+            "for it, then get files, name, url from rank 0 (what it downloads is whole before any rank goes on)"
+            ) in changes
+
+
+def test_a_lambda_in_a_loop_of_downloads_binds_nothing_to_send(rewrite):
+    loop = "for url in sorted(urls, key=lambda u: len(u)):\n    wget.download(url)"
+    (code, _), _ = rewrite(loop + "\n", TRAIN)
+    assert code == sent("url", *loop.splitlines())
+
+
+def test_a_call_of_a_notebook_function_that_downloads_runs_on_rank_0_and_the_others_wait(rewrite):
+    fetch = "def fetch():\n    urllib.request.urlretrieve(url, 'data.csv')\n"
+    (_, code, _), changes = rewrite(fetch, "fetch()\n", TRAIN)
+    assert code == ("with _nbddp.from_rank0(globals()):  # [nbddp] it downloads: once, on rank 0\n"
+                    "    if _nbddp.on_rank0():\n        fetch()\n")
+    assert ("rank0", 1, "runs on rank 0 only, once as in the kernel (fetch() downloads); the other ranks wait for "
+            "it (what it downloads is whole before any rank goes on)") in changes
+
+
+@pytest.mark.parametrize(("calls", "names"), [
+    ("path = fetch(url)", "path"),
+    ("paths = [fetch(u) for u in urls]", "paths"),
+    ("fetch_all()", "downloaded"),  # through a second function, which declares a global
+])
+def test_a_function_that_downloads_is_followed_through_the_functions_it_calls(rewrite, calls, names):
+    defs = ("def fetch(u):\n    return wget.download(u)\n"
+            "def fetch_all():\n    global downloaded\n    downloaded = [fetch(u) for u in urls]\n")
+    (_, code, _), _ = rewrite(defs, calls + "\n", TRAIN)
+    assert code == sent(names, calls)
+
+
+def test_a_function_that_downloads_stays_as_defined(rewrite):
+    (code, _, _), _ = rewrite("def fetch():\n    wget.download(url)\n", "print(1)\n", TRAIN)
+    assert code == "def fetch():\n    wget.download(url)\n"
+
+
+def refused(*cells):
+    from nbddp.cells import Cell
+    from nbddp.convert import convert_cells
+    from nbddp.errors import CellError
+
+    with pytest.raises(CellError) as error:
+        convert_cells([Cell(index=i + 1, source=source) for i, source in enumerate(cells)])
+    return error.value
+
+
+@pytest.mark.parametrize(("code", "line", "said"), [
+    ("for url in urls:\n    wget.download(url)\n    dist.barrier()\n", 2,
+     "this loop downloads (wget.download) and calls dist.barrier(), which needs every rank, so nbddp cannot run it "
+     "once on rank 0"),
+    ("path = (wget.download(url), dist.barrier())[0]\n", 1,
+     "this statement downloads (wget.download) and calls dist.barrier(), which needs every rank"),
+    ("for url in urls:\n    config.path = wget.download(url)\n", 2,
+     "this loop downloads (wget.download), and it sets config.path, which the other ranks would miss"),
+    ("config.path = wget.download(url)\n", 1,
+     "this statement downloads (wget.download), and it sets config.path, which the other ranks would miss"),
+    ("for url in urls:\n    import json\n    urlretrieve(url, 'x.json')\n", 3,
+     "this loop downloads (urlretrieve), and it imports json, which rank 0 cannot send to the other ranks"),
+    ("model.load_state_dict(torch.load(wget.download(url)))\n", 1,
+     "this statement downloads (wget.download), and it calls model.load_state_dict(), whose effect the other ranks "
+     "would miss"),
+    ("for url in urls:\n    def name(u):\n        return u[-5:]\n    urlretrieve(url, name(url))\n", 4,
+     "this loop downloads (urlretrieve), and it defines name, which rank 0 cannot send to the other ranks"),
+    ("def fetch(u):\n    os.environ['DATA'] = wget.download(u)\n\nfetch(url)\n", 4,
+     "this statement downloads (wget.download, in fetch()), and it sets os.environ['DATA'], which the other ranks "
+     "would miss (in fetch())"),
+    ("for url in urls:\n    urlretrieve(url, 'x.csv')\n    os.chdir('data')\n", 2,
+     "this loop downloads (urlretrieve), and it calls os.chdir(), whose effect the other ranks would miss"),
+])
+def test_a_download_that_cannot_run_on_rank_0_alone_is_refused_at_its_line_with_the_fix(code, line, said):
+    error = refused(code, TRAIN)
+    assert (error.cell, error.line) == (1, line)
+    assert said in str(error) and "every rank would download at once" in str(error)
+    assert "download in a statement of its own before it" in str(error)
+
+
+@pytest.mark.parametrize(("cells", "cell", "line", "said"), [
+    (("def train():\n    urlretrieve(url, 'x.csv')\n    trainer.train()\n",
+      "trainer = Trainer(model=model)\ntrain()\n"),
+     2, 2, "train() trains, and downloads (urlretrieve) on every rank at once"),
+    (("for epoch in range(2):\n    urlretrieve(url, 'x.csv')\n    loss = model(x)\n    loss.backward()\n",),
+     1, 2, "this loop trains, and downloads (urlretrieve) on every rank at once"),
+])
+def test_a_download_in_a_statement_that_trains_is_refused(cells, cell, line, said):
+    error = refused(*cells)
+    assert (error.cell, error.line) == (cell, line)
+    assert said in str(error) and "download in a cell before the training" in str(error)
+
+
+@pytest.mark.e2e
+def test_a_loop_calling_a_function_that_downloads_fetches_each_file_once_and_every_rank_gets_the_list(tmp_path):
+    from nbddp.job import run_job
+    from nbddp.options import RunOptions
+    from views import Said
+
+    sources = []
+    for part, rows in (("a", range(8)), ("b", range(8, 16))):
+        source = tmp_path / f"source-{part}.csv"
+        source.write_text("".join(f"{i},{i % 3},{2 * i - (i % 3)}\n" for i in rows))
+        sources.append((source.as_uri(), f"{part}.csv"))
+    nb = write_notebook(tmp_path / "nb.ipynb", [
+        COUNTED,
+        "def download(url, name):\n    urllib.request.urlretrieve(url, name)\n    return name",
+        f"sources = {sources!r}\npaths = []\nfor url, name in sources:\n    paths.append(download(url, name))",
+        READ.replace("open(path).read()", "''.join(open(p).read() for p in paths)").replace("'path': path",
+                                                                                           "'paths': paths"),
+        TRAIN_LOOP,
+    ])
+    chunks: list[str] = []
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
+    assert job.run.ok, ("".join(chunks)[-3000:], job.run.failure)
+    assert (tmp_path / "fetches.txt").read_text() == "0\n0\n"  # each file fetched once, by rank 0
+    got = [json.loads((tmp_path / f"got-{rank}.json").read_text()) for rank in (0, 1)]
+    assert got == [{"paths": ["a.csv", "b.csv"], "rows": 16}] * 2  # every rank got the list, and read both files
+    weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]
+    assert weights[0] == weights[1]
+    assert "with _nbddp.from_rank0(globals(), 'name', 'paths', 'url'):" in job.script.text

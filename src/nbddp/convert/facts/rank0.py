@@ -4,6 +4,7 @@ every rank where a collective needs them, dataset preparation under ``main_proce
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import DEFS, compound_bodies, dotted_name, first_line, is_compound, is_dead_if, last_name
@@ -214,21 +215,226 @@ def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None
     ``os.system``/``subprocess`` (``pip install …``) or a download to a file (``urllib.request.urlretrieve``,
     ``wget.download``, ``gdown.download``). Run by every rank they would write the same files at once (a later
     ``from_pretrained("base")`` could read one half written) or install into the same folders together; after
-    the wait every rank finds the files whole. An expression statement (it binds no name another rank needs),
-    or a download assigned to names (``path, _ = urlretrieve(url, "x.csv")``): rank 0 sends those names to the
-    others as it is done (``rank0_sends``); without a collective in it. Model and dataset loaders, and the
-    downloads that fill a cache (the Hub's, Kaggle's), stay on every rank (``plan_data_prep``)."""
+    the wait every rank finds the files whole: an expression statement, without a collective in it (it binds no
+    name another rank needs). Every download before training, in whatever statement, is ``plan_downloads``'.
+    Model and dataset loaders, and the downloads that fill a cache (the Hub's, Kaggle's), stay on every rank
+    (``plan_data_prep``)."""
+    functions = _functions(top)
+    fetchers = _fetchers(functions)
     for stmt in top[:first]:
         if len(stmt.nodes) != 1 or any(is_collective_call(c, facts) for c in stmt.calls):
             continue
         node = stmt.nodes[0]
+        if _download_in(stmt, fetchers) is not None:
+            continue  # plan_downloads': it may change what rank 0 alone would hold
         if isinstance(node, ast.Expr) and any(_once(c) for c in stmt.calls):
             facts.shared_saves.add(stmt)
             facts.rank0.add(stmt)
-        elif _assigns_to_names(node) and any(_downloads(c) for c in stmt.calls):
-            facts.shared_saves.add(stmt)
-            facts.rank0.add(stmt)
-            facts.rank0_sends[stmt] = sorted(stmt.binds)
+    plan_downloads(top, first, facts, functions, fetchers)
+
+
+@dataclass
+class Downloads:
+    """The downloads ``plan_downloads`` chose (in ``JobFacts.rule_state["rank0"]``, read by ``RankZeroRule``):
+    how each statement run on rank 0 downloads, said in the change list (``a loop that downloads``, ``fetch()
+    downloads``), and the statements refused → (line in the cell, what is said)."""
+
+    how: dict[Statement, str] = field(default_factory=dict)
+    refused: dict[Statement, tuple[int, str]] = field(default_factory=dict)
+
+
+def downloads(facts: JobFacts) -> Downloads:
+    return facts.rule_state.setdefault("rank0", Downloads())
+
+
+def plan_downloads(top: list[Statement], first: int, facts: JobFacts, functions: dict[str, list[ast.FunctionDef]],
+                   fetchers: dict[str, str]) -> None:
+    """A download before training anywhere in a statement (``for url in urls: urlretrieve(url, name)``, a call
+    of a function of the notebook that downloads, ``fetch()``, through the notebook's functions it calls): the
+    kernel fetched once, so rank 0 runs the whole statement while the other ranks wait, and gets them the names
+    it binds, those it grows in place (``files.append(name)``, ``paths[0] = …``) and those its functions declare
+    ``global`` (``rank0_sends``). Where rank 0 alone cannot run it, it is refused at the download's line (every
+    rank would download at once): a collective in it, an import, function or class it binds (nothing rank 0 can
+    send), an attribute it sets or a call that changes an object or the process (``config.path = …``,
+    ``model.load_state_dict(…)``, ``os.chdir``), which the other ranks would miss. A statement that trains and
+    downloads is refused too: the download goes in a cell before the training."""
+    plan = downloads(facts)
+    for stmt in top[:first]:
+        found = _download_in(stmt, fetchers)
+        if found is None or stmt in facts.shared_saves:
+            continue
+        call, what = found
+        subject = _subject(stmt)
+        refusal = _refusal(stmt, what, facts, functions)
+        if refusal is not None:
+            plan.refused[stmt] = (call.lineno, f"{subject} downloads ({what}){refusal}, so nbddp cannot run it once "
+                                  f"on rank 0, and every rank would download at once: {_OWN_STATEMENT}")
+            continue
+        sent, _ = _changes(stmt.nodes, set(stmt.binds), functions)
+        facts.shared_saves.add(stmt)
+        facts.rank0.add(stmt)
+        if _downloads(call) and isinstance(stmt.nodes[0], ast.Expr) and len(stmt.nodes) == 1 and not sent:
+            continue  # binds nothing: a barrier after it, as after a save
+        facts.rank0_sends[stmt] = sorted(stmt.binds | sent)
+        if not _assigned_download(stmt):
+            plan.how[stmt] = _how(call, subject)
+    for stmt in facts.training:
+        found = _download_in(stmt, fetchers)
+        if found is not None:
+            call, what = found
+            trainer = call.func.id if isinstance(call.func, ast.Name) and call.func.id in fetchers else None
+            subject, what = (f"{trainer}()", fetchers[trainer]) if trainer else (_subject(stmt), what)
+            plan.refused[stmt] = (call.lineno, f"{subject} trains, and downloads ({what}) on every rank at once: "
+                                  f"{_BEFORE_TRAINING}")
+
+
+#: The fixes a refusal names.
+_OWN_STATEMENT = ("download in a statement of its own before it (path = wget.download(url), or a loop that only "
+                  "downloads; nbddp runs that once, on rank 0, and the other ranks wait for it)")
+_BEFORE_TRAINING = ("download in a cell before the training (nbddp runs a download there once, on rank 0, and the "
+                    "other ranks wait for it)")
+
+
+def _subject(stmt: Statement) -> str:
+    node = stmt.nodes[0]
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+        return "this loop"
+    return "this block" if is_compound(node) else "this statement"
+
+
+def _how(call: ast.Call, subject: str) -> str:
+    """How a statement downloads, as the change list says it."""
+    if not _downloads(call):
+        return f"{_called(call)}() downloads"
+    return {"this loop": "a loop that downloads", "this block": "a block that downloads"}.get(subject, "it downloads")
+
+
+def _assigned_download(stmt: Statement) -> bool:
+    """``path = wget.download(url)``: the download rewrite that was there first, said as it was."""
+    return len(stmt.nodes) == 1 and _assigns_to_names(stmt.nodes[0]) and any(_downloads(c) for c in stmt.calls)
+
+
+def _functions(top: list[Statement]) -> dict[str, list[ast.FunctionDef]]:
+    """The notebook's top-level functions by name (every definition of a name: a cell may define it again)."""
+    found: dict[str, list[ast.FunctionDef]] = {}
+    for stmt in top:
+        for node in stmt.nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.setdefault(node.name, []).append(node)
+    return found
+
+
+def _fetchers(functions: dict[str, list[ast.FunctionDef]]) -> dict[str, str]:
+    """The functions that download, themselves or through another of the notebook's → the download they make
+    (``urlretrieve``)."""
+    calls = {name: [c for d in defs for c in calls_in(d.body)] for name, defs in functions.items()}
+    found: dict[str, str] = {}
+    changed = True
+    while changed:
+        changed = False
+        for name, made in calls.items():
+            call = next((c for c in made if _downloads(c) or _called(c) in found), None)
+            if name not in found and call is not None:
+                found[name] = dotted_name(call.func) if _downloads(call) else found[_called(call)]
+                changed = True
+    return found
+
+
+def _called(call: ast.Call) -> str | None:
+    return call.func.id if isinstance(call.func, ast.Name) else None
+
+
+def _what(call: ast.Call, fetchers: dict[str, str]) -> str:
+    """The download a call makes, as said: its own name, or the one a function of the notebook makes, in it."""
+    return dotted_name(call.func) if _downloads(call) else f"{fetchers[_called(call)]}, in {_called(call)}()"
+
+
+def _download_in(stmt: Statement, fetchers: dict[str, str]) -> tuple[ast.Call, str] | None:
+    """The statement's first call that downloads (itself, or a function of the notebook that does), and what."""
+    call = next((c for c in stmt.calls if _downloads(c) or _called(c) in fetchers), None)
+    return None if call is None else (call, _what(call, fetchers))
+
+
+def _refusal(stmt: Statement, what: str, facts: JobFacts, functions) -> str | None:
+    """Why rank 0 alone cannot run a statement that downloads (said after its download), or None."""
+    collective = next((c for c in stmt.calls if is_collective_call(c, facts)), None)
+    if collective is not None:
+        return f" and calls {_func_code(stmt.cell, collective)}(), which needs every rank"
+    _, why = _changes(stmt.nodes, set(stmt.binds), functions, own=True)
+    return None if why is None else f", and {why}"
+
+
+#: Methods that change the list, dict or set they are called on: rank 0 sends that name as the statement ends.
+_GROWS = frozenset("append extend insert update add setdefault pop popitem remove discard clear".split())
+#: Calls that change the process or an object in place (by their dotted name, or their last name): the other
+#: ranks would miss it, and nothing rank 0 sends carries it.
+_CHANGES_PROCESS = frozenset({"os.chdir", "os.putenv", "os.environ.update", "os.environ.setdefault",
+                              "sys.path.append", "sys.path.insert", "sys.path.extend", "torch.manual_seed",
+                              "random.seed", "np.random.seed", "numpy.random.seed"})
+_CHANGES_IN_PLACE = frozenset({"load_state_dict", "load_adapter", "set_seed", "seed_everything",
+                               "add_tokens", "add_special_tokens", "resize_token_embeddings"})
+
+
+def _changes(nodes: list[ast.stmt], local: set[str], functions, own: bool = False,
+             seen: frozenset[str] = frozenset()) -> tuple[set[str], str | None]:
+    """What code run on rank 0 alone changes beyond the names it binds (``local``): the names it grows in place,
+    or declares ``global`` in a function, which rank 0 can send; or, where it changes what cannot be sent, why
+    (an import, function or class the statement binds, ``own``; an attribute set; a call changing an object or
+    the process). The notebook's functions it calls are read too, once each."""
+    sent: set[str] = set()
+    todo: list[ast.AST] = list(nodes)
+    while todo:
+        node = todo.pop()
+        if own and isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = ", ".join(a.asname or a.name.split(".")[0] for a in node.names)
+            return sent, f"it imports {names}, which rank 0 cannot send to the other ranks"
+        if own and isinstance(node, DEFS):  # pickled by reference, to a name the other ranks never bound
+            return sent, f"it defines {node.name}, which rank 0 cannot send to the other ranks"
+        if isinstance(node, (*DEFS, ast.Lambda)):  # a function's body runs where it is called
+            continue
+        if isinstance(node, (ast.Global, ast.Nonlocal)):
+            sent |= set(node.names)
+        elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            base = node.value
+            if isinstance(node, ast.Subscript) and isinstance(base, ast.Name):
+                sent |= {base.id} - local
+            elif _base_name(node) not in local:
+                return sent, f"it sets {ast.unparse(node)}, which the other ranks would miss"
+        elif isinstance(node, ast.Call):
+            name = dotted_name(node.func) or ""
+            if name in _CHANGES_PROCESS or last_name(node.func) in _CHANGES_IN_PLACE:
+                return sent, f"it calls {name or last_name(node.func)}(), whose effect the other ranks would miss"
+            if isinstance(node.func, ast.Attribute) and node.func.attr in _GROWS \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id not in local:
+                sent.add(node.func.value.id)
+            callee = _called(node)
+            if callee in functions and callee not in seen:
+                seen |= {callee}
+                for definition in functions[callee]:
+                    more, why = _changes(definition.body, _locals(definition), functions, seen=seen)
+                    sent |= more
+                    if why is not None:
+                        return sent, why if "(in " in why else f"{why} (in {callee}())"
+        todo.extend(ast.iter_child_nodes(node))
+    return sent, None
+
+
+def _locals(definition: ast.FunctionDef) -> set[str]:
+    """A function's own names: its parameters and what its body binds, but those it declares ``global``."""
+    args = definition.args
+    params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a}
+    declared = {n for node in ast.walk(definition) if isinstance(node, (ast.Global, ast.Nonlocal))
+                for n in node.names}
+    bound = {n.id for node in definition.body for n in ast.walk(node) if isinstance(n, ast.Name)
+             and isinstance(n.ctx, ast.Store)}
+    return (params | bound) - declared
+
+
+def _base_name(node: ast.expr) -> str | None:
+    """The name an attribute or item chain starts at (``config`` of ``config.paths[0]``), or None."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
 
 
 def _assigns_to_names(node: ast.stmt) -> bool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..code import CodeError
 from ..cst_helpers import cst, fixed_expression, fixed_statement
 from ..engine.rule import BlockRule
+from ..facts.rank0 import downloads
 
 #: Guard for code that must run on one process only.
 MAIN_PROCESS_EXPR = "_nbddp.on_rank0()"
@@ -26,7 +28,10 @@ class RankZeroRule(BlockRule):
     under the guard too, followed by ``_nbddp.barrier()``: the other ranks read only complete files. A download
     before training assigned to names (``path = wget.download(url)``) goes under the guard inside
     ``with _nbddp.from_rank0(globals(), "path"):`` instead, as a kept cell's write does: the other ranks wait for
-    rank 0 there and get the names it bound.
+    rank 0 there and get the names it bound; so does a whole statement that downloads in a loop or through a
+    function of the notebook (``for url in urls: urlretrieve(url, name)``, ``fetch()``), with the names it binds
+    or grows. A download rank 0 alone cannot run (a collective beside it, an attribute it sets, a statement that
+    trains) is refused before launch at its cell and line, with the fix (``facts/rank0.plan_downloads``).
     """
 
     # -- where it has work: Python's ast, before libcst reads anything
@@ -35,11 +40,12 @@ class RankZeroRule(BlockRule):
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
-        return any(s in facts.rank0 or s in facts.all_ranks or s in facts.kept_notes for s in cell.statements)
+        return any(cls.touches(s, facts, None) for s in cell.statements)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return stmt in facts.rank0 or stmt in facts.all_ranks or stmt in facts.kept_notes  # the others: a note
+        return stmt in facts.rank0 or stmt in facts.all_ranks or stmt in facts.kept_notes \
+            or stmt in downloads(facts).refused  # the others: a note, or a refusal
 
     # -- what it does: libcst
 
@@ -47,6 +53,9 @@ class RankZeroRule(BlockRule):
         return stmt in self.facts.rank0
 
     def visit_Module(self, node: cst.Module) -> bool:
+        for stmt in self.chunk.statements:  # refused before anything is rewritten, at the download's line
+            if (refused := downloads(self.facts).refused.get(stmt)) is not None:
+                raise CodeError(refused[1], refused[0])
         for stmt in node.body:
             if (reason := self.facts.all_ranks.get(self.statement(stmt))) is not None:
                 self.note(stmt, f"stays on every rank: {reason}")
@@ -109,8 +118,10 @@ class RankZeroRule(BlockRule):
     def message(self, run) -> str:
         if self._sends(run) and self._before_training(run):
             names = ", ".join(self._kept_names(run))
-            return (f"runs on rank 0 only, once as in the kernel; the other ranks wait for it, then get {names} from "
-                    "rank 0 (what it downloads is whole before any rank goes on)")
+            how = next((h for s in run if (h := downloads(self.facts).how.get(self.statement(s)))), None)
+            return (f"runs on rank 0 only, once as in the kernel{f' ({how})' if how else ''}; the other ranks wait "
+                    f"for it{f', then get {names} from rank 0' if names else ''} (what it downloads is whole before "
+                    "any rank goes on)")
         if self._sends(run):
             names = self._kept_names(run)
             sent = f", then {', '.join(names)} sent from rank 0 to every rank" if names else ""
