@@ -267,20 +267,106 @@ def test_every_rank_dry_run_from_the_command_line_shows_the_notebook_whole(tmp_p
 PIPE = "from transformers import pipeline\npipe = pipeline('text-classification')\n"
 
 
-@pytest.mark.parametrize("call, line", [
-    (PIPE + "out = pipe(['a b', 'c d'])", 3),
-    (PIPE + "texts = df['text'].tolist()\nprint(pipe(texts, batch_size=8))", 4),
-])
-def test_a_pipeline_given_a_whole_list_outside_a_loop_is_refused_at_its_line_with_the_loop_that_splits(call, line):
-    with pytest.raises(CellError) as caught:
-        convert(SETUP, call)
-    assert (caught.value.cell, caught.value.line) == (2, line)
-    assert "predicts a whole list in one call" in str(caught.value) and "loop over batches" in str(caught.value)
 
 
 def test_a_pipeline_given_one_text_or_a_notebook_launching_its_training_is_not_refused():
     assert not convert(SETUP, PIPE + "print(pipe('a b'))").predicts
     assert convert(SETUP, PIPE + "!torchrun train.py\nprint(pipe(['a', 'b']))").launches
+
+
+SPLIT = PIPE + "texts = df['text'].tolist()\n"
+
+
+@pytest.mark.parametrize("call, split", [
+    (PIPE + "out = pipe(['a b', 'c d'])", "out = _nbddp.predict.split_call(pipe, ['a b', 'c d'])"),
+    (SPLIT + "preds = pipe(texts, batch_size=32, truncation=True)",
+     "preds = _nbddp.predict.split_call(pipe, texts, batch_size=32, truncation=True)"),
+    (PIPE + "preds = pipe(df['text'].tolist(), batch_size=8)",
+     "preds = _nbddp.predict.split_call(pipe, df['text'].tolist(), batch_size=8)"),
+    (PIPE + "preds = pipe([t.lower() for t in texts])",
+     "preds = _nbddp.predict.split_call(pipe, [t.lower() for t in texts])"),
+])
+def test_a_pipeline_given_a_whole_list_in_an_assignment_is_split_and_the_code_after_runs_on_rank_0(call, split):
+    script = convert("import pandas as pd\ndf = pd.read_csv('test.csv')", call, "pd.DataFrame(preds).to_csv('p.csv')")
+    assert script.predicts and decide_mode(script) == PREDICT and not script.warnings
+    assert split in script.text
+    assert "if _nbddp.on_rank0():\n    pd.DataFrame(preds).to_csv('p.csv')" in script.text
+    line = call.count("\n") + 1
+    (said,) = [c for c in script.changes if c.rule == "predict"]
+    assert (said.cell, said.line) == (2, line) and "contiguous block" in said.message
+    compile(script.text, "script.py", "exec")
+
+
+BATCHED_REFUSED = {
+    "not assigned": (SPLIT + "print(pipe(texts, batch_size=8))", 4, "a statement of its own"),
+    "iterated": (SPLIT + "for out in pipe(texts):\n    print(out)", 4, "a statement of its own"),
+    "samples": (SPLIT + "out = pipe(texts, do_sample=True)", 4, "draws random numbers"),
+    "samples by its pipeline": ("from transformers import pipeline\n"
+                                "pipe = pipeline('text-generation', do_sample=True)\nout = pipe(['a', 'b'])", 3,
+                                "draws random numbers"),
+    "generator": (PIPE + "out = pipe(t for t in ['a', 'b'])", 3, "give it a list"),
+    "dataset": (PIPE + "from transformers.pipelines.pt_utils import KeyDataset\n"
+                "out = list(pipe(KeyDataset(ds, 'text'), batch_size=8))", 4, "give it a list"),
+}
+
+
+@pytest.mark.parametrize("case", BATCHED_REFUSED)
+def test_a_pipeline_call_over_rows_that_cannot_be_split_is_refused_at_its_line_saying_the_fix(case):
+    source, line, said = BATCHED_REFUSED[case]
+    with pytest.raises(CellError) as caught:
+        convert(SETUP, source)
+    assert (caught.value.cell, caught.value.line) == (2, line)
+    assert said in str(caught.value) and "cannot split this prediction" in str(caught.value)
+
+
+def test_a_split_pipeline_call_is_given_whole_batches_and_one_process_just_calls_it(monkeypatch):
+    from nbddp.runtime.predict import split_call
+
+    calls = []
+
+    def pipe(rows, **kwargs):
+        calls.append((list(rows), kwargs))
+        return [{"label": r} for r in rows]
+
+    rows = [f"t{i}" for i in range(11)]
+    assert split_call(pipe, rows, batch_size=4) == [{"label": r} for r in rows]  # one process: one call, whole
+    assert calls == [(rows, {"batch_size": 4})]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, block_rows in (("0", rows[:4]), ("1", rows[4:])):  # 3 batches of 4: one, then two
+        monkeypatch.setenv("RANK", rank)
+        calls.clear()
+        assert split_call(pipe, rows, batch_size=4) == [{"label": r} for r in block_rows]  # no group: its own
+        assert calls == [(block_rows, {"batch_size": 4})]
+
+
+def test_a_one_row_block_is_called_as_a_list_of_rows_so_a_pipeline_unwrapping_one_row_still_gives_a_list(monkeypatch):
+    from nbddp.runtime.predict import split_call
+
+    def fill_mask(rows, **kwargs):  # as transformers' fill-mask: a list of one row gives that row's result
+        out = [[{"token": r, "size": kwargs.get("batch_size")}] for r in rows]
+        return out[0] if len(rows) == 1 else out
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")  # two batches of two rows, [a, b] and [c]: the second rank's block is [c]
+    assert split_call(fill_mask, ["a", "b", "c"], batch_size=2) == [[{"token": "c", "size": 1}]]
+
+
+def test_a_split_pipeline_call_that_draws_random_numbers_is_stopped_and_its_own_loader_draw_is_not(monkeypatch):
+    import torch
+    from torch.utils.data import DataLoader
+
+    from nbddp.runtime.predict import split_call
+
+    def loader_pipe(rows):  # a transformers pipeline iterates its rows through a DataLoader (one seed drawn)
+        return [r for r in DataLoader(rows, batch_size=None)]
+
+    def sampling_pipe(rows):
+        return [r + torch.rand(3).sum().item() for r in rows]
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert split_call(loader_pipe, [1.0, 2.0, 3.0, 4.0]) == [1.0, 2.0]
+    with pytest.raises(RuntimeError, match="draws random numbers"):
+        split_call(sampling_pipe, [1.0, 2.0, 3.0, 4.0])
 
 
 def test_a_file_written_after_a_split_loop_in_the_same_block_or_function_is_written_by_rank_0():

@@ -57,3 +57,49 @@ def test_a_predicting_notebook_splits_its_rows_and_writes_what_one_process_write
     assert printed.startswith("accuracy") and printed in result.rank_log(0).read_text()
     assert "accuracy" not in result.rank_log(1).read_text()
     assert no_rank_processes(str(result.run_dir))
+
+
+PIPELINE_CELLS = [
+    "import random\nimport torch\nfrom tokenizers import Tokenizer, models, pre_tokenizers\n"
+    "from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast, pipeline\n"
+    "words = 'the a movie good bad great awful plot actor was is not very'.split()\n"
+    "vocab = {w: i for i, w in enumerate(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + words)}\n"
+    "wordlevel = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))\n"
+    "wordlevel.pre_tokenizer = pre_tokenizers.Whitespace()\n"
+    "tokenizer = PreTrainedTokenizerFast(tokenizer_object=wordlevel, unk_token='[UNK]', pad_token='[PAD]',\n"
+    "                                    cls_token='[CLS]', sep_token='[SEP]')\n"
+    "torch.manual_seed(0)\n"
+    "model = BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1,\n"
+    "    num_attention_heads=2, intermediate_size=32, num_labels=3)).eval()\n"
+    "classifier = pipeline('text-classification', model=model, tokenizer=tokenizer, device=-1)\n"
+    "texts = [' '.join(random.Random(i).choices(words, k=1 + i % 9)) for i in range(23)]",
+    "preds = classifier(texts, batch_size=4)",
+    "with open('preds.csv', 'w') as fh:\n    for text, p in zip(texts, preds):\n"
+    "        fh.write(f\"{text},{p['label']},{p['score']!r}\\n\")\nprint('rows', len(preds))",
+]
+
+
+def test_a_pipeline_given_a_whole_list_splits_it_and_writes_what_one_process_writes(tmp_path, monkeypatch):
+    from conftest import write_notebook
+
+    reference, ranked = tmp_path / "one", tmp_path / "two"
+    reference.mkdir()
+    ranked.mkdir()
+    subprocess.run([sys.executable, "-c", "\n\n".join(PIPELINE_CELLS)], cwd=reference, check=True,
+                   capture_output=True, text=True, timeout=120)
+    notebook = write_notebook(ranked / "pipe.ipynb", PIPELINE_CELLS)
+    monkeypatch.chdir(ranked)
+    result = run_job(notebook, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
+    assert result.ok, result.failure
+    assert (ranked / "preds.csv").read_bytes() == (reference / "preds.csv").read_bytes()
+    assert len((ranked / "preds.csv").read_text().splitlines()) == 23
+    # 23 rows in 6 batches of 4: the first rank three whole batches, the second the other three
+    shares = [json.loads((result.run_dir / "shares" / f"rank{r}.jsonl").read_text()) for r in (0, 1)]
+    assert [(s["unit"], s["first"], s["end"], s["total"], s["world"]) for s in shares] == [
+        ("rows", 0, 12, 23, 2), ("rows", 12, 23, 23, 2)]
+    for r in (0, 1):
+        times_file = result.run_dir / "shares" / f"rank{r}-times.jsonl"
+        (times,) = [json.loads(ln) for ln in times_file.read_text().splitlines()]
+        assert times["loop"] == shares[r]["loop"] and times["rows_s"] >= 0 and times["gather_s"] >= 0
+    assert "rows 23" in result.rank_log(0).read_text() and "rows 23" not in result.rank_log(1).read_text()
+    assert no_rank_processes(str(result.run_dir))

@@ -15,6 +15,10 @@ appended items from every rank, in rank order (so in row order), and each sum re
 the loop through every increment in row order (the same additions in the same order: a float sum is equal
 to the bit). Each rank's share is written to ``<run dir>/shares/rank<r>.jsonl``, one line per loop.
 
+A pipeline given a whole list in a statement of its own, ``outputs = pipe(texts, batch_size=32)``, becomes
+``outputs = _nbddp.predict.split_call(pipe, texts, batch_size=32)``: each rank calls the pipeline on its own
+contiguous block of whole batches of the list and every rank gets back every block's results, in order.
+
 In a kept job's ``%%ddp`` cell, whose later cells run on every rank, the ``else`` then gives every rank the
 names the loop binds as the rank that ran the last row left them (``settle``: ``x``, ``out``, as the kernel's
 one loop leaves them); the cell imports this module itself, and the Trainer's calls stay unguarded there.
@@ -167,6 +171,91 @@ class Rows:
         dist.broadcast_object_list(packed, src=self.last_rank)
         if self.rank != self.last_rank:
             unpack(packed[0], namespace, device())
+
+
+def split_call(pipe, rows, /, *args, **kwargs):
+    """``pipe(rows, *args, **kwargs)``, a pipeline's call over a whole list, made by each rank on its contiguous
+    block of whole batches (``batch_size=`` of the call, else the pipeline's; so each batch holds the rows it
+    holds in one process and the same numbers come out), the results gathered to every rank in the list's order:
+    what one process's call returns. The share is a line of ``shares/rank<r>.jsonl`` (unit rows) and its seconds
+    one of ``rank<r>-times.jsonl``, as a loop's. Anything but a non-empty list or tuple is called whole."""
+    from .dist import rank_info
+
+    global _loops
+    if not isinstance(rows, (list, tuple)) or not rows:
+        return pipe(rows, *args, **kwargs)
+    info = rank_info()
+    rank, world = info.rank, info.world_size
+    _check_strategy(world)
+    _loops += 1
+    size = kwargs.get("batch_size") or getattr(pipe, "_batch_size", None) or 1
+    first, end = (min(b * size, len(rows)) for b in block(-(-len(rows) // size), rank, world))
+    began = time.time()
+    _append_share_line(f"rank{rank}.jsonl", {
+        "loop": _loops, "rank": rank, "world": world, "unit": "rows", "first": first, "end": end,
+        "total": len(rows), "began": round(began, 3), "call": getattr(pipe, "task", None) or type(pipe).__name__})
+    if world < 2:
+        return pipe(rows, *args, **kwargs)
+    piece = _call_block(pipe, rows[first:end], args, kwargs)
+    return _gather_pieces(piece, rank, world, _loops, began)
+
+
+def _call_block(pipe, rows, args, kwargs) -> list:
+    """``pipe`` over this rank's block: a list of one result per row. A block of one row is given as two rows,
+    one batch each, and the first result kept: some pipelines (fill-mask) give a one-row list's result unwrapped;
+    one batch of one row is how one process ran that row. Stopped where the call draws random numbers other than
+    its DataLoader's seed."""
+    import torch
+
+    if not rows:
+        return []
+    state, torch_state = _random_state(), torch.get_rng_state()
+    if len(rows) == 1:
+        piece = pipe(list(rows) * 2, *args, **{**kwargs, "batch_size": 1})[:1]
+    else:
+        piece = pipe(rows, *args, **kwargs)
+    if _random_state() != state and _draws_beyond_its_loader(torch_state):
+        raise RuntimeError(
+            "nbddp: this pipeline call draws random numbers (sampling such as do_sample=True, dropout of a model "
+            "not in eval mode): split over the ranks, its rows would draw other numbers than in one process. Make "
+            "each row's result its own (do_sample=False, model.eval()), or run the notebook in one process")
+    if not isinstance(piece, list) or len(piece) != len(rows):
+        raise RuntimeError(f"nbddp: this pipeline call gave {type(piece).__name__} for a list of {len(rows)} rows, "
+                           "not a result per row, which nbddp cannot put back together in order; call it in a loop "
+                           "over batches (outputs.extend(pipe(batch))), or run the notebook in one process")
+    return piece
+
+
+def _draws_beyond_its_loader(before) -> bool:
+    """Whether the global generators moved otherwise than by the seed a DataLoader draws as it starts (a
+    pipeline reads a list through one; so does one process's call, which drew the same one seed)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    now, after = _random_state(), torch.get_rng_state()
+    torch.set_rng_state(before)
+    iter(DataLoader([0]))
+    expected = _random_state()
+    torch.set_rng_state(after)
+    return now != expected
+
+
+def _gather_pieces(piece: list, rank: int, world: int, loop: int, began: float) -> list:
+    """Every rank's results, in rank order (which is the list's order), on every rank: ``all_gather_object``,
+    GPU tensors on the CPU on the way (``_portable``/``_local``)."""
+    import torch.distributed as dist
+
+    predicted = time.time()
+    every = [None] * world
+    if dist.is_available() and dist.is_initialized():
+        dist.all_gather_object(every, _portable(piece))
+    else:
+        every = [None] * rank + [piece] + [[]] * (world - rank - 1)  # no process group: this rank's own
+    gathered = time.time()
+    _append_share_line(f"rank{rank}-times.jsonl", {
+        "loop": loop, "rank": rank, "rows_s": round(predicted - began, 3), "gather_s": round(gathered - predicted, 3),
+        "gathered": round(gathered, 3)})
+    return [x for r, part in enumerate(every) for x in (piece if r == rank else _local(part or []))]
 
 
 def _append_share_line(name: str, line: dict) -> None:

@@ -18,6 +18,13 @@ the Trainer shards its rows over the ranks and gathers them back in order itself
 with the ``token_average`` shim). Its last batch, where the rows do not fill every rank's batches, is padded
 with repeated rows: the runtime stops such a call, saying why (``runtime/predict.py``).
 
+A statement ``outputs = pipe(texts, **kwargs)`` at a cell's top level, ``pipe`` a ``pipeline(…)`` and
+``texts`` a list (``[…]``, ``[… for …]``, ``list(…)``, ``….tolist()``, or a name bound to one), is a prediction
+statement too (``split_calls``, kept in ``JobFacts.rule_state[SPLIT_CALLS]``): each rank calls the pipeline on its
+own block of the list and every rank gets the whole list of results back, in order (``runtime/predict.split_call``).
+Where nothing else predicts, a pipeline call over rows that cannot be split so is refused at its line
+(``JobFacts.batched_calls``): not a statement of its own, given a generator or a dataset, or sampling.
+
 A kept job's ``%%ddp`` cell (``plan_kept_predictions``) splits its loops by the same rules, refused alike, but
 places nothing on rank 0: every rank gathers the whole results and runs the cell on, as later cells run on
 every rank; the names a loop at the cell's top level binds reach every rank from the rank of the last row.
@@ -173,11 +180,13 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     loops cannot be split (``JobFacts.predict_refusals``), and the code after the last one on rank 0."""
     defs = _splitting_defs(top)
     facts.predict_functions = splitting = frozenset(defs)
+    split, refused = split_calls(top)
+    facts.rule_state[SPLIT_CALLS] = split
     holding = [k for k, stmt in enumerate(top) if stmt in defs.values() or loops_in(stmt.nodes, splitting)
                or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)
-               or _trainer_predicts(stmt, facts)]
+               or _trainer_predicts(stmt, facts) or stmt in split]
     if not holding:
-        _refuse_batched_calls(top, facts)
+        facts.batched_calls.extend(refused[:1])
         return
     facts.predictions = [top[k] for k in holding]
     _refuse_loops(top, holding, defs, facts)
@@ -220,32 +229,71 @@ def _refuse_loops(top: list[Statement], holding: list[int], defs: dict[str, Stat
                 facts.predict_refusals.append(PredictRefusal(stmt.cell.position, loop.lineno, reason))
 
 
-def _refuse_batched_calls(top: list[Statement], facts: JobFacts) -> None:
-    """Where nothing else predicts: a pipeline given a whole list in one call outside a loop
-    (``outputs = pipe(texts)``, ``texts`` a list), kept to be refused at that call with the loop that splits
-    (nbddp splits loops, not calls). A pipeline given one text, and ``generate``, whose batch a tokenizer
-    made (one prompt or many: the code does not say), are left alone."""
-    pipes = {t.id for stmt in top for node in stmt.nodes if isinstance(node, ast.Assign)
+#: ``JobFacts.rule_state``'s key for the pipeline calls split over the ranks: statement → the pipeline's name.
+SPLIT_CALLS = "predict.split_calls"
+#: Calls whose rows come one by one, not as a list a rank can take a block of.
+_STREAMED = frozenset({"KeyDataset", "KeyPairDataset", "Dataset", "IterableDataset", "iter", "load_dataset"})
+
+
+def split_calls(top: list[Statement]) -> tuple[dict[Statement, str], list[PredictRefusal]]:
+    """The pipeline calls over a whole list that each rank can make on its own block of the list: statements
+    ``outputs = pipe(texts, …)`` (→ the pipeline's name), and why the other pipeline calls over rows cannot be
+    split so (a refusal at each). A pipeline given one text is left alone, and ``generate``, whose batch a
+    tokenizer made (one prompt or many: the code does not say), is not seen."""
+    pipes = {t.id: node.value for stmt in top for node in stmt.nodes if isinstance(node, ast.Assign)
              and isinstance(node.value, ast.Call) and last_name(node.value.func) == "pipeline"
              for t in node.targets if isinstance(t, ast.Name)}
-    lists = {t.id for stmt in top for node in stmt.nodes if isinstance(node, ast.Assign) and _list_like(node.value)
+    bound = {t.id: node.value for stmt in top for node in stmt.nodes if isinstance(node, ast.Assign)
              for t in node.targets if isinstance(t, ast.Name)}
+    split: dict[Statement, str] = {}
+    refused: list[PredictRefusal] = []
     for stmt in top:
         if isinstance(stmt.nodes[0], DEFS):
             continue
         for call in (n for node in stmt.nodes for n in _walk_body([node])):
-            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in pipes and call.args \
-                    and (_list_like(call.args[0]) or isinstance(call.args[0], ast.Name) and call.args[0].id in lists):
-                callee = call.func.id
-                facts.batched_calls.append(PredictRefusal(
-                    stmt.cell.position, call.lineno,
-                    f"{callee}(…) predicts a whole list in one call, which nbddp does not split; write it as a loop "
-                    f"over batches (outputs = []\nfor batch in batches: outputs.extend({callee}(batch))), whose rows "
-                    "nbddp splits over the GPUs"))
-                return
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in pipes
+                    and call.args):
+                continue
+            rows = call.args[0]
+            named = bound.get(rows.id) if isinstance(rows, ast.Name) else None
+            if not (_list_like(rows) or _list_like(named) or _streamed(rows) or _streamed(named)):
+                continue  # one text, or rows the code does not show
+            reason = _unsplittable_call(stmt, call, pipes[call.func.id], named)
+            if reason is None:
+                split[stmt] = call.func.id
+            else:
+                refused.append(PredictRefusal(stmt.cell.position, call.lineno, reason))
+    return split, refused
 
 
-def _list_like(node: ast.AST) -> bool:
+def _unsplittable_call(stmt: Statement, call: ast.Call, made: ast.Call, named: ast.AST | None) -> str | None:
+    """Why a pipeline call over rows cannot be split over the ranks, or None: ``NAME = pipe(rows, …)``, a
+    statement of its own over a list, without sampling."""
+    callee, rows = call.func.id, call.args[0]
+    if _streamed(rows) or _streamed(named):
+        return (f"{callee}(…) is given {ast.unparse(rows)}, rows that come one by one, which nbddp does not split; "
+                f"give it a list (texts = list(…)) in a statement of its own: outputs = {callee}(texts, …)")
+    node = stmt.nodes[0]
+    if not (len(stmt.nodes) == 1 and isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)):
+        return (f"{callee}(…) predicts a whole list in one call, which nbddp splits over the GPUs only in a statement "
+                f"of its own: outputs = {callee}(texts, …), then use outputs; or write it as a loop over batches "
+                f"(outputs = []; for batch in batches: outputs.extend({callee}(batch)))")
+    sampled = next((k for k in (keyword(call, "do_sample"), keyword(made, "do_sample"))
+                    if k is not None and not (isinstance(k.value, ast.Constant) and not k.value.value)), None)
+    if sampled is not None:
+        return (f"{callee}(…, do_sample={ast.unparse(sampled.value)}) draws random numbers for each row, which split "
+                "over the ranks would differ from one process's (its later rows draw where the earlier ones left the "
+                "generator); predict without sampling (do_sample=False)")
+    return None
+
+
+def _streamed(node: ast.AST | None) -> bool:
+    """A generator expression or a dataset (``KeyDataset(ds, "text")``): rows that come one by one."""
+    return isinstance(node, ast.GeneratorExp) or isinstance(node, ast.Call) and last_name(node.func) in _STREAMED
+
+
+def _list_like(node: ast.AST | None) -> bool:
     """``[…]``, ``[… for …]``, ``list(…)``, ``….tolist()``."""
     return isinstance(node, (ast.List, ast.ListComp)) or isinstance(node, ast.Call) and (
         isinstance(node.func, ast.Name) and node.func.id == "list" or last_name(node.func) == "tolist")

@@ -9,11 +9,13 @@ from ...errors import CellError
 from ..cst_helpers import code_of, cst, fixed_expression, last_name
 from ..engine.rule import Rule
 from ..facts.kept import _writes_once
-from ..facts.predicts import PredictLoop, loop_names, prediction_loop
+from ..facts.predicts import SPLIT_CALLS, PredictLoop, loop_names, prediction_loop
 from .rank_zero import MAIN_PROCESS_EXPR
 
 #: The name the rewritten loop binds to its share (``runtime.predict.Rows``).
 ROWS = "_nbddp_rows"
+#: What a split pipeline call calls instead (``runtime.predict.split_call``).
+SPLIT_CALL = "_nbddp.predict.split_call"
 
 
 class PredictRule(Rule):
@@ -26,6 +28,10 @@ class PredictRule(Rule):
     items in rank order, which is row order, and every sum is replayed through every increment in row order
     (``runtime/predict.py``). The code after the last such loop runs on rank 0 only (``RankZeroRule``), so
     ``submission.csv`` is written once, as one process writes it.
+
+    A pipeline given a whole list in a statement of its own (``outputs = pipe(texts, batch_size=32)``,
+    ``facts.predicts.split_calls``) becomes ``outputs = _nbddp.predict.split_call(pipe, texts, batch_size=32)``:
+    each rank calls the pipeline on its block of the list, and every rank gets every block's results, in order.
 
     In a kept job's ``%%ddp`` cell every statement runs on every rank, and later cells too: each split loop is
     preceded by the import of its runtime (the cell runs without the script's prelude), and at the cell's top
@@ -95,6 +101,21 @@ class PredictRule(Rule):
         # a %%ddp cell runs without the script's prelude, which imports the runtime of a predicting notebook
         return cst.FlattenSentinel([cst.parse_statement("import nbddp.runtime.predict\n").with_changes(
             leading_lines=updated.leading_lines), split.with_changes(leading_lines=[])])
+
+    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
+        """``outputs = pipe(texts, …)``, a statement ``split_calls`` chose → ``outputs =
+        _nbddp.predict.split_call(pipe, texts, …)``."""
+        callee = self.facts.rule_state.get(SPLIT_CALLS, {}).get(self.statement(original))
+        assign = updated.body[0] if callee is not None and len(updated.body) == 1 else None
+        if not isinstance(assign, cst.Assign) or not isinstance(assign.value, cst.Call):
+            return updated
+        call = assign.value
+        split = call.with_changes(func=cst.parse_expression(f"{SPLIT_CALL}"),
+                                  args=[cst.Arg(call.func), *call.args])
+        self.note(original, f"{callee}(…) over a list: each rank calls {callee} on its own contiguous block of "
+                            f"the list, and after it {code_of(assign.targets[0].target)} holds every rank's results "
+                            "in the list's order (the code after it runs on rank 0)")
+        return updated.with_changes(body=[assign.with_changes(value=split)])
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
         """After a split loop in the same block (a ``with``, a function): a statement writing a file goes under
@@ -184,7 +205,8 @@ def refuse_unsplittable(facts, cleaned) -> None:
 
 
 def refuse_batched(facts, cleaned) -> None:
-    """A notebook whose only prediction is one batched call (``pipe(texts)``), refused at that call (``CellError``)."""
+    """A notebook whose only prediction is a pipeline call over rows that cannot be split (``print(pipe(texts))``,
+    ``pipe(KeyDataset(…))``, sampling), refused at that call (``CellError``)."""
     if facts.batched_calls:
         _refuse(facts.batched_calls[0], cleaned, "nbddp cannot split this prediction over the GPUs")
 
