@@ -125,8 +125,9 @@ class JobFacts:
     #: share of (``predicts.py``), and why any such loop cannot be split (``predicts.PredictRefusal``)
     predictions: list[Statement] = field(default_factory=list)
     predict_refusals: list = field(default_factory=list)
-    #: where nothing else predicts, a whole list given to a pipeline or ``generate`` in one call: refused unless
-    #: the notebook trains from a shell line or seems to train (``rules/predict.refuse_batched``)
+    #: where nothing else predicts, a pipeline's call over rows that cannot be split (not assigned on its own, a
+    #: generator or dataset given, sampling): refused unless the notebook trains from a shell line or seems to
+    #: train (``rules/predict.refuse_batched``); the calls that split are ``predicts.split_calls``'s
     batched_calls: list = field(default_factory=list)
     #: top-level functions whose body holds a prediction loop, split each time they are called
     predict_functions: frozenset[str] = frozenset()
