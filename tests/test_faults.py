@@ -201,6 +201,73 @@ def test_interrupting_the_launcher_ends_every_rank_within_5_seconds(tmp_path, no
     assert "rank 1 was at cell 2, line " in err  # where each rank was, from the stacks dumped as they stopped
 
 
+def _interrupted_right_after_the_job_is_looked_at(started: Path):
+    """A profile hook that raises ``KeyboardInterrupt`` where a Ctrl-C reaching a busy launcher is handled: just
+    after a C call returns, here the first that takes a lock or asks the kernel about a child (``Popen.poll``'s
+    ``acquire``, a ``waitpid``) once the job wrote ``started``. A launcher preempted there on a loaded machine
+    sees its SIGINT land at exactly this point (one clean-clone CI run in many)."""
+    def hook(frame, event, arg):
+        if (event == "c_return" and getattr(arg, "__name__", "") in ("acquire", "waitpid", "waitid")
+                and started.exists()):
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+    return hook
+
+
+def _in_thread(target, timeout: float):
+    """``target()``'s value, run on a thread of its own; None when it has not returned within ``timeout``."""
+    done = []
+    thread = threading.Thread(target=lambda: done.append(target()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return done[0] if done else None
+
+
+def test_an_interrupt_landing_as_the_launcher_looks_at_the_job_still_ends_it_and_returns(tmp_path, reaper):
+    from nbddp.launch import LaunchPlan, launch
+
+    started = tmp_path / "started"
+    job = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(120)  # {tmp_path}"
+    plan = LaunchPlan(argv=(sys.executable, "-c", job), env=dict(os.environ), cwd=tmp_path, run_dir=tmp_path / "run",
+                      script=tmp_path / "script.py", nproc=1)
+
+    def interrupted_launch():
+        sys.setprofile(_interrupted_right_after_the_job_is_looked_at(started))
+        try:
+            return launch(plan, sink=lambda stream, text: None)
+        finally:
+            sys.setprofile(None)
+
+    result = _in_thread(interrupted_launch, 30)  # it waited on Popen's lock, left taken by the interrupted poll()
+    assert result is not None, f"launch did not return 30 s after the interrupt{still_running(str(tmp_path))}"
+    assert result.interrupted
+    assert not processes_with(str(tmp_path))
+
+
+def test_ending_a_job_whose_poll_was_interrupted_is_bounded(tmp_path, reaper):
+    from nbddp.launch import terminate_tree
+
+    started = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); "
+                             f"time.sleep(120)  # {tmp_path}"], start_new_session=True)
+    wait_for(started.exists, 60, "the job to start")
+
+    def interrupted_poll():
+        sys.setprofile(_interrupted_right_after_the_job_is_looked_at(started))
+        try:
+            proc.poll()
+        except KeyboardInterrupt:
+            return True
+        finally:
+            sys.setprofile(None)
+
+    assert _in_thread(interrupted_poll, 10)
+    began = time.monotonic()
+    assert _in_thread(lambda: terminate_tree(proc, grace_s=0.5) or True, 30), "terminate_tree blocked"
+    assert time.monotonic() - began < 10
+    assert not processes_with(str(tmp_path))
+
+
 def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path, notebook, reaper):
     nb = notebook([IMPORTS, "t = torch.ones(1)\nfor i in range(100000):\n    dist.all_reduce(t)\n    print('step', i, flush=True)\n    time.sleep(0.05)"])
     runs = tmp_path / "runs"

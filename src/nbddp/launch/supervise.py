@@ -64,7 +64,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
         interrupted = timed_out = kept = False
         with _StopSignals() as stop:
             try:
-                while proc.poll() is None:
+                while job_running(proc):
                     poll_in_written_order(followers)
                     metrics.poll()
                     if until is not None and until():
@@ -81,7 +81,7 @@ def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dic
             finally:
                 stop.waiting = False  # from here a stop signal is only noted
                 with _interrupts_held() as held:
-                    if (timed_out or interrupted) and proc.poll() is None and not kept:
+                    if (timed_out or interrupted) and job_running(proc) and not kept:
                         ask_for_stacks(proc, plan.log_dir)
                     if not kept:
                         terminate_tree(proc)
@@ -150,7 +150,7 @@ def _kept_after_stop(proc, on_interrupt, until, followers, metrics, sink) -> boo
     sink("stderr", "\nnbddp: stopping the training at the next step; the ranks are kept (interrupt again to end them)\n")
     deadline = time.monotonic() + KEPT_STOP_WAIT_S
     try:
-        while proc.poll() is None and time.monotonic() < deadline:
+        while job_running(proc) and time.monotonic() < deadline:
             poll_in_written_order(followers)
             metrics.poll()
             if until():
@@ -159,6 +159,24 @@ def _kept_after_stop(proc, on_interrupt, until, followers, metrics, sink) -> boo
     except KeyboardInterrupt:
         pass
     return False
+
+
+def job_running(proc) -> bool:
+    """Whether the job's agent still runs, asked where a Ctrl-C may land: without ``Popen.poll``.
+
+    ``poll`` takes the ``Popen``'s lock, then enters the ``try`` that gives it back; a ``KeyboardInterrupt``
+    raised between the two (a SIGINT reaching a launcher preempted there, on a loaded machine) leaves it taken,
+    and every later ``wait`` without a timeout waits for it forever, the ranks gone. ``waitid`` with ``WNOWAIT``
+    asks the kernel, takes no lock and leaves the exit status to be collected by ``wait`` (``terminate_tree``).
+    """
+    if not isinstance(proc, subprocess.Popen) or not hasattr(os, "waitid"):
+        return proc.poll() is None  # a warm start's agent (``warm_start``): its state comes from the warm process
+    if proc.returncode is not None:
+        return False
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:  # collected already (by ``psutil``'s wait, say)
+        return False
 
 
 def _fresh_agent(plan: LaunchPlan, log) -> subprocess.Popen:
@@ -280,13 +298,16 @@ def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
     """End torchrun and every process under it (its workers run in sessions of their own).
 
     SIGTERM first so torchrun and the ranks can clean up, SIGKILL for whatever is left after ``grace_s``.
+    Every wait is bounded: a ``Popen`` whose ``poll`` was interrupted holds its lock for good (``job_running``),
+    and a wait without a timeout would keep the launcher from ever returning; its exit status is then unknown
+    (``returncode`` None), the processes gone all the same.
     """
     try:
         parent = psutil.Process(proc.pid)
         family = [parent] + parent.children(recursive=True)
     except psutil.NoSuchProcess:
         family = []
-    if proc.poll() is None or any(p.is_running() for p in family[1:]):
+    if job_running(proc) or any(p.is_running() for p in family[1:]):
         for p in family:
             _signal(p, signal.SIGTERM)
         _, alive = psutil.wait_procs(family, timeout=grace_s)
@@ -296,8 +317,10 @@ def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        if job_running(proc):  # not a pid the kernel may have given to another process since
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
 
 
 def _signal(p: psutil.Process, sig: int) -> None:
