@@ -218,7 +218,7 @@ def rank_records(folder: Path) -> dict[int, dict]:
     merged: dict[int, dict] = {}
     for path in sorted(folder.glob("rank*.json")):
         rank = int(re.match(r"rank(\d+)-", path.name).group(1))
-        into = merged.setdefault(rank, {"passes": [], "losses": [], "writes": []})
+        into = merged.setdefault(rank, {"passes": [], "losses": [], "writes": [], "devices": []})
         for key, value in json.loads(path.read_text()).items():
             into[key] += value
     return merged
