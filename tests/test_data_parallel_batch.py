@@ -70,3 +70,28 @@ def test_each_rank_takes_its_part_of_the_step(monkeypatch, capsys, world, size, 
     assert runtime.data_parallel_batch(size) == part
     said = capsys.readouterr().out
     assert ("does not divide" in said) == (world > 1 and size in (33, 1)), said
+
+
+def test_a_helpers_training_loader_takes_its_part_of_the_step_where_the_notebook_calls_data_parallel(rewrite):
+    cells, changes = rewrite("from helpers import create_dataloader\nimport torch\nfrom torch import nn\n"
+                             "train_loader = create_dataloader(ds, batch_size=8)\n",
+                             LOOP.format(wrap="model = nn.DataParallel(model)"))
+    assert ("train_loader = _nbddp.shard_loader(create_dataloader(ds, batch_size=8), name='train_loader', "
+            "data_parallel=True)") in cells[0]
+    assert any("its batch is the step DataParallel split" in message for _, _, _, message in changes)
+
+
+@pytest.mark.parametrize("data_parallel, batch", [(True, 4), (False, 8)])
+def test_a_helpers_loader_rebuilt_over_the_rank_share_keeps_or_shares_out_its_batch(monkeypatch, data_parallel, batch):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nbddp.runtime.loaders import shard_loader
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    loader = DataLoader(TensorDataset(torch.arange(32)), batch_size=8, shuffle=True, drop_last=True)
+    mine = shard_loader(loader, name="train_loader", data_parallel=data_parallel)
+    assert mine.batch_size == batch and mine.drop_last
+    assert len(mine.sampler) == 16 and len(mine) == 16 // batch

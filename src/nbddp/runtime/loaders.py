@@ -15,8 +15,10 @@ _KEPT = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "
          "in_order")
 
 
-def shard_loader(loader, name: str = "loader"):
-    """``loader`` over this rank's share of its dataset, or ``loader`` itself (said once) where it cannot be."""
+def shard_loader(loader, name: str = "loader", data_parallel: bool = False):
+    """``loader`` over this rank's share of its dataset, or ``loader`` itself (said once) where it cannot be;
+    ``data_parallel`` (the notebook calls DataParallel): its batch is the kernel's step, each rank takes its
+    part (``data_parallel.data_parallel_batch``)."""
     from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
     from .dist import distributed_sampler, print0, rank_info
@@ -33,7 +35,12 @@ def shard_loader(loader, name: str = "loader"):
                flush=True)
         return loader
     shuffle = isinstance(sampler, RandomSampler)
-    return rebuilt(loader, sampler=distributed_sampler(loader.dataset, shuffle=shuffle))
+    changes = {"sampler": distributed_sampler(loader.dataset, shuffle=shuffle)}
+    if data_parallel:
+        from .data_parallel import data_parallel_batch
+
+        changes["batch_size"] = data_parallel_batch(loader.batch_size)
+    return rebuilt(loader, **changes)
 
 
 def rebuilt(loader, **changes):
@@ -44,7 +51,7 @@ def rebuilt(loader, **changes):
     from torch.utils.data import DataLoader
 
     accepted = inspect.signature(DataLoader.__init__).parameters
-    kept = {k: getattr(loader, k) for k in _KEPT if k in accepted and hasattr(loader, k)}
+    kept = {k: getattr(loader, k) for k in _KEPT if k in accepted and hasattr(loader, k) and k not in changes}
     if kept.get("prefetch_factor") is not None and not kept.get("num_workers"):
         kept.pop("prefetch_factor")
     return DataLoader(loader.dataset, **kept, **changes)

@@ -129,10 +129,14 @@ class DistributedSamplerRule(Rule):
         """``name = create_dataloader(…)``: the loader goes through ``_nbddp.shard_loader`` when it runs."""
         self.note(original, f"{name}: a helper's loader, sharded when it runs where it is a plain DataLoader "
                             "(else said then)")
-        named = cst.Arg(cst.SimpleString(repr(name)), keyword=cst.Name("name"), equal=cst.AssignEqual(
-            whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
         first = cst.Arg(updated, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-        return cst.Call(func=fixed_expression("_nbddp.shard_loader"), args=[first, named])
+        named = _keyword_arg("name", cst.SimpleString(repr(name)))
+        if not self.facts.data_parallel:
+            return cst.Call(func=fixed_expression("_nbddp.shard_loader"), args=[first, named])
+        self.note(original, f"{name}: its batch is the step DataParallel split over the GPUs: each rank takes its part")
+        named = named.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        return cst.Call(func=fixed_expression("_nbddp.shard_loader"),
+                        args=[first, named, _keyword_arg("data_parallel", cst.Name("True"))])
 
     def _shard(self, original: cst.Call, updated: cst.Call, depends: bool) -> cst.Call:
         """A training loader with a ``DistributedSampler`` over its dataset, ``shuffle`` moved into it (only
@@ -200,6 +204,12 @@ class DistributedSamplerRule(Rule):
         self.note(original, f"DataLoader: batch_size {size} is the step DataParallel split over the GPUs: each rank "
                             f"takes its part ({size} ÷ ranks), so a step holds the kernel's samples")
         return call.with_changes(args=[wrapped if a is arg else a for a in call.args])
+
+
+def _keyword_arg(name: str, value: cst.BaseExpression) -> cst.Arg:
+    """``name=value``, spaced as a keyword argument is."""
+    return cst.Arg(value, keyword=cst.Name(name), equal=cst.AssignEqual(
+        whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
 
 
 def _plain_sampler(call: cst.Call) -> tuple[str, cst.BaseExpression] | None:
