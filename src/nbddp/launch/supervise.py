@@ -34,9 +34,12 @@ from .postmortem import RunResult, full_disk, read_failure, read_stacks, where_r
 #: Seconds between two looks at the log files.
 POLL_S = 0.05
 #: Seconds the processes get to exit after SIGTERM before SIGKILL.
-GRACE_S = 3.0
-#: Seconds the ranks get to write their stacks before a timeout or an interrupt stops them.
-STACKS_WAIT_S = 2.0
+GRACE_S = 2.5
+#: Seconds the ranks get to write their stacks before a timeout or an interrupt stops them (a dump takes
+#: milliseconds; the time is for a rank a loaded machine has not scheduled yet). With ``GRACE_S``, 4 s: an
+#: interrupt ends every rank within 5 s with a second to spare for the kernel to reap them (they took 5 s
+#: exactly, 2 + 3, and a loaded CI machine saw a rank outlive the 5 s).
+STACKS_WAIT_S = 1.5
 
 
 def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None,
