@@ -56,9 +56,12 @@ def nbddp_cli(*args, cwd, env=None, **kwargs):
     through ``exec`` (tests started in the background, ``make test &``, have SIGINT ignored, and a library can
     ignore it below Python, where ``signal.getsignal`` does not see), and a Python started with SIGINT ignored
     keeps ignoring it, as a program should. Three clean-clone runs of four saw the launcher sleep on in its loop
-    5 s after the interrupt; a handler of this process's own becomes the default in the child.
+    5 s after the interrupt; a handler of this process's own becomes the default in the child. SIGHUP likewise:
+    a terminal's hang-up reaches a CLI at its default, but tests run under ``nohup`` inherit it ignored, and the
+    launcher keeps an ignored SIGHUP ignored, as ``nohup`` asks (the SIGHUP case below failed so, every time).
     """
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "nbddp.cli", *map(str, args)], cwd=cwd, text=True,
@@ -67,6 +70,7 @@ def nbddp_cli(*args, cwd, env=None, **kwargs):
         )
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGHUP, previous_hup)
 
 
 def wait_for(predicate, timeout: float, what: str, left=lambda: ""):

@@ -37,8 +37,8 @@ POLL_S = 0.05
 GRACE_S = 2.5
 #: Seconds the ranks get to write their stacks before a timeout or an interrupt stops them (a dump takes
 #: milliseconds; the time is for a rank a loaded machine has not scheduled yet). With ``GRACE_S``, 4 s: an
-#: interrupt ends every rank within 5 s with a second to spare for the kernel to reap them (they took 5 s
-#: exactly, 2 + 3, and a loaded CI machine saw a rank outlive the 5 s).
+#: interrupt ends every rank within 5 s with a second to spare for the kernel to reap them (2 + 3 s was the
+#: 5 s exactly).
 STACKS_WAIT_S = 1.5
 
 
