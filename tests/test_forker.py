@@ -73,10 +73,24 @@ if sys.argv[2] == "forker dies":
     while orphan.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     report["orphan_code"] = orphan.poll()
+unheard = rank(0, 60)  # forked, its end not yet read: one torchrun would not have stopped
+report["unheard"] = unheard.pid
+while unheard.pid and f"child {unheard.pid} " not in open(sys.argv[1]).read():  # running, past its setsid
+    time.sleep(0.01)
 the_forker.close()
 report["forker_gone"] = not os.path.exists(f"/proc/{the_forker.pid}")
 print(json.dumps(report))
 '''
+
+
+def child_running(pid: int) -> bool:
+    """Running, not a zombie: an orphan ended is reaped by whoever adopted it, in its own time."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def run_agent(tmp_path: Path, case: str) -> tuple[dict, str]:
@@ -99,8 +113,9 @@ def test_children_end_as_popen_says_and_the_forker_ends_with_the_agent(tmp_path)
     assert report["too_large"] is None and report["after_too_large"] == 5  # started otherwise; the forker goes on
     parents = {line.split(" of ")[1] for line in written.splitlines()}
     assert parents == {str(report["forker"])}  # the children are the forker's, their output in the agent's file
-    assert len(written.splitlines()) == 6
+    assert len(written.splitlines()) == 7
     assert report["forker_gone"]  # close() waited for it: nothing of the job outlives the agent
+    assert not child_running(report["unheard"])  # nor a child still running as the agent ended: ended with it
 
 
 def test_a_dead_forker_leaves_its_running_child_running_and_forks_no_more(tmp_path):

@@ -29,12 +29,13 @@ process group (``os.killpg``, which raises for a group that is gone), and a rank
 of it would be such a group. A rank's parent is this process, not torchrun's; torchrun reads its ranks only
 through ``ReportedChild`` and stops them by process group, so nothing of torchrun's sees a difference. This
 process ignores the signals that stop a job (torchrun stops the ranks, then ends, and so does this process), and
-ends when the agent's end of the socket closes: the agent waits for that at its exit (``Forker.close``), so no
-process of the job outlives it.
+ends when the agent's end of the socket closes, with any child still running (one torchrun never heard of:
+``_end``): the agent waits for that at its exit (``Forker.close``), so no process of the job outlives it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -218,13 +219,13 @@ def serve(sock: socket.socket, child) -> None:
             data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
         except OSError:
             data, fds = b"", []
-        if not data:  # the agent has ended: so does this process, its children as they are
-            os._exit(0)
+        if not data:  # the agent has ended: so does this process
+            _end(children)
         message = pickle.loads(data)
         if message[0] == "reap":
             _reap(message[1])
         else:
-            _send(sock, _fork_child(sock, message[1:], fds, child, children))
+            _send(sock, _fork_child(sock, message[1:], fds, child, children), children)
 
 
 def _fork_child(sock: socket.socket, message: tuple, fds: list[int], child, children: set[int]) -> tuple:
@@ -258,13 +259,13 @@ def _say_ended(sock: socket.socket, children: set[int]) -> None:
             ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:  # not a child of this process any more: its end is not known
             children.discard(pid)
-            _send(sock, ("ended", pid, LOST))
+            _send(sock, ("ended", pid, LOST), children)
             continue
         if ended is None:
             continue
         children.discard(pid)
         code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
-        _send(sock, ("ended", pid, code))
+        _send(sock, ("ended", pid, code), children)
 
 
 def _reap(pid: int) -> None:
@@ -274,8 +275,23 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _send(sock: socket.socket, message: tuple) -> None:
+def _send(sock: socket.socket, message: tuple, children: set[int]) -> None:
     try:
         sock.send(pickle.dumps(message))
     except OSError:  # the agent has ended
-        os._exit(0)
+        _end(children)
+
+
+def _end(children: set[int]) -> None:
+    """End this process once the agent has, and every child still running with it (by its process group, a
+    rank's own): torchrun stopped every rank it knew of before its process ended, so a child still running is
+    one it never heard of. The agent ended while this process was stopped with its request to fork unread (a
+    launcher ending a job that had just begun), and this process forked the rank after the agent was gone: the
+    rank ran on, nobody's, until its own end."""
+    for pid in children:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not yet in a group of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os._exit(0)
