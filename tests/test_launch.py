@@ -7,6 +7,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import no_rank_processes
 from nbddp.convert.script import SourceMap
 from nbddp.launch import map_traceback, plan, terminate_tree
 from nbddp.options import RunOptions
@@ -57,6 +58,30 @@ def test_terminate_tree_ends_grandchildren_in_their_own_sessions():
     assert time.monotonic() - started < 5
     assert proc.poll() is not None
     assert not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.e2e
+def test_terminate_tree_ends_the_processes_started_while_it_ends_them(tmp_path):
+    """A torchrun stopped while starting its workers: a parent that goes on starting children in sessions of their
+    own, SIGTERM or not. Each one is ended, however late it started (a worker started after the tree was listed
+    was left running, orphaned, its parent killed)."""
+    marker = str(tmp_path / "late-child")
+    parent = textwrap.dedent(f'''
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", {marker!r}],
+                             start_new_session=True)
+            time.sleep(0.1)
+    ''')
+    proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    deadline = time.time() + 10
+    while not psutil.Process(proc.pid).children() and time.time() < deadline:
+        time.sleep(0.05)
+    terminate_tree(proc)
+    assert proc.poll() is not None
+    time.sleep(0.5)  # a process left running would still be there; one ended has been reaped by then
+    assert no_rank_processes(marker)
 
 
 @pytest.mark.e2e

@@ -40,6 +40,9 @@ GRACE_S = 2.5
 #: interrupt ends every rank within 5 s with a second to spare for the kernel to reap them (2 + 3 s was the
 #: 5 s exactly).
 STACKS_WAIT_S = 1.5
+#: Seconds the processes of a job being ended may take, together, to stop before their children are listed
+#: (``stopped_tree``): milliseconds, unless the machine is loaded.
+FREEZE_S = 0.5
 
 
 def launch(plan: LaunchPlan, sink: Sink | None = None, on_metrics: Callable[[dict], None] | None = None,
@@ -300,23 +303,27 @@ def ask_for_stacks(proc: subprocess.Popen, log_dir: Path, wait_s: float = STACKS
 def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
     """End torchrun and every process under it (its workers run in sessions of their own).
 
-    SIGTERM first so torchrun and the ranks can clean up, SIGKILL for whatever is left after ``grace_s``.
-    Every wait is bounded: a ``Popen`` whose ``poll`` was interrupted holds its lock for good (``job_running``),
-    and a wait without a timeout would keep the launcher from ever returning; its exit status is then unknown
-    (``returncode`` None), the processes gone all the same.
+    SIGTERM first so torchrun and the ranks can clean up, SIGKILL for whatever is left after ``grace_s``. Each
+    time, the processes are stopped (``stopped_tree``) before their children are listed, so that none starts a
+    process the signal misses: torchrun stopped while it was starting its workers left the one it had just started
+    running for good, in a session of its own and no longer anyone's child (1 launch in about 12 timed out within
+    a second on a loaded machine). Every wait is bounded: a ``Popen`` whose ``poll`` was interrupted holds its
+    lock for good (``job_running``), and a wait without a timeout would keep the launcher from ever returning;
+    its exit status is then unknown (``returncode`` None), the processes gone all the same.
     """
-    try:
-        parent = psutil.Process(proc.pid)
-        family = [parent] + parent.children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
+    family = _family(proc)
     if job_running(proc) or any(p.is_running() for p in family[1:]):
+        family = stopped_tree(family)
         for p in family:
             _signal(p, signal.SIGTERM)
+        for p in family:
+            _signal(p, signal.SIGCONT)
         _, alive = psutil.wait_procs(family, timeout=grace_s)
-        for p in alive:
-            _signal(p, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=grace_s)
+        if alive:
+            alive = stopped_tree(alive)  # with what they started after the SIGTERM
+            for p in alive:
+                _signal(p, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=grace_s)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
@@ -324,6 +331,49 @@ def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
+
+
+def _family(proc) -> list[psutil.Process]:
+    """The job's agent and every process under it, as they are now; none once the agent is collected (its pid
+    may be another process's by then)."""
+    if proc.returncode is not None:
+        return []
+    try:
+        parent = psutil.Process(proc.pid)
+        return [parent] + parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stopped_tree(roots: list[psutil.Process]) -> list[psutil.Process]:
+    """``roots`` and every process under them, each stopped (SIGSTOP) before its children are listed: a stopped
+    process starts no other, so the list is whole. They stay stopped; a SIGCONT after the signal that ends them
+    lets them act on it. A process the machine has not scheduled within ``FREEZE_S`` is listed as it is."""
+    deadline = time.monotonic() + FREEZE_S
+    found: dict[int, psutil.Process] = {}
+    todo = list(roots)
+    while todo:
+        p = todo.pop()
+        if p.pid in found:
+            continue
+        found[p.pid] = p
+        _signal(p, signal.SIGSTOP)
+        _wait_stopped(p, deadline)
+        with contextlib.suppress(psutil.Error):
+            todo.extend(p.children())
+    return list(found.values())
+
+
+def _wait_stopped(p: psutil.Process, deadline: float) -> None:
+    """Until ``p`` has stopped (or ended), or ``deadline``."""
+    while time.monotonic() < deadline:
+        try:
+            if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE,
+                              psutil.STATUS_DEAD):
+                return
+        except psutil.Error:
+            return
+        time.sleep(0.001)
 
 
 def _signal(p: psutil.Process, sig: int) -> None:
