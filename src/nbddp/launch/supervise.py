@@ -324,6 +324,7 @@ def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
             for p in alive:
                 _signal(p, signal.SIGKILL)
             psutil.wait_procs(alive, timeout=grace_s)
+        _keep_exit_status(proc, family)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
@@ -331,6 +332,15 @@ def terminate_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
+
+
+def _keep_exit_status(proc, family: list[psutil.Process]) -> None:
+    """``proc``'s exit status as ``psutil`` collected it: ``Popen.wait`` finds its child collected already and
+    says 0, a stopped job's torchrun read as a success."""
+    collected = next((p for p in family if p.pid == proc.pid), None)
+    if isinstance(proc, subprocess.Popen) and proc.returncode is None and collected is not None \
+            and getattr(collected, "returncode", None) is not None:
+        proc.returncode = collected.returncode
 
 
 def _family(proc) -> list[psutil.Process]:
