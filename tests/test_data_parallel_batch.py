@@ -95,3 +95,19 @@ def test_a_helpers_loader_rebuilt_over_the_rank_share_keeps_or_shares_out_its_ba
     mine = shard_loader(loader, name="train_loader", data_parallel=data_parallel)
     assert mine.batch_size == batch and mine.drop_last
     assert len(mine.sampler) == 16 and len(mine) == 16 // batch
+
+
+@pytest.mark.parametrize("wrap, said", [("model = nn.DataParallel(model)", True), ("model = model.to('cuda')", False)])
+def test_an_index_slice_loop_in_a_data_parallel_notebook_says_its_step_is_the_kernels_times_the_ranks(
+        rewrite, wrap, said):
+    """A loop that slices its own batches (``X[i:i+bs]``) keeps each window whole on each rank: nbddp cannot
+    share the rows out as it does a loader's batch, so it says the step is not the kernel's and how to make it."""
+    cells, changes = rewrite(IMPORTS + "model = Net()\n" + wrap + "\nopt = SGD(model.parameters(), lr=0.1)\n"
+                             "for epoch in range(3):\n"
+                             "    for i in range(0, len(X), bs):\n"
+                             "        crit(model(X[i:i + bs]), y[i:i + bs]).backward()\n"
+                             "        opt.step()\n")
+    assert "_nbddp.shard_range(range(0, len(X), bs))" in cells[0]
+    notes = [message for _, rule, _, message in changes if rule == "shard_loop"]
+    assert len(notes) == 1
+    assert ("divide the loop's batch size by the number of GPUs" in notes[0]) is said

@@ -48,7 +48,7 @@ class ShardLoopRule(Rule):
         if kind is None:
             return updated
         loop = code_of(original.iter)
-        self.note(original, _said(kind, loop))
+        self.note(original, _said(kind, loop) + (_DATA_PARALLEL_STEP if self.facts.data_parallel else ""))
         return updated.with_changes(iter=_sharded(kind, updated.iter))
 
     def _kind(self, loop: cst.For) -> str | None:
@@ -71,6 +71,15 @@ def _sharded(kind: str, iterated: cst.BaseExpression) -> cst.BaseExpression:
             and iterated.func.value == "zip":  # each sequence the same positions
         return iterated.with_changes(args=[a.with_changes(value=_sharded(kind, a.value)) for a in iterated.args])
     return cst.Call(func=fixed_expression(SHARDS[kind]), args=[cst.Arg(iterated)])
+
+
+#: Said of such a loop in a notebook that calls DataParallel, which split each of the loop's batches over the
+#: kernel's GPUs: a rank takes the whole batch where a loader's is shared out (``data_parallel_batch``), since
+#: the rows a step takes are the loop's own slices, which no call of nbddp's sees.
+_DATA_PARALLEL_STEP = ("; this notebook calls DataParallel, which split each batch over the kernel's GPUs, so a "
+                       "step here takes a batch on every rank, the kernel's step times the ranks, and the loss "
+                       "follows another curve: divide the loop's batch size by the number of GPUs for the "
+                       "kernel's step")
 
 
 def _said(kind: str, loop: str) -> str:
