@@ -266,3 +266,58 @@ def test_a_loop_calling_a_function_that_downloads_fetches_each_file_once_and_eve
     weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]
     assert weights[0] == weights[1]
     assert "with _nbddp.from_rank0(globals(), 'name', 'paths', 'url'):" in job.script.text
+
+
+# ------------------------------------------------------------------ a notebook that only predicts
+
+PREDICT = "preds = []\nfor text in texts:\n    preds.append(pipe(text))\n"
+
+
+def test_a_download_before_the_predictions_runs_once_on_rank_0_as_before_a_training(rewrite):
+    """Nothing trains: the downloads before the first prediction loop are fetched once as before a training
+    (every rank fetched them at once, and a rank reading its file while another truncated it read part of it)."""
+    (loop, single, _, tail), changes = rewrite(
+        "for url in urls:\n    urllib.request.urlretrieve(url, url.split('/')[-1])\n",
+        "urllib.request.urlretrieve(url, 'c.csv')\n",
+        "pipe = pipeline('text-classification')\ntexts = list(open('c.csv'))\n" + PREDICT,
+        "pd.DataFrame({'p': preds}).to_csv('submission.csv')\n")
+    assert loop == sent("url", "for url in urls:", "    urllib.request.urlretrieve(url, url.split('/')[-1])")
+    assert single == ("if _nbddp.on_rank0():\n    urllib.request.urlretrieve(url, 'c.csv')\n"
+                      "_nbddp.barrier()  # the other ranks read what rank 0 wrote\n")
+    assert tail.startswith("if _nbddp.on_rank0():\n")
+    assert ("rank0", 1, "runs on rank 0 only (after the predictions, which every rank gathered)") in changes
+
+
+@pytest.mark.e2e
+def test_a_notebook_that_only_predicts_fetches_its_file_once_and_every_rank_predicts_its_share(tmp_path):
+    from nbddp.job import run_job
+    from nbddp.options import RunOptions
+    from views import Said
+
+    source = tmp_path / "source.csv"
+    source.write_text("".join(f"{i},{i % 3}\n" for i in range(10)))
+    nb = write_notebook(tmp_path / "nb.ipynb", [
+        COUNTED,
+        f"path, headers = urllib.request.urlretrieve({source.as_uri()!r}, 'data.csv')",
+        "rows = [[float(v) for v in line.split(',')] for line in open(path).read().split()]\n"
+        "with open(f\"got-{os.environ['RANK']}.json\", 'w') as fh:\n"
+        "    json.dump({'path': path, 'rows': len(rows)}, fh)\n"
+        "torch.manual_seed(0)\nmodel = nn.Linear(2, 1)",
+        "preds = []\nfor row in rows:\n    with torch.no_grad():\n"
+        "        preds.append(float(model(torch.tensor(row)).item()))",
+        "with open('preds.json', 'w') as fh:\n    json.dump(preds, fh)",
+    ])
+    chunks: list[str] = []
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
+    assert job.run.ok, ("".join(chunks)[-3000:], job.run.failure)
+    assert (tmp_path / "fetches.txt").read_text() == "0\n"  # fetched once, by rank 0 (every rank fetched before)
+    got = [json.loads((tmp_path / f"got-{rank}.json").read_text()) for rank in (0, 1)]
+    assert got == [{"path": "data.csv", "rows": 10}] * 2  # every rank got the path, and read the whole file
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        expected = [float(model(torch.tensor([float(i), float(i % 3)])).item()) for i in range(10)]
+    assert json.loads((tmp_path / "preds.json").read_text()) == pytest.approx(expected)  # every row, in order
+    assert "each rank predicts its own contiguous block" in job.script.text

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import DEFS, dotted_name, keyword, last_name
+from .rank0 import plan_shared_saves
 
 if TYPE_CHECKING:
     from ..code import Statement
@@ -192,6 +193,8 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
     _refuse_loops(top, holding, defs, facts)
     _refuse_hidden_calls(top, defs, facts)
     _plan_rank0(top, holding, facts)
+    # before the first prediction, as before a training: a download or a save runs once, on rank 0
+    plan_shared_saves(top, next((k for k in holding if top[k] not in defs.values()), holding[0]), facts)
 
 
 def plan_kept_predictions(top: list[Statement], facts: JobFacts) -> None:

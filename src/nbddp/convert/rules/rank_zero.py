@@ -132,4 +132,6 @@ class RankZeroRule(BlockRule):
                    "or installs is whole before any rank goes on)"
         tail = self.statement(run[0]) in self.facts.tail
         whole = "".join(f"; {n}: its whole data set again, not rank 0's share" for n in self._sharded_read(run))
+        if not self.facts.training:  # a notebook that only predicts
+            return "runs on rank 0 only (after the predictions, which every rank gathered)" + whole
         return "runs on rank 0 only (" + ("after training)" if tail else "between training runs)") + whole
