@@ -113,6 +113,9 @@ def test_more_cpu_processes_than_cores_is_a_warning(tiny_notebook, capsys):
     (["run", "{nb}", "--node-rank", "-1"], "--node-rank takes this machine's rank among the nodes, from 0 or more"),
     (["run", "{nb}", "--rdzv-endpoint", "host:99999"], "--rdzv-endpoint takes HOST:PORT (a port from 1 to 65535)"),
     (["run", "{nb}", "--rdzv-endpoint", ":29500"], "--rdzv-endpoint takes HOST:PORT"),
+    # the doctor's probe of -1 processes failed as a broken NCCL link does, with NCCL's hints
+    (["doctor", "--nproc", "-1"], "--nproc takes a whole number of processes of at least 1, not -1"),
+    (["doctor", "--timeout", "0"], "--timeout takes a number of seconds above 0, not 0"),
 ])
 def test_every_path_and_number_an_option_carries_is_checked_first(tiny_notebook, tmp_path, capsys, argv, message):
     fill = {"nb": tiny_notebook, "tmp": tmp_path}

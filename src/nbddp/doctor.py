@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import launch
 from .gpus import read_machine
-from .options import RunOptions
+from .options import RunOptions, check_nproc
 
 GiB = 2**30
 #: Below this, NCCL's shared-memory transport between GPUs of one machine can fail to allocate.
@@ -77,6 +77,8 @@ def run(*, in_kernel: bool = False, nproc: int | None = None, timeout_s: float =
     ``show`` gets the report's lines as the checks are done, the quick ones first and a line saying the
     all-reduce probe is under way (a notebook cell shows each check as it comes, not all after the probe).
     """
+    check_nproc(nproc)  # before any check: a probe of 0 processes would fail as a broken link would
+    RunOptions(timeout_s=timeout_s)  # the same refusal of a timeout as a job's
     show = show or (lambda text: None)
     show("nbddp doctor")
     machine = read_machine(memory=False)  # read once: the GPUs' count and the probe's processes

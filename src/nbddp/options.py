@@ -47,6 +47,12 @@ def processes(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"takes a number of processes or auto, not {text!r}") from None
 
 
+def check_nproc(nproc) -> None:
+    """``--nproc`` as given (None: one per GPU): refused (``NbddpError``) below 1 or not a whole number."""
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
+
+
 def folder(text: str) -> Path:
     """A folder option (``--runs-dir``): not empty (``Path("")`` would quietly be the current folder)."""
     if not text.strip():
@@ -167,8 +173,7 @@ class RunOptions:
     def _check(self) -> list[str]:
         """Refuse what no job can run with (``NbddpError``); return what is only slow."""
         nproc = self.nproc
-        if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
-            raise NbddpError(f"--nproc takes a whole number of processes of at least 1, not {nproc}")
+        check_nproc(nproc)
         if nproc is not None:  # the job's one reading of the machine (its plan takes it: ``plan_job``)
             object.__setattr__(self, "machine", read_machine(memory=False))
         gpus = self.machine.gpus if self.machine else 0
