@@ -114,12 +114,20 @@ TRAIN_LOOP = (
 )
 
 
-@pytest.mark.e2e
-def test_a_download_whose_path_every_rank_reads_is_fetched_once_and_trains_on_every_rank(tmp_path):
+def run_on_two_ranks(nb, tmp_path):
+    """The notebook as ``nbddp run --nproc 2`` runs it (2 gloo ranks); the job, which must have ended well."""
     from nbddp.job import run_job
     from nbddp.options import RunOptions
     from views import Said
 
+    chunks: list[str] = []
+    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
+    assert job.run.ok, ("".join(chunks)[-3000:], job.run.failure)
+    return job
+
+
+@pytest.mark.e2e
+def test_a_download_whose_path_every_rank_reads_is_fetched_once_and_trains_on_every_rank(tmp_path):
     source = tmp_path / "source.csv"
     source.write_text("".join(f"{i},{i % 3},{2 * i - (i % 3)}\n" for i in range(16)))
     nb = write_notebook(tmp_path / "nb.ipynb", [
@@ -128,9 +136,7 @@ def test_a_download_whose_path_every_rank_reads_is_fetched_once_and_trains_on_ev
         READ,
         TRAIN_LOOP,
     ])
-    chunks: list[str] = []
-    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
-    assert job.run.ok, ("".join(chunks)[-3000:], job.run.failure)
+    job = run_on_two_ranks(nb, tmp_path)
     assert (tmp_path / "fetches.txt").read_text() == "0\n"  # fetched once, by rank 0
     got = [json.loads((tmp_path / f"got-{rank}.json").read_text()) for rank in (0, 1)]
     assert got == [{"path": "data.csv", "rows": 16}] * 2  # every rank got the path, and read the whole file
@@ -240,10 +246,6 @@ def test_a_download_in_a_statement_that_trains_is_refused(cells, cell, line, sai
 
 @pytest.mark.e2e
 def test_a_loop_calling_a_function_that_downloads_fetches_each_file_once_and_every_rank_gets_the_list(tmp_path):
-    from nbddp.job import run_job
-    from nbddp.options import RunOptions
-    from views import Said
-
     sources = []
     for part, rows in (("a", range(8)), ("b", range(8, 16))):
         source = tmp_path / f"source-{part}.csv"
@@ -257,9 +259,7 @@ def test_a_loop_calling_a_function_that_downloads_fetches_each_file_once_and_eve
                                                                                            "'paths': paths"),
         TRAIN_LOOP,
     ])
-    chunks: list[str] = []
-    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
-    assert job.run.ok, ("".join(chunks)[-3000:], job.run.failure)
+    job = run_on_two_ranks(nb, tmp_path)
     assert (tmp_path / "fetches.txt").read_text() == "0\n0\n"  # each file fetched once, by rank 0
     got = [json.loads((tmp_path / f"got-{rank}.json").read_text()) for rank in (0, 1)]
     assert got == [{"paths": ["a.csv", "b.csv"], "rows": 16}] * 2  # every rank got the list, and read both files
@@ -290,10 +290,6 @@ def test_a_download_before_the_predictions_runs_once_on_rank_0_as_before_a_train
 
 @pytest.mark.e2e
 def test_a_notebook_that_only_predicts_fetches_its_file_once_and_every_rank_predicts_its_share(tmp_path):
-    from nbddp.job import run_job
-    from nbddp.options import RunOptions
-    from views import Said
-
     source = tmp_path / "source.csv"
     source.write_text("".join(f"{i},{i % 3}\n" for i in range(10)))
     nb = write_notebook(tmp_path / "nb.ipynb", [
@@ -307,9 +303,7 @@ def test_a_notebook_that_only_predicts_fetches_its_file_once_and_every_rank_pred
         "        preds.append(float(model(torch.tensor(row)).item()))",
         "with open('preds.json', 'w') as fh:\n    json.dump(preds, fh)",
     ])
-    chunks: list[str] = []
-    job = run_job(nb, RunOptions(nproc=2, runs_dir=tmp_path / "runs", timeout_s=300), Said(chunks))
-    assert job.run.ok, ("".join(chunks)[-3000:], job.run.failure)
+    job = run_on_two_ranks(nb, tmp_path)
     assert (tmp_path / "fetches.txt").read_text() == "0\n"  # fetched once, by rank 0 (every rank fetched before)
     got = [json.loads((tmp_path / f"got-{rank}.json").read_text()) for rank in (0, 1)]
     assert got == [{"path": "data.csv", "rows": 10}] * 2  # every rank got the path, and read the whole file
