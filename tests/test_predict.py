@@ -297,16 +297,42 @@ def test_a_pipeline_given_a_whole_list_in_an_assignment_is_split_and_the_code_af
     compile(script.text, "script.py", "exec")
 
 
+KEYED = PIPE + "from transformers.pipelines.pt_utils import KeyDataset\n"
+
+
+@pytest.mark.parametrize("call, split", [
+    (KEYED + "preds = list(pipe(KeyDataset(ds, 'text'), batch_size=8))",
+     "preds = list(_nbddp.predict.split_call(pipe, KeyDataset(ds, 'text'), batch_size=8))"),
+    (KEYED + "preds = []\nfor out in tqdm(pipe(KeyDataset(ds, 'text'), batch_size=8), total=len(ds)):\n"
+             "    preds.append(out['label'])",
+     "for out in tqdm(_nbddp.predict.split_call(pipe, KeyDataset(ds, 'text'), batch_size=8), total=len(ds)):"),
+    (SPLIT + "preds = []\nfor i, out in enumerate(pipe(texts)):\n    preds.append(out['label'])",
+     "for i, out in enumerate(_nbddp.predict.split_call(pipe, texts)):"),
+])
+def test_a_pipeline_over_a_dataset_column_or_a_loop_over_its_results_is_split(call, split):
+    """The documented way to run a pipeline over a dataset (``for out in pipe(KeyDataset(ds, "text"))``) and a
+    loop walking a pipeline's results: the call is split, every rank walks every result, the code after on rank 0."""
+    script = convert("import pandas as pd\nfrom tqdm import tqdm\nds = load()", call,
+                     "pd.DataFrame(preds).to_csv('p.csv')")
+    assert script.predicts and decide_mode(script) == PREDICT and not script.warnings
+    assert split in script.text
+    assert "if _nbddp.on_rank0():\n    pd.DataFrame(preds).to_csv('p.csv')" in script.text
+    (said,) = [c for c in script.changes if c.rule == "predict"]
+    assert said.cell == 2 and "contiguous block" in said.message
+    compile(script.text, "script.py", "exec")
+
+
 BATCHED_REFUSED = {
     "not assigned": (SPLIT + "print(pipe(texts, batch_size=8))", 4, "a statement of its own"),
-    "iterated": (SPLIT + "for out in pipe(texts):\n    print(out)", 4, "a statement of its own"),
+    "called twice": (SPLIT + "out = pipe(texts) + pipe(texts[:1])", 4, "a statement of its own"),
+    "a loop writing as it goes": (SPLIT + "for out in pipe(texts):\n    open('p.txt', 'a').write(str(out))", 4,
+                                  "collect the results in the loop and write the file after it"),
     "samples": (SPLIT + "out = pipe(texts, do_sample=True)", 4, "draws random numbers"),
     "samples by its pipeline": ("from transformers import pipeline\n"
                                 "pipe = pipeline('text-generation', do_sample=True)\nout = pipe(['a', 'b'])", 3,
                                 "draws random numbers"),
     "generator": (PIPE + "out = pipe(t for t in ['a', 'b'])", 3, "give it a list"),
-    "dataset": (PIPE + "from transformers.pipelines.pt_utils import KeyDataset\n"
-                "out = list(pipe(KeyDataset(ds, 'text'), batch_size=8))", 4, "give it a list"),
+    "streamed dataset": (PIPE + "out = list(pipe(load_dataset('imdb', streaming=True)))", 3, "give it a list"),
 }
 
 
@@ -514,3 +540,42 @@ def test_a_kept_cells_loop_gives_every_rank_its_own_names_not_a_comprehensions(t
     source = "answers = []\nfor x in xs:\n    out = model(x)\n    answers.append(' '.join(str(t) for t in out.tolist()))"
     code = convert_kept_cell(source, history, tmp_path, 1).code
     assert "_nbddp_rows.settle(globals(), 'out', 'x')" in code
+
+
+def tiny_zero_shot():
+    """A zero-shot classification pipeline (a ``ChunkPipeline``: a chunk per row and label) over a tiny NLI model."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast, pipeline
+
+    words = "the a movie good bad great plot is not this example about sports politics".split()
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
+    wordlevel = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    wordlevel.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=wordlevel, unk_token="[UNK]", pad_token="[PAD]",
+                                        cls_token="[CLS]", sep_token="[SEP]")
+    torch.manual_seed(0)
+    labels = {0: "entailment", 1: "neutral", 2: "contradiction"}
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()})).eval()
+    return pipeline("zero-shot-classification", model=model, tokenizer=tokenizer, device=-1)
+
+
+def test_a_chunking_pipeline_batching_chunks_of_several_rows_is_called_whole_and_split_with_one_chunk_a_batch(
+        monkeypatch, capsys):
+    """A ``ChunkPipeline`` batches the chunks of neighbouring rows together: split over the ranks, a block's rows
+    would be computed in other batches than one process's. With batches of one chunk it splits as any."""
+    from nbddp.runtime import predict
+
+    pipe = tiny_zero_shot()
+    texts = ["the movie is good", "a plot about sports", "not this", "politics is bad", "great example"]
+    labels = ["sports", "politics"]
+    whole = pipe(texts, candidate_labels=labels, batch_size=3)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(predict, "_said_chunked", False)
+    assert predict.split_call(pipe, texts, candidate_labels=labels, batch_size=3) == whole  # every row, here too
+    assert "every rank runs this call whole" in capsys.readouterr().out
+    one = predict.split_call(pipe, texts, candidate_labels=labels, batch_size=1)  # no group: this rank's block
+    assert one == pipe(texts[:2], candidate_labels=labels, batch_size=1)  # 5 batches: two, then three

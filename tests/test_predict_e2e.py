@@ -103,3 +103,32 @@ def test_a_pipeline_given_a_whole_list_splits_it_and_writes_what_one_process_wri
         assert times["loop"] == shares[r]["loop"] and times["rows_s"] >= 0 and times["gather_s"] >= 0
     assert "rows 23" in result.rank_log(0).read_text() and "rows 23" not in result.rank_log(1).read_text()
     assert no_rank_processes(str(result.run_dir))
+
+
+def test_a_loop_over_a_pipeline_given_a_dataset_column_splits_it_and_writes_what_one_process_writes(
+        tmp_path, monkeypatch):
+    """``for out in pipe(KeyDataset(ds, "text"), batch_size=4)``, transformers' documented way over a dataset: each
+    rank calls the pipeline on its block of whole batches of the column, every rank walks every result."""
+    from conftest import write_notebook
+
+    cells = [PIPELINE_CELLS[0],
+             "from tqdm.auto import tqdm\nfrom transformers.pipelines.pt_utils import KeyDataset\n"
+             "ds = [{'text': t, 'id': i} for i, t in enumerate(texts)]\npreds = []\n"
+             "for out in tqdm(classifier(KeyDataset(ds, 'text'), batch_size=4), total=len(ds)):\n"
+             "    preds.append(out)",
+             PIPELINE_CELLS[2]]
+    reference, ranked = tmp_path / "one", tmp_path / "two"
+    reference.mkdir()
+    ranked.mkdir()
+    subprocess.run([sys.executable, "-c", "\n\n".join(cells)], cwd=reference, check=True, capture_output=True,
+                   text=True, timeout=120)
+    notebook = write_notebook(ranked / "pipe.ipynb", cells)
+    monkeypatch.chdir(ranked)
+    result = run_job(notebook, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
+    assert result.ok, result.failure
+    assert (ranked / "preds.csv").read_bytes() == (reference / "preds.csv").read_bytes()
+    assert len((ranked / "preds.csv").read_text().splitlines()) == 23
+    shares = [json.loads((result.run_dir / "shares" / f"rank{r}.jsonl").read_text()) for r in (0, 1)]
+    assert [(s["unit"], s["first"], s["end"], s["total"]) for s in shares] == [("rows", 0, 12, 23), ("rows", 12, 23, 23)]
+    assert "rows 23" in result.rank_log(0).read_text() and "rows 23" not in result.rank_log(1).read_text()
+    assert no_rank_processes(str(result.run_dir))

@@ -177,18 +177,22 @@ def split_call(pipe, rows, /, *args, **kwargs):
     """``pipe(rows, *args, **kwargs)``, a pipeline's call over a whole list, made by each rank on its contiguous
     block of whole batches (``batch_size=`` of the call, else the pipeline's; so each batch holds the rows it
     holds in one process and the same numbers come out), the results gathered to every rank in the list's order:
-    what one process's call returns. The share is a line of ``shares/rank<r>.jsonl`` (unit rows) and its seconds
-    one of ``rank<r>-times.jsonl``, as a loop's. Anything but a non-empty list or tuple is called whole."""
+    what one process's call returns. A map-style dataset (``KeyDataset(ds, "text")``) is split alike, each rank
+    calling the pipeline on a ``Subset`` of it, and its results come back as a list (one process's call gives an
+    iterator over the same results). The share is a line of ``shares/rank<r>.jsonl`` (unit rows) and its seconds
+    one of ``rank<r>-times.jsonl``, as a loop's. Anything else, or nothing to split, is called whole."""
     from .dist import rank_info
 
     global _loops
-    if not isinstance(rows, (list, tuple)) or not rows:
+    if not (isinstance(rows, (list, tuple)) or _map_style(rows)) or not len(rows):
         return pipe(rows, *args, **kwargs)
     info = rank_info()
     rank, world = info.rank, info.world_size
     _check_strategy(world)
-    _loops += 1
     size = kwargs.get("batch_size") or getattr(pipe, "_batch_size", None) or 1
+    if world > 1 and size > 1 and _chunks_rows(pipe):
+        return _called_whole(pipe, rows, args, kwargs)
+    _loops += 1
     first, end = (min(b * size, len(rows)) for b in block(-(-len(rows) // size), rank, world))
     began = time.time()
     _append_share_line(f"rank{rank}.jsonl", {
@@ -196,8 +200,50 @@ def split_call(pipe, rows, /, *args, **kwargs):
         "total": len(rows), "began": round(began, 3), "call": getattr(pipe, "task", None) or type(pipe).__name__})
     if world < 2:
         return pipe(rows, *args, **kwargs)
-    piece = _call_block(pipe, rows[first:end], args, kwargs)
+    piece = _call_block(pipe, _block_of(rows, first, end), args, kwargs)
     return _gather_pieces(piece, rank, world, _loops, began)
+
+
+def _chunks_rows(pipe) -> bool:
+    """A pipeline that cuts each row into chunks and batches the chunks of neighbouring rows together
+    (``ChunkPipeline``: speech recognition with ``chunk_length_s``, zero-shot classification, question answering)."""
+    base = sys.modules.get("transformers.pipelines.base")  # a pipeline of transformers' has imported it
+    return base is not None and isinstance(pipe, base.ChunkPipeline)
+
+
+def _called_whole(pipe, rows, args, kwargs):
+    """A chunking pipeline's call with batches of more than one chunk, made whole by every rank: its batches mix
+    the chunks of rows on both sides of any block's edge, so a rank's block would be computed in other batches
+    than one process's (other numbers in the last bits). Said once."""
+    global _said_chunked
+    if not _said_chunked:
+        _said_chunked = True
+        from .dist import print0
+
+        print0(f"nbddp: {type(pipe).__name__} batches the chunks of several rows together, so split over the ranks "
+               "its rows would be computed in other batches than in one process: every rank runs this call whole "
+               "(no faster than one GPU; batch_size=1 lets nbddp split it)", flush=True)
+    result = pipe(rows, *args, **kwargs)
+    return result if isinstance(rows, (list, tuple)) else list(result)
+
+
+_said_chunked = False
+
+
+def _map_style(rows) -> bool:
+    """A torch ``Dataset`` with a length (``KeyDataset``), not an iterable one."""
+    from torch.utils.data import Dataset, IterableDataset
+
+    return isinstance(rows, Dataset) and not isinstance(rows, IterableDataset) and hasattr(rows, "__len__")
+
+
+def _block_of(rows, first: int, end: int):
+    """Rows ``first``…``end`` of a list, or of a dataset as a ``Subset`` (still a dataset to the pipeline)."""
+    if isinstance(rows, (list, tuple)):
+        return rows[first:end]
+    from torch.utils.data import Subset
+
+    return Subset(rows, range(first, end))
 
 
 def _call_block(pipe, rows, args, kwargs) -> list:
@@ -207,13 +253,14 @@ def _call_block(pipe, rows, args, kwargs) -> list:
     its DataLoader's seed."""
     import torch
 
-    if not rows:
+    if not len(rows):
         return []
     state, torch_state = _random_state(), torch.get_rng_state()
     if len(rows) == 1:
         piece = pipe(list(rows) * 2, *args, **{**kwargs, "batch_size": 1})[:1]
     else:
         piece = pipe(rows, *args, **kwargs)
+        piece = piece if isinstance(rows, (list, tuple)) else list(piece)  # a dataset's: an iterator
     if _random_state() != state and _draws_beyond_its_loader(torch_state):
         raise RuntimeError(
             "nbddp: this pipeline call draws random numbers (sampling such as do_sample=True, dropout of a model "

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import DEFS, dotted_name, keyword, last_name
+from .kept import _writes_once
 from .rank0 import plan_shared_saves
 
 if TYPE_CHECKING:
@@ -235,14 +236,20 @@ def _refuse_loops(top: list[Statement], holding: list[int], defs: dict[str, Stat
 #: ``JobFacts.rule_state``'s key for the pipeline calls split over the ranks: statement → the pipeline's name.
 SPLIT_CALLS = "predict.split_calls"
 #: Calls whose rows come one by one, not as a list a rank can take a block of.
-_STREAMED = frozenset({"KeyDataset", "KeyPairDataset", "Dataset", "IterableDataset", "iter", "load_dataset"})
+_STREAMED = frozenset({"Dataset", "IterableDataset", "iter", "load_dataset"})
+#: transformers' views of a column of a dataset (``pt_utils``), the documented way to give a pipeline a dataset:
+#: rows by index and a length, so a rank takes a block of them as of a list.
+_KEYED = frozenset({"KeyDataset", "KeyPairDataset"})
+#: What may wrap a pipeline call a loop walks: its results go through them as they are.
+_LOOP_WRAPPERS = frozenset({"tqdm", "enumerate", "list", "iter"})
 
 
 def split_calls(top: list[Statement]) -> tuple[dict[Statement, str], list[PredictRefusal]]:
     """The pipeline calls over a whole list that each rank can make on its own block of the list: statements
-    ``outputs = pipe(texts, …)`` (→ the pipeline's name), and why the other pipeline calls over rows cannot be
-    split so (a refusal at each). A pipeline given one text is left alone, and ``generate``, whose batch a
-    tokenizer made (one prompt or many: the code does not say), is not seen."""
+    ``outputs = pipe(texts, …)`` or ``outputs = list(pipe(…))``, and loops over the results ``for out in
+    tqdm(pipe(KeyDataset(ds, "text"), batch_size=8)): …`` (→ the pipeline's name), and why the other pipeline
+    calls over rows cannot be split so (a refusal at each). A pipeline given one text is left alone, and
+    ``generate``, whose batch a tokenizer made (one prompt or many: the code does not say), is not seen."""
     pipes = {t.id: node.value for stmt in top for node in stmt.nodes if isinstance(node, ast.Assign)
              and isinstance(node.value, ast.Call) and last_name(node.value.func) == "pipeline"
              for t in node.targets if isinstance(t, ast.Name)}
@@ -259,7 +266,7 @@ def split_calls(top: list[Statement]) -> tuple[dict[Statement, str], list[Predic
                 continue
             rows = call.args[0]
             named = bound.get(rows.id) if isinstance(rows, ast.Name) else None
-            if not (_list_like(rows) or _list_like(named) or _streamed(rows) or _streamed(named)):
+            if not any(f(r) for f in (_list_like, _streamed, _keyed) for r in (rows, named)):
                 continue  # one text, or rows the code does not show
             reason = _unsplittable_call(stmt, call, pipes[call.func.id], named)
             if reason is None:
@@ -275,13 +282,21 @@ def _unsplittable_call(stmt: Statement, call: ast.Call, made: ast.Call, named: a
     callee, rows = call.func.id, call.args[0]
     if _streamed(rows) or _streamed(named):
         return (f"{callee}(…) is given {ast.unparse(rows)}, rows that come one by one, which nbddp does not split; "
-                f"give it a list (texts = list(…)) in a statement of its own: outputs = {callee}(texts, …)")
-    node = stmt.nodes[0]
-    if not (len(stmt.nodes) == 1 and isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1
-            and isinstance(node.targets[0], ast.Name)):
+                f"give it a list (texts = list(…)) or a KeyDataset(ds, column) in a statement of its own: outputs = "
+                f"{callee}(texts, …)")
+    form = _split_form(stmt, call)
+    if form is None:
         return (f"{callee}(…) predicts a whole list in one call, which nbddp splits over the GPUs only in a statement "
-                f"of its own: outputs = {callee}(texts, …), then use outputs; or write it as a loop over batches "
-                f"(outputs = []; for batch in batches: outputs.extend({callee}(batch)))")
+                f"of its own: outputs = {callee}(texts, …), then use outputs, or a loop over its results (for out in "
+                f"{callee}(texts, …): …); or write it as a loop over batches (outputs = []; for batch in batches: "
+                f"outputs.extend({callee}(batch)))")
+    if form == "loop":
+        writes = next((c for n in stmt.nodes[0].body for c in _walk_body([n])
+                       if isinstance(c, ast.Call) and _writes_once(c)), None)
+        if writes is not None:
+            return (f"the loop over {callee}(…)'s results writes a file as it goes ({ast.unparse(writes.func)}), "
+                    "which every rank would do, each holding every result: collect the results in the loop and "
+                    "write the file after it")
     sampled = next((k for k in (keyword(call, "do_sample"), keyword(made, "do_sample"))
                     if k is not None and not (isinstance(k.value, ast.Constant) and not k.value.value)), None)
     if sampled is not None:
@@ -289,6 +304,35 @@ def _unsplittable_call(stmt: Statement, call: ast.Call, made: ast.Call, named: a
                 "over the ranks would differ from one process's (its later rows draw where the earlier ones left the "
                 "generator); predict without sampling (do_sample=False)")
     return None
+
+
+def _split_form(stmt: Statement, call: ast.Call) -> str | None:
+    """How a statement holds the pipeline call it may split, its only call of that pipeline: ``"assign"``
+    (``outputs = pipe(…)``, ``outputs = list(pipe(…))``), ``"loop"`` (a loop walking its results, through
+    ``tqdm``/``enumerate``), else None."""
+    node = stmt.nodes[0]
+    calls = sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == call.func.id
+                for n in _walk_body(stmt.nodes))
+    if len(stmt.nodes) != 1 or calls != 1:
+        return None
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+            and _unwrapped(node.value, {"list"}) is call:
+        return "assign"
+    if isinstance(node, ast.For) and _unwrapped(node.iter, _LOOP_WRAPPERS) is call and not loops_in([node]):
+        return "loop"
+    return None
+
+
+def _unwrapped(node: ast.AST, wrappers: set[str] | frozenset[str]) -> ast.AST:
+    """``node`` without the calls of ``wrappers`` around it (``tqdm(list(x), total=n)`` → ``x``)."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in wrappers and node.args:
+        node = node.args[0]
+    return node
+
+
+def _keyed(node: ast.AST | None) -> bool:
+    """``KeyDataset(ds, "text")``: a dataset's column, rows by index (``_KEYED``)."""
+    return isinstance(node, ast.Call) and last_name(node.func) in _KEYED
 
 
 def _streamed(node: ast.AST | None) -> bool:

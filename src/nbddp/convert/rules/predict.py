@@ -29,9 +29,10 @@ class PredictRule(Rule):
     (``runtime/predict.py``). The code after the last such loop runs on rank 0 only (``RankZeroRule``), so
     ``submission.csv`` is written once, as one process writes it.
 
-    A pipeline given a whole list in a statement of its own (``outputs = pipe(texts, batch_size=32)``,
-    ``facts.predicts.split_calls``) becomes ``outputs = _nbddp.predict.split_call(pipe, texts, batch_size=32)``:
-    each rank calls the pipeline on its block of the list, and every rank gets every block's results, in order.
+    A pipeline given a whole list or a dataset's column in a statement of its own (``outputs = pipe(texts,
+    batch_size=32)``) or a loop walking its results (``for out in pipe(KeyDataset(ds, "text")): …``), chosen by
+    ``facts.predicts.split_calls``, calls ``_nbddp.predict.split_call(pipe, texts, batch_size=32)`` instead: each
+    rank calls the pipeline on its block of the rows, and every rank gets every block's results, in order.
 
     In a kept job's ``%%ddp`` cell every statement runs on every rank, and later cells too: each split loop is
     preceded by the import of its runtime (the cell runs without the script's prelude), and at the cell's top
@@ -60,6 +61,7 @@ class PredictRule(Rule):
         self._split: list[cst.For] = []  # the loops split so far (originals), for the writes after them
         self._functions: list[bool] = []  # the function definitions the walk is in (whether it walks inside)
         self._kept = facts.kept_cell is not None
+        self._split_call: tuple[cst.CSTNode, str] | None = None  # a chosen statement being walked, its pipeline
 
     def visit_FunctionDef(self, node) -> bool:
         # a function whose body holds a prediction loop splits it each call (``JobFacts.predict_functions``);
@@ -102,20 +104,26 @@ class PredictRule(Rule):
         return cst.FlattenSentinel([cst.parse_statement("import nbddp.runtime.predict\n").with_changes(
             leading_lines=updated.leading_lines), split.with_changes(leading_lines=[])])
 
-    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
-        """``outputs = pipe(texts, …)``, a statement ``split_calls`` chose → ``outputs =
-        _nbddp.predict.split_call(pipe, texts, …)``."""
-        callee = self.facts.rule_state.get(SPLIT_CALLS, {}).get(self.statement(original))
-        assign = updated.body[0] if callee is not None and len(updated.body) == 1 else None
-        if not isinstance(assign, cst.Assign) or not isinstance(assign.value, cst.Call):
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        """A top-level statement ``split_calls`` chose: its one call of the pipeline is split (``leave_Call``)."""
+        visit = super().on_visit(node)
+        if self._top.get(node) is not None:
+            callee = self.facts.rule_state.get(SPLIT_CALLS, {}).get(self.statement(node))
+            self._split_call = (node, callee) if callee is not None else None
+        return visit
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call):
+        """``pipe(texts, …)`` in a statement ``split_calls`` chose (``outputs = pipe(texts, …)``, ``for out in
+        pipe(KeyDataset(ds, "text")): …``) → ``_nbddp.predict.split_call(pipe, texts, …)``."""
+        if self._split_call is None or not (isinstance(updated.func, cst.Name) and updated.args
+                                            and updated.func.value == self._split_call[1]):
             return updated
-        call = assign.value
-        split = call.with_changes(func=cst.parse_expression(f"{SPLIT_CALL}"),
-                                  args=[cst.Arg(call.func), *call.args])
-        self.note(original, f"{callee}(…) over a list: each rank calls {callee} on its own contiguous block of "
-                            f"the list, and after it {code_of(assign.targets[0].target)} holds every rank's results "
-                            "in the list's order (the code after it runs on rank 0)")
-        return updated.with_changes(body=[assign.with_changes(value=split)])
+        statement, callee = self._split_call
+        self._split_call = None
+        self.note(statement, f"{callee}(…) over a list: each rank calls {callee} on its own contiguous block of "
+                             f"its rows, and every rank gets every result back in the rows' order (the code after it "
+                             "runs on rank 0)")
+        return updated.with_changes(func=cst.parse_expression(SPLIT_CALL), args=[cst.Arg(updated.func), *updated.args])
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
         """After a split loop in the same block (a ``with``, a function): a statement writing a file goes under
