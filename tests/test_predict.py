@@ -308,10 +308,13 @@ KEYED = PIPE + "from transformers.pipelines.pt_utils import KeyDataset\n"
      "for out in tqdm(_nbddp.predict.split_call(pipe, KeyDataset(ds, 'text'), batch_size=8), total=len(ds)):"),
     (SPLIT + "preds = []\nfor i, out in enumerate(pipe(texts)):\n    preds.append(out['label'])",
      "for i, out in enumerate(_nbddp.predict.split_call(pipe, texts)):"),
+    (SPLIT + "with torch.no_grad():\n    preds = pipe(texts, batch_size=16)",
+     "with torch.no_grad():\n    preds = _nbddp.predict.split_call(pipe, texts, batch_size=16)"),
 ])
 def test_a_pipeline_over_a_dataset_column_or_a_loop_over_its_results_is_split(call, split):
-    """The documented way to run a pipeline over a dataset (``for out in pipe(KeyDataset(ds, "text"))``) and a
-    loop walking a pipeline's results: the call is split, every rank walks every result, the code after on rank 0."""
+    """The documented way to run a pipeline over a dataset (``for out in pipe(KeyDataset(ds, "text"))``), a loop
+    walking a pipeline's results, a call under ``torch.no_grad()``: the call is split, every rank gets every
+    result, the code after runs on rank 0."""
     script = convert("import pandas as pd\nfrom tqdm import tqdm\nds = load()", call,
                      "pd.DataFrame(preds).to_csv('p.csv')")
     assert script.predicts and decide_mode(script) == PREDICT and not script.warnings

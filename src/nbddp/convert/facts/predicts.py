@@ -291,7 +291,7 @@ def _unsplittable_call(stmt: Statement, call: ast.Call, made: ast.Call, named: a
                 f"{callee}(texts, …): …); or write it as a loop over batches (outputs = []; for batch in batches: "
                 f"outputs.extend({callee}(batch)))")
     if form == "loop":
-        writes = next((c for n in stmt.nodes[0].body for c in _walk_body([n])
+        writes = next((c for n in stmt.nodes[0].body for c in _walk_body([n]) if c is not call
                        if isinstance(c, ast.Call) and _writes_once(c)), None)
         if writes is not None:
             return (f"the loop over {callee}(…)'s results writes a file as it goes ({ast.unparse(writes.func)}), "
@@ -315,6 +315,8 @@ def _split_form(stmt: Statement, call: ast.Call) -> str | None:
                 for n in _walk_body(stmt.nodes))
     if len(stmt.nodes) != 1 or calls != 1:
         return None
+    while isinstance(node, ast.With) and len(node.body) == 1:  # ``with torch.no_grad(): preds = pipe(texts)``
+        node = node.body[0]
     if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
             and _unwrapped(node.value, {"list"}) is call:
         return "assign"
