@@ -14,6 +14,8 @@
 #   loopback     tests/gpu/check_loopback.py: the quickstart's job listens on loopback only (stores, NCCL's bootstrap)
 #   kaggle-idioms  tests/gpu/prove_kaggle_idioms.py: DataParallel and f"cuda:{gpu}" notebooks via `nbddp run` and
 #                `%%ddp_train`, each rank on its own GPU, samples shared, replicas equal, files once
+#   pipeline-dataset  tests/gpu/prove_pipeline_dataset.py: `for out in pipe(KeyDataset(ds, "text"))` split over the
+#                GPUs by `nbddp run`, each rank's pipeline on its card, preds.csv byte for byte one process's
 #   unsloth      tests/gpu/prove_unsloth.py: Unsloth's Kaggle Alpaca notebook via `nbddp run` and `%%ddp_train`
 #                (SKIP without Unsloth: on the device machine, tar -xJf .gpu/site.tar.xz -C /tmp first)
 set -u
@@ -22,7 +24,7 @@ LOGS=${LOGS:-gpu-logs}; mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 NBDDP_CACHE=${NBDDP_CACHE:-/tmp/nbddp-cache}
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}
 # GPUs each check needs: DDP across GPUs (ckpt), the 2-GPU template and export proofs; the rest run on one
-declare -A NEEDS=([quickstart]=1 [magic]=1 [ckpt]=2 [t4-fp16]=1 [templates]=2 [each-template]=2 [forked]=1 [loopback]=1 [kaggle-idioms]=2 [unsloth]=1)
+declare -A NEEDS=([quickstart]=1 [magic]=1 [ckpt]=2 [t4-fp16]=1 [templates]=2 [each-template]=2 [forked]=1 [loopback]=1 [kaggle-idioms]=2 [pipeline-dataset]=2 [unsloth]=1)
 declare -a RESULTS
 check() {  # name, command...
   local name=$1; shift
@@ -58,7 +60,8 @@ kaggle_idioms() {
   python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
   python3 tests/gpu/prove_kaggle_idioms.py
 }
+pipeline_dataset() { python3 tests/gpu/prove_pipeline_dataset.py; }
 unsloth() { python3 tests/gpu/prove_unsloth.py --nproc "$NGPU"; }
-for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates each-template forked loopback kaggle-idioms unsloth}; do check "$c" "${c//-/_}"; done
+for c in ${CHECKS:-quickstart magic ckpt t4-fp16 templates each-template forked loopback kaggle-idioms pipeline-dataset unsloth}; do check "$c" "${c//-/_}"; done
 printf '%s\n' "== GPU proofs ($NGPU GPU(s))" "${RESULTS[@]}"
 ! printf '%s\n' "${RESULTS[@]}" | grep -q '^FAIL'
