@@ -54,7 +54,7 @@ def plan_kept_cell(top: list[Statement], facts: JobFacts) -> None:
         facts.tail_unwraps.pop(stmt, None)
         if isinstance(stmt.nodes[0], DEFS) or is_dead_if(stmt.nodes[0]):
             continue
-        writes = next((c for c in stmt.calls if _writes_once(c)), None)
+        writes = next((c for c in stmt.calls if writes_once(c)), None)
         collective = next((c for c in stmt.calls if is_collective_call(c, facts)), None)
         if writes is not None and collective is None and stmt not in predicting:
             facts.rank0.add(stmt)
@@ -76,7 +76,9 @@ def _named(call: ast.Call) -> str:
     return dotted_name(call.func) or last_name(call.func) or "a call"
 
 
-def _writes_once(call: ast.Call) -> bool:
+def writes_once(call: ast.Call) -> bool:
+    """A call that writes a file or pushes (``to_csv``, ``save_pretrained``, ``open(path, "w")``): once is what
+    the kernel did."""
     if last_name(call.func) in _WRITES_ONCE:
         return True
     return isinstance(call.func, ast.Name) and call.func.id == "open" and _writing_mode(call)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ast_helpers import DEFS, dotted_name, keyword, last_name
-from .kept import _writes_once
+from .kept import writes_once
 from .rank0 import plan_shared_saves
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ def _unsplittable_call(stmt: Statement, call: ast.Call, made: ast.Call, named: a
                 f"outputs.extend({callee}(batch)))")
     if form == "loop":
         writes = next((c for n in stmt.nodes[0].body for c in _walk_body([n]) if c is not call
-                       if isinstance(c, ast.Call) and _writes_once(c)), None)
+                       if isinstance(c, ast.Call) and writes_once(c)), None)
         if writes is not None:
             return (f"the loop over {callee}(…)'s results writes a file as it goes ({ast.unparse(writes.func)}), "
                     "which every rank would do, each holding every result: collect the results in the loop and "
@@ -338,7 +338,8 @@ def _keyed(node: ast.AST | None) -> bool:
 
 
 def _streamed(node: ast.AST | None) -> bool:
-    """A generator expression or a dataset (``KeyDataset(ds, "text")``): rows that come one by one."""
+    """A generator expression, an iterator or a dataset that may stream (``load_dataset(…, streaming=True)``):
+    rows that come one by one."""
     return isinstance(node, ast.GeneratorExp) or isinstance(node, ast.Call) and last_name(node.func) in _STREAMED
 
 

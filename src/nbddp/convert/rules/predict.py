@@ -8,7 +8,7 @@ import ast
 from ...errors import CellError
 from ..cst_helpers import code_of, cst, fixed_expression, last_name
 from ..engine.rule import Rule
-from ..facts.kept import _writes_once
+from ..facts.kept import writes_once
 from ..facts.predicts import SPLIT_CALLS, PredictLoop, loop_names, prediction_loop
 from .rank_zero import MAIN_PROCESS_EXPR
 
@@ -165,8 +165,8 @@ def _writes_file(stmt: cst.CSTNode) -> bool:
         return False
     node = tree.body[0]
     if isinstance(node, ast.With):  # ``with open(path, "w") as fh:`` (another ``with`` may hold what must run)
-        return any(isinstance(item.context_expr, ast.Call) and _writes_once(item.context_expr) for item in node.items)
-    return any(isinstance(n, ast.Call) and _writes_once(n) for n in ast.walk(tree))
+        return any(isinstance(item.context_expr, ast.Call) and writes_once(item.context_expr) for item in node.items)
+    return any(isinstance(n, ast.Call) and writes_once(n) for n in ast.walk(tree))
 
 
 def _prediction_loop(node: cst.For, splitting: frozenset[str]) -> tuple[PredictLoop, list[str]] | None:
