@@ -582,3 +582,29 @@ def test_a_chunking_pipeline_batching_chunks_of_several_rows_is_called_whole_and
     assert "every rank runs this call whole" in capsys.readouterr().out
     one = predict.split_call(pipe, texts, candidate_labels=labels, batch_size=1)  # no group: this rank's block
     assert one == pipe(texts[:2], candidate_labels=labels, batch_size=1)  # 5 batches: two, then three
+
+
+def test_a_split_pipeline_call_over_a_dataset_column_gives_each_rank_a_subset_of_whole_batches(monkeypatch):
+    """``pipe(KeyDataset(ds, "text"))`` over a ``datasets.Dataset``: one process's call as it is (an iterator, as
+    a pipeline over a dataset returns); a rank's call gets a ``Subset`` of its block and its results as a list."""
+    import datasets
+    from torch.utils.data import Dataset, Subset
+    from transformers.pipelines.pt_utils import KeyDataset
+
+    from nbddp.runtime.predict import split_call
+
+    seen = []
+
+    def pipe(rows, **kwargs):  # a pipeline over a dataset: results one by one
+        seen.append(rows)
+        assert isinstance(rows, Dataset)
+        return iter([{"label": rows[i].upper()} for i in range(len(rows))])
+
+    texts = [f"t{i}" for i in range(11)]
+    column = KeyDataset(datasets.Dataset.from_dict({"text": texts}), "text")
+    whole = split_call(pipe, column, batch_size=4)
+    assert not isinstance(whole, list) and [r["label"] for r in whole] == [t.upper() for t in texts]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")  # 3 batches of 4: the first rank one, the second two
+    assert split_call(pipe, column, batch_size=4) == [{"label": t.upper()} for t in texts[4:]]  # no group: its own
+    assert isinstance(seen[-1], Subset) and list(seen[-1].indices) == list(range(4, 11))
