@@ -315,3 +315,43 @@ def test_a_notebook_that_only_predicts_fetches_its_file_once_and_every_rank_pred
         expected = [float(model(torch.tensor([float(i), float(i % 3)])).item()) for i in range(10)]
     assert json.loads((tmp_path / "preds.json").read_text()) == pytest.approx(expected)  # every row, in order
     assert "each rank predicts its own contiguous block" in job.script.text
+
+
+# ------------------------------------------------------------------ between two trainings
+
+
+def test_a_download_between_two_trainings_runs_once_on_rank_0_as_before_the_first(rewrite):
+    """Between two trainings every statement that is not a save, a print or a plot ran on every rank, a download
+    too: every rank fetched the same file at once."""
+    (_, between, _, after), changes = rewrite(
+        TRAIN, "path, _ = urllib.request.urlretrieve(url, 'more.csv')\n", TRAIN,
+        "for url in urls:\n    urllib.request.urlretrieve(url, url.split('/')[-1])\n")
+    assert between == sent("_, path", "path, _ = urllib.request.urlretrieve(url, 'more.csv')")
+    assert after.startswith("if _nbddp.on_rank0():\n")  # after the last training: the tail's, as before
+    assert ("rank0", 1, "runs on rank 0 only, once as in the kernel; the other ranks wait for it, then get _, path "
+            "from rank 0 (what it downloads is whole before any rank goes on)") in changes
+
+
+@pytest.mark.e2e
+def test_a_download_between_two_trainings_is_fetched_once_and_the_second_training_reads_it_on_every_rank(tmp_path):
+    sources = []
+    for part, rows in (("a", range(8)), ("b", range(8, 16))):
+        source = tmp_path / f"source-{part}.csv"
+        source.write_text("".join(f"{i},{i % 3},{2 * i - (i % 3)}\n" for i in rows))
+        sources.append(source.as_uri())
+    nb = write_notebook(tmp_path / "nb.ipynb", [
+        COUNTED,
+        f"path, headers = urllib.request.urlretrieve({sources[0]!r}, 'a.csv')",
+        READ,
+        TRAIN_LOOP,
+        f"path, headers = urllib.request.urlretrieve({sources[1]!r}, 'b.csv')",
+        READ.replace("got-{", "got-second-{"),
+        TRAIN_LOOP,
+    ])
+    job = run_on_two_ranks(nb, tmp_path)
+    assert (tmp_path / "fetches.txt").read_text() == "0\n0\n"  # each file fetched once, by rank 0
+    got = [json.loads((tmp_path / f"got-second-{rank}.json").read_text()) for rank in (0, 1)]
+    assert got == [{"path": "b.csv", "rows": 8}] * 2  # every rank got the second path and read the whole file
+    weights = [json.loads((tmp_path / f"weights-{rank}.json").read_text()) for rank in (0, 1)]
+    assert weights[0] == weights[1]
+    assert job.script.text.count("with _nbddp.from_rank0(globals(), 'headers', 'path'):") == 2

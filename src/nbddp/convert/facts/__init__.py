@@ -75,7 +75,8 @@ def _plan_around_training(top: list[Statement], trains: list[bool], facts: JobFa
     facts.plain_loop = is_plain_loop(facts.training, facts)
     first, last = trains.index(True), len(trains) - 1 - trains[::-1].index(True)
     plan_after_training(top, first, last, facts)
-    plan_shared_saves(top, first, facts)
+    between = [s for s, t in zip(top[first + 1 : last], trains[first + 1 : last]) if not t and s not in facts.rank0]
+    plan_shared_saves(top, first, facts, between)
     plan_data_prep(top, facts)
     if facts.plain_loop:
         plan_helper_training_loaders(top, facts)

@@ -209,7 +209,7 @@ def rank0_runs(top: list[Statement], rank0: set[Statement]) -> list[list[Stateme
     return runs
 
 
-def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None:
+def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts, between: list[Statement] = ()) -> None:
     """Side effects before training that the kernel had once run on rank 0, and every rank waits for them:
     a save (``model.save_pretrained("base")``, ``torch.save``, ``to_csv``, ``savefig``), an install run through
     ``os.system``/``subprocess`` (``pip install …``) or a download to a file (``urllib.request.urlretrieve``,
@@ -218,10 +218,11 @@ def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None
     the wait every rank finds the files whole: an expression statement, without a collective in it (it binds no
     name another rank needs). Every download before training, in whatever statement, is ``plan_downloads``'.
     Model and dataset loaders, and the downloads that fill a cache (the Hub's, Kaggle's), stay on every rank
-    (``plan_data_prep``)."""
+    (``plan_data_prep``). ``between``: the statements between two trainings that run on every rank, planned as
+    those before the first (a download there was fetched by every rank at once)."""
     functions = _functions(top)
     fetchers = _fetchers(functions)
-    for stmt in top[:first]:
+    for stmt in [*top[:first], *between]:
         if len(stmt.nodes) != 1 or any(is_collective_call(c, facts) for c in stmt.calls):
             continue
         node = stmt.nodes[0]
@@ -230,7 +231,7 @@ def plan_shared_saves(top: list[Statement], first: int, facts: JobFacts) -> None
         if isinstance(node, ast.Expr) and any(_once(c) for c in stmt.calls):
             facts.shared_saves.add(stmt)
             facts.rank0.add(stmt)
-    plan_downloads(top, first, facts, functions, fetchers)
+    plan_downloads(top, first, facts, functions, fetchers, between)
 
 
 @dataclass
@@ -248,8 +249,9 @@ def downloads(facts: JobFacts) -> Downloads:
 
 
 def plan_downloads(top: list[Statement], first: int, facts: JobFacts, functions: dict[str, list[ast.FunctionDef]],
-                   fetchers: dict[str, str]) -> None:
-    """A download before training anywhere in a statement (``for url in urls: urlretrieve(url, name)``, a call
+                   fetchers: dict[str, str], between: list[Statement] = ()) -> None:
+    """A download before training, or between two (``between``), anywhere in a statement (``for url in urls:
+    urlretrieve(url, name)``, a call
     of a function of the notebook that downloads, ``fetch()``, through the notebook's functions it calls): the
     kernel fetched once, so rank 0 runs the whole statement while the other ranks wait, and gets them the names
     it binds, those it grows in place (``files.append(name)``, ``paths[0] = …``) and those its functions declare
@@ -259,7 +261,7 @@ def plan_downloads(top: list[Statement], first: int, facts: JobFacts, functions:
     ``model.load_state_dict(…)``, ``os.chdir``), which the other ranks would miss. A statement that trains and
     downloads is refused too: the download goes in a cell before the training."""
     plan = downloads(facts)
-    for stmt in top[:first]:
+    for stmt in [*top[:first], *between]:
         found = _download_in(stmt, fetchers)
         if found is None or stmt in facts.shared_saves:
             continue
