@@ -120,9 +120,9 @@ class PredictRule(Rule):
             return updated
         statement, callee = self._split_call
         self._split_call = None
-        self.note(statement, f"{callee}(…) over a list: each rank calls {callee} on its own contiguous block of "
-                             f"its rows, and every rank gets every result back in the rows' order (the code after it "
-                             "runs on rank 0)")
+        self.note(statement, f"{callee}(…) over many rows (a list, a dataset's column): each rank calls {callee} on "
+                             "its own contiguous block of them, in whole batches, and every rank gets every result "
+                             "back in the rows' order (the code after it runs on rank 0)")
         return updated.with_changes(func=cst.parse_expression(SPLIT_CALL), args=[cst.Arg(updated.func), *updated.args])
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
