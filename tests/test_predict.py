@@ -330,6 +330,11 @@ BATCHED_REFUSED = {
     "called twice": (SPLIT + "out = pipe(texts) + pipe(texts[:1])", 4, "a statement of its own"),
     "a loop writing as it goes": (SPLIT + "for out in pipe(texts):\n    open('p.txt', 'a').write(str(out))", 4,
                                   "collect the results in the loop and write the file after it"),
+    "a loop writing to a file opened before it": (
+        SPLIT + "fh = open('p.txt', 'w')\nfor out in pipe(texts):\n    fh.write(str(out))", 5,
+        "collect the results in the loop and write the file after it"),
+    "a loop printing into a file": (SPLIT + "for out in pipe(texts):\n    print(out, file=fh)", 4,
+                                    "collect the results in the loop and write the file after it"),
     "samples": (SPLIT + "out = pipe(texts, do_sample=True)", 4, "draws random numbers"),
     "samples by its pipeline": ("from transformers import pipeline\n"
                                 "pipe = pipeline('text-generation', do_sample=True)\nout = pipe(['a', 'b'])", 3,

@@ -292,7 +292,7 @@ def _unsplittable_call(stmt: Statement, call: ast.Call, made: ast.Call, named: a
                 f"outputs.extend({callee}(batch)))")
     if form == "loop":
         writes = next((c for n in stmt.nodes[0].body for c in _walk_body([n]) if c is not call
-                       if isinstance(c, ast.Call) and writes_once(c)), None)
+                       if isinstance(c, ast.Call) and (writes_once(c) or _writes_rows(c))), None)
         if writes is not None:
             return (f"the loop over {callee}(…)'s results writes a file as it goes ({ast.unparse(writes.func)}), "
                     "which every rank would do, each holding every result: collect the results in the loop and "
@@ -323,6 +323,17 @@ def _split_form(stmt: Statement, call: ast.Call) -> str | None:
     if isinstance(node, ast.For) and _unwrapped(node.iter, _LOOP_WRAPPERS) is call and not loops_in([node]):
         return "loop"
     return None
+
+
+#: Calls that write a row to a file opened before them (``fh.write(…)``, ``writer.writerow(…)``).
+_ROW_WRITES = frozenset({"write", "writelines", "writerow", "writerows"})
+
+
+def _writes_rows(call: ast.Call) -> bool:
+    """``fh.write(…)``, ``writer.writerow(…)``, ``print(…, file=fh)``: a row written to a file already open."""
+    if isinstance(call.func, ast.Attribute) and call.func.attr in _ROW_WRITES:
+        return True
+    return isinstance(call.func, ast.Name) and call.func.id == "print" and keyword(call, "file") is not None
 
 
 def _unwrapped(node: ast.AST, wrappers: set[str] | frozenset[str]) -> ast.AST:
