@@ -22,6 +22,7 @@ SHIMS: tuple[str, ...] = (
     "precision",
     "peft_kwargs",
     "xformers_bias",
+    "pipeline_device",
     "unsloth",
     "no_checkpointing",  # gradient checkpointing: the escape hatch first,
     "grad_ckpt",  # then DDP × checkpointing
