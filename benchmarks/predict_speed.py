@@ -125,6 +125,9 @@ pd.DataFrame({{"id": ids, "label": labels, "score": [f"{{s:.4f}}" for s in score
 print(f"{{len(labels)}} rows labelled")''']
 
 NOTEBOOKS = {"generation": GENERATION, "classifier": CLASSIFIER}
+#: What a person splitting the rows by hand adds after the first cell, in each of the processes they start (one per
+#: GPU, ``CUDA_VISIBLE_DEVICES`` set to it): the control for what two processes on one host can do at all.
+BY_HAND = {"generation": "prompts = prompts[{first}:{end}]"}
 SIZE_KEYS = {"generation": ("prompts", "new_tokens", "n_layer", "n_embd", "n_head"),
              "classifier": ("rows", "image_size", "channels", "batch", "workers")}
 
@@ -181,6 +184,32 @@ def timed(side: str, notebook: Path, work: Path, nproc: int, timeout: int) -> di
             "ranks": rank_times(folder / "runs", started, submission.stat().st_mtime) if side == "nbddp" else []}
 
 
+def by_hand(notebook: Path, work: Path, nproc: int, timeout: int, total: int) -> dict:
+    """The rows split by hand: ``nproc`` plain processes started together, process i on GPU i alone
+    (``CUDA_VISIBLE_DEVICES=i``) over its contiguous block, as nbddp's ranks take them. Seconds to the last of
+    their files (each writes its own) and to the last exit."""
+    import nbformat
+
+    cells = [c.source for c in nbformat.read(str(notebook), as_version=4).cells if c.cell_type == "code"]
+    started, procs = time.time(), []
+    for i in range(nproc):
+        folder = Path(tempfile.mkdtemp(prefix=f"by-hand-{i}-", dir=work))
+        first, end = total * i // nproc, total * (i + 1) // nproc
+        script = [cells[0], BY_HAND[notebook.stem].format(first=first, end=end), *cells[1:]]
+        (folder / "notebook.py").write_text("\n\n".join(script) + "\n")
+        env = {**ENV, "CUDA_VISIBLE_DEVICES": str(i)}
+        procs.append((folder, subprocess.Popen([sys.executable, "notebook.py"], cwd=folder, env=env,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+    ends = []
+    for folder, proc in procs:
+        _, err = proc.communicate(timeout=timeout)
+        ends.append(time.time())
+        if proc.returncode or not (folder / "submission.csv").exists():
+            raise SystemExit(f"by hand {notebook.name} failed (exit {proc.returncode}):\n{err[-4000:]}")
+    written = max((folder / "submission.csv").stat().st_mtime for folder, _ in procs)
+    return {"to_submission_s": round(written - started, 3), "wall_s": round(max(ends) - started, 3)}
+
+
 def rank_times(runs: Path, started: float, written: float) -> list[dict]:
     """Where each rank's seconds went, from the run's share records (``shares/rank<r>.jsonl`` and
     ``-times.jsonl``, the first prediction loop): from the launch to its first row (``start_s``: converting,
@@ -222,7 +251,8 @@ def warm_up() -> None:
                     "torch.zeros(1).cuda() if torch.cuda.is_available() else None"], env=ENV, check=True)
 
 
-def measure(names: list[str], sizes: dict, repeats: int, nproc: int, timeout: int, runs_file: Path, call: dict) -> None:
+def measure(names: list[str], sizes: dict, repeats: int, nproc: int, timeout: int, runs_file: Path, call: dict,
+            by_hand_too: bool = False) -> None:
     """Each notebook, each pass: one process and nbddp, the first of the two alternating from pass to pass, counting
     the passes earlier calls of the same sizes left in ``runs_file`` (one pass per call still alternates)."""
     work = Path(tempfile.mkdtemp(prefix="nbddp-predict-speed-"))
@@ -234,15 +264,22 @@ def measure(names: list[str], sizes: dict, repeats: int, nproc: int, timeout: in
             n = earlier[name] + k
             order = ("single", "nbddp") if n % 2 == 0 else ("nbddp", "single")
             run = {side: timed(side, notebook, work, nproc, timeout) for side in order}
+            if by_hand_too and name in BY_HAND:
+                run["by_hand"] = by_hand(notebook, work, nproc, timeout, sizes["prompts"])
             row = {"notebook": name, "pass": n, "first": order[0], "sizes": {s: sizes[s] for s in SIZE_KEYS[name]},
                    "nproc": nproc, "call": call["started"], "equal": run["single"]["bytes"] == run["nbddp"]["bytes"],
                    "rows_written": run["single"]["bytes"].count(b"\n") - 1,
                    **{f"{side}_{what}": run[side][what] for side in ("single", "nbddp") for what in
-                      ("to_submission_s", "wall_s")}, "nbddp_ranks": run["nbddp"]["ranks"]}
+                      ("to_submission_s", "wall_s")}, "nbddp_ranks": run["nbddp"]["ranks"],
+                   **({f"by_hand_{w}": run["by_hand"][w] for w in ("to_submission_s", "wall_s")}
+                      if "by_hand" in run else {})}
             print(f"{name:10s} pass {n}: one process {row['single_to_submission_s']:7.2f} s, nbddp "
                   f"{row['nbddp_to_submission_s']:7.2f} s to submission.csv (× "
                   f"{row['single_to_submission_s'] / row['nbddp_to_submission_s']:.2f}); byte-equal: {row['equal']}",
                   flush=True)
+            if "by_hand" in run:
+                print(f"    by hand ({nproc} plain processes, one GPU each): {row['by_hand_to_submission_s']:7.2f} s "
+                      f"(× {row['single_to_submission_s'] / row['by_hand_to_submission_s']:.2f})", flush=True)
             for r in row["nbddp_ranks"]:
                 print(f"    nbddp rank {r['rank']}: {r['rows']} rows; start {r['start_s']} s, rows {r['rows_s']} s, "
                       f"gather {r['gather_s']} s, to the file {r['write_s']} s", flush=True)
@@ -277,6 +314,13 @@ def summarise(runs: list[dict]) -> dict:
                            "nbddp_median": statistics.median(r[f"nbddp_{what}"] for r in rows),
                            "ratio_median": round(statistics.median(ratios), 3),
                            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3)}
+        hand = [r for r in rows if "by_hand_to_submission_s" in r]
+        if hand:
+            entry["by_hand"] = {"pairs": len(hand), "seconds": [r["by_hand_to_submission_s"] for r in hand],
+                                "ratio_median": round(statistics.median(
+                                    r["single_to_submission_s"] / r["by_hand_to_submission_s"] for r in hand), 3),
+                                "nbddp_ratio_median_same_passes": round(statistics.median(
+                                    r["single_to_submission_s"] / r["nbddp_to_submission_s"] for r in hand), 3)}
         out[name] = entry
     return out
 
@@ -308,6 +352,14 @@ def report(result: dict) -> str:
         t = e["to_submission_s"]
         lines.append(f"- {name}: one process {', '.join(f'{x:.2f}' for x in t['single'])} s; nbddp "
                      f"{', '.join(f'{x:.2f}' for x in t['nbddp'])} s.")
+    for name, e in result["notebooks"].items():
+        if "by_hand" in e:
+            h = e["by_hand"]
+            lines.append(f"- {name}, the rows split by hand over {nproc} plain processes (one GPU each, "
+                         f"`CUDA_VISIBLE_DEVICES`; the control: what two processes on this host reach at all), in "
+                         f"{h['pairs']} of the passes: {', '.join(f'{x:.2f}' for x in h['seconds'])} s, "
+                         f"**{h['ratio_median']:.2f}×** the one process (nbddp in the same passes: "
+                         f"{h['nbddp_ratio_median_same_passes']:.2f}×).")
     lines.append("")
     if smoke:
         lines += ["**What this shows**: the harness works end to end — both notebooks run in one process and under "
@@ -351,6 +403,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--tag", help="results' name: predict_speed_<tag>.* (default: cpu_smoke with --smoke, else gpu)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
+    parser.add_argument("--by-hand", action="store_true",
+                        help="also the rows split by hand over plain processes, one GPU each (generation)")
     parser.add_argument("--report", action="store_true", help="run nothing: rebuild .json/.md from the runs file")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--wheels", type=Path, help="a folder of wheels for what this Python lacks (the GPU image)")
@@ -368,7 +422,8 @@ def main() -> None:
     if not args.report:
         call = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
                 "load_before": [round(x, 2) for x in os.getloadavg()]}
-        measure(args.only or list(NOTEBOOKS), sizes, args.repeats, args.nproc, args.timeout, runs_file, call)
+        measure(args.only or list(NOTEBOOKS), sizes, args.repeats, args.nproc, args.timeout, runs_file, call,
+                args.by_hand)
         call["load_after"] = [round(x, 2) for x in os.getloadavg()]
         with open(calls_file, "a") as fh:
             fh.write(json.dumps(call) + "\n")
