@@ -95,6 +95,36 @@ def test_a_kept_cells_unsplittable_loop_is_refused_at_this_cells_line(tmp_path, 
     assert why in message and "The kept job's ranks are kept, and nothing of this cell ran" in message, message
 
 
+#: A kept job that made a pipeline in an earlier cell.
+PIPE_HISTORY = [*HISTORY, Cell(3, "from transformers import pipeline\npipe = pipeline('text-classification', model=model)")]
+
+
+def test_a_kept_cells_pipeline_call_over_rows_is_split_and_every_rank_holds_the_results(tmp_path):
+    source = "texts = ['a', 'b', 'c']\npreds = pipe(texts, batch_size=2)\nfor out in pipe(texts):\n    print(out)"
+    kept = convert_kept_cell(source, PIPE_HISTORY, tmp_path, 1)
+    assert kept.code.splitlines()[2:] == [
+        "texts = ['a', 'b', 'c']",
+        "import nbddp.runtime.predict",  # the cell runs without the script's prelude
+        "preds = _nbddp.predict.split_call(pipe, texts, batch_size=2)",
+        "import nbddp.runtime.predict",
+        "for out in _nbddp.predict.split_call(pipe, texts):",
+        "    print(out)",
+    ]
+    assert [w.split(":")[0] for w in kept.script.warnings] == ["this %%ddp cell, line 3", "this %%ddp cell, line 4"]
+    assert all(w.endswith("(every rank holds them)") for w in kept.script.warnings), kept.script.warnings
+    # as the kernel's one process runs it: the pipeline's own results, and the loop's name left at the last one
+    import nbddp.runtime
+
+    scope = {"_nbddp": nbddp.runtime, "pipe": lambda rows, batch_size=1: [r.upper() for r in rows]}
+    exec(compile(kept.code, "cell", "exec"), scope)
+    assert scope["preds"] == ["A", "B", "C"] and scope["out"] == "C"
+
+
+def test_a_kept_cells_pipeline_call_that_cannot_be_split_runs_whole_on_every_rank(tmp_path):
+    code = _code(tmp_path, "print(pipe(['a', 'b']), pipe(['c']))")
+    assert code == ["print(pipe(['a', 'b']), pipe(['c']))"]
+
+
 #: The kept job: a tiny classifier with a BatchNorm (DDP broadcasts its buffers in a forward with gradients on)
 #: trained on 2 gloo ranks, and a test set whose 7 batches the ranks share unevenly (3 and 4).
 SETUP = ("%%ddp_setup\nimport torch\ntorch.manual_seed(0)\n"
@@ -116,15 +146,20 @@ PREDICT = ("%%ddp\nmodel.eval()\npreds, correct = [], 0\nfor x, y in test_loader
 EVERY_RANK = ("%%ddp\nheld = torch.tensor([float(len(preds)), float(correct), float(len(x))])\n"
               "torch.distributed.all_reduce(held)\nprint('held', held.tolist())\n")
 REFUSED = "%%ddp\nfirst = []\nfor x, y in test_loader:\n    first.append(model(x))\n    break\n"
-PULL = ["%ddp_pull preds", "%ddp_pull correct", "%ddp_pull state",
-        "torch.save({'preds': preds, 'correct': correct, 'state': state}, 'pulled.pt')"]
+#: A pipeline over the test rows, as transformers' is called (a list of rows in, a result per row out): the kept
+#: cell splits the call over the ranks in whole batches of 4, and every rank gets every label back in order.
+PIPE = ("%%ddp\ndef pipeline(task, model):\n    def call(rows, batch_size=1):\n        with torch.no_grad():\n"
+        "            return [int(model(torch.tensor([r])).argmax()) for r in rows]\n    return call\n"
+        "pipe = pipeline('text-classification', model=model)\nrows = test_x.tolist()\nlabels = pipe(rows, batch_size=4)\n")
+PULL = ["%ddp_pull preds", "%ddp_pull correct", "%ddp_pull state", "%ddp_pull labels",
+        "torch.save({'preds': preds, 'correct': correct, 'state': state, 'labels': labels}, 'pulled.pt')"]
 
 
 @pytest.mark.e2e
 def test_a_ddp_cell_predicts_on_every_rank_and_pulls_what_one_process_computes(tmp_path):
     nb, client = _client(tmp_path)
     with client.setup_kernel(env=kernel_env(NBDDP_CACHE=str(tmp_path / "cache"))):
-        cells = _run(client, nb, ["%load_ext nbddp", "import torch", SETUP, TRAIN, PREDICT, EVERY_RANK, *PULL])
+        cells = _run(client, nb, ["%load_ext nbddp", "import torch", SETUP, TRAIN, PREDICT, EVERY_RANK, PIPE, *PULL])
         assert not any(errors(c) for c in cells), [(e.ename, e.evalue) for c in cells for e in errors(c)]
         held = stream(cells[5], "stdout")
         # a loop the ranks cannot split: refused at the cell's line before the ranks hear of it; the job is kept
@@ -149,10 +184,17 @@ def test_a_ddp_cell_predicts_on_every_rank_and_pulls_what_one_process_computes(t
         preds.extend(out.tolist())
         correct += (out == y).sum().item()
     assert pulled["preds"] == preds and len(preds) == 37 and pulled["correct"] == correct
+    with torch.no_grad():
+        assert pulled["labels"] == [int(model(torch.tensor([r])).argmax()) for r in test_x.tolist()]
     # every rank held all 37 rows and the count, and the last batch (of 1 row) as the kernel's loop leaves it
     assert f"held [74.0, {2.0 * correct}, 2.0]" in held, held
 
     # each rank predicted its own contiguous block of the 7 batches: disjoint, together every batch
     (run_dir,) = [p.parent.parent for p in (tmp_path / "nbddp_runs").glob("*/shares/rank0.jsonl")]
-    shares = [json.loads((run_dir / "shares" / f"rank{r}.jsonl").read_text().splitlines()[-1]) for r in (0, 1)]
-    assert [(s["unit"], s["total"], s["first"], s["end"]) for s in shares] == [("batches", 7, 0, 3), ("batches", 7, 3, 7)]
+    shares = [[json.loads(line) for line in (run_dir / "shares" / f"rank{r}.jsonl").read_text().splitlines()]
+              for r in (0, 1)]
+    loop, call = ([[(s["unit"], s["total"], s["first"], s["end"]) for s in rank if s["unit"] == unit][-1]
+                   for rank in shares] for unit in ("batches", "rows"))
+    assert loop == [("batches", 7, 0, 3), ("batches", 7, 3, 7)]
+    # and the pipeline's call its own block of the 37 rows, in whole batches of 4 (5 and 5 of the 10)
+    assert call == [("rows", 37, 0, 20), ("rows", 37, 20, 37)]

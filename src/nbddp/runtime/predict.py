@@ -26,6 +26,8 @@ one loop leaves them); the cell imports this module itself, and the Trainer's ca
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import sys
@@ -200,7 +202,8 @@ def split_call(pipe, rows, /, *args, **kwargs):
         "total": len(rows), "began": round(began, 3), "call": getattr(pipe, "task", None) or type(pipe).__name__})
     if world < 2:
         return pipe(rows, *args, **kwargs)
-    piece = _call_block(pipe, _block_of(rows, first, end), args, kwargs)
+    with _module_forwards():
+        piece = _call_block(pipe, _block_of(rows, first, end), args, kwargs)
     return _gather_pieces(piece, rank, world, _loops, began)
 
 
@@ -341,15 +344,22 @@ def _sync_buffers(frame) -> None:
 
 
 def _whole_models(rows):
-    """The rows, a DDP model's forward running its own module meanwhile (a kept job's prediction loop): DDP's
-    forward may broadcast buffers (with gradients on), a collective the ranks would enter a different number of
-    times, as their shares differ by a batch; a loop that predicts has no backward for DDP to prepare."""
+    """The rows, a DDP model's forward running its own module meanwhile (``_module_forwards``)."""
+    with _module_forwards():
+        yield from rows
+
+
+@contextlib.contextmanager
+def _module_forwards():
+    """A DDP model's forward running its own module (a kept job's prediction): DDP's forward may broadcast
+    buffers (with gradients on), a collective the ranks would enter a different number of times, as their shares
+    differ by a batch; a prediction has no backward for DDP to prepare."""
     from torch.nn.parallel import DistributedDataParallel
 
     original = DistributedDataParallel.forward
     DistributedDataParallel.forward = _module_forward
     try:
-        yield from rows
+        yield
     finally:
         DistributedDataParallel.forward = original
 

@@ -201,15 +201,19 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
 def plan_kept_predictions(top: list[Statement], facts: JobFacts) -> None:
     """A kept job's ``%%ddp`` cell (the last of ``top``): its prediction loops, and the functions it defines
     holding one, split as a predicting notebook's are, refused alike. Nothing moves to rank 0: every rank
-    gathers the whole results and runs on (a later cell runs on every rank). Every function of ``top``
+    gathers the whole results and runs on (a later cell runs on every rank); so does a pipeline call over rows
+    (``split_calls``; one that cannot be split runs whole on every rank, as before). Every function of ``top``
     holding a loop counts as splitting (one an earlier ``%%ddp`` cell defined was split there), so a loop
     calling one runs whole on every rank, never a share of calls that each wait for every rank's share. A
     statement that trains is the training rules'; ``trainer.predict`` is left as it is (the Trainer splits)."""
     defs = _splitting_defs(top)
     facts.predict_functions = splitting = frozenset(defs)
     training = set(facts.training)
+    split = {stmt: pipe for stmt, pipe in split_calls(top)[0].items()
+             if stmt.cell.position == facts.kept_cell and stmt not in training}
+    facts.rule_state[SPLIT_CALLS] = split
     holding = [k for k, stmt in enumerate(top) if stmt.cell.position == facts.kept_cell and stmt not in training
-               and (stmt in defs.values() or loops_in(stmt.nodes, splitting))]
+               and (stmt in defs.values() or loops_in(stmt.nodes, splitting) or stmt in split)]
     facts.predictions = [top[k] for k in holding]
     _refuse_loops(top, holding, defs, facts, settled=True)
 

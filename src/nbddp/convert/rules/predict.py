@@ -62,6 +62,7 @@ class PredictRule(Rule):
         self._functions: list[bool] = []  # the function definitions the walk is in (whether it walks inside)
         self._kept = facts.kept_cell is not None
         self._split_call: tuple[cst.CSTNode, str] | None = None  # a chosen statement being walked, its pipeline
+        self._import_before: cst.CSTNode | None = None  # a kept cell's statement whose pipeline call was split
 
     def visit_FunctionDef(self, node) -> bool:
         # a function whose body holds a prediction loop splits it each call (``JobFacts.predict_functions``);
@@ -98,11 +99,7 @@ class PredictRule(Rule):
         orelse = updated.orelse
         body = [*orelse.body.body, *after] if orelse is not None else after
         split = updated.with_changes(iter=_rows(updated.iter, names), orelse=cst.Else(body=cst.IndentedBlock(body=body)))
-        if not self._kept:
-            return split
-        # a %%ddp cell runs without the script's prelude, which imports the runtime of a predicting notebook
-        return cst.FlattenSentinel([cst.parse_statement("import nbddp.runtime.predict\n").with_changes(
-            leading_lines=updated.leading_lines), split.with_changes(leading_lines=[])])
+        return _importing_runtime(split) if self._kept else split
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         """A top-level statement ``split_calls`` chose: its one call of the pipeline is split (``leave_Call``)."""
@@ -112,6 +109,14 @@ class PredictRule(Rule):
             self._split_call = (node, callee) if callee is not None else None
         return visit
 
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode):
+        """A kept cell's statement whose pipeline call was split: the runtime imported first."""
+        updated = super().on_leave(original, updated)
+        if self._import_before is original and isinstance(updated, cst.BaseStatement):
+            self._import_before = None
+            return _importing_runtime(updated)
+        return updated
+
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         """``pipe(texts, …)`` in a statement ``split_calls`` chose (``outputs = pipe(texts, …)``, ``for out in
         pipe(KeyDataset(ds, "text")): …``) → ``_nbddp.predict.split_call(pipe, texts, …)``."""
@@ -120,9 +125,12 @@ class PredictRule(Rule):
             return updated
         statement, callee = self._split_call
         self._split_call = None
+        after = "every rank holds them" if self._kept else "the code after it runs on rank 0"
         self.note(statement, f"{callee}(…) over many rows (a list, a dataset's column): each rank calls {callee} on "
                              "its own contiguous block of them, in whole batches, and every rank gets every result "
-                             "back in the rows' order (the code after it runs on rank 0)")
+                             f"back in the rows' order ({after})")
+        if self._kept:
+            self._import_before = statement
         return updated.with_changes(func=cst.parse_expression(SPLIT_CALL), args=[cst.Arg(updated.func), *updated.args])
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
@@ -196,6 +204,13 @@ def _rows(iterated: cst.BaseExpression, names: list[str]) -> cst.BaseExpression:
     counted = f", {start}" if start is not None else ""  # Rows' second argument, given by place
     kept = "".join(f", {n}={n}" for n in names)
     return cst.parse_expression(f"({ROWS} := _nbddp.predict.Rows({code_of(iterated)}{counted}{kept}))")
+
+
+def _importing_runtime(statement: cst.BaseStatement) -> cst.FlattenSentinel:
+    """``statement`` after ``import nbddp.runtime.predict``: a %%ddp cell runs without the script's prelude,
+    which imports the runtime of a predicting notebook."""
+    return cst.FlattenSentinel([cst.parse_statement("import nbddp.runtime.predict\n").with_changes(
+        leading_lines=statement.leading_lines), statement.with_changes(leading_lines=[])])
 
 
 def _said(loop: str, names: list[str], kept: bool = False) -> str:
