@@ -226,7 +226,11 @@ def _called_whole(pipe, rows, args, kwargs):
         print0(f"nbddp: {type(pipe).__name__} batches the chunks of several rows together, so split over the ranks "
                "its rows would be computed in other batches than in one process: every rank runs this call whole "
                "(no faster than one GPU; batch_size=1 lets nbddp split it)", flush=True)
-    result = pipe(rows, *args, **kwargs)
+    return _results(pipe(rows, *args, **kwargs), rows)
+
+
+def _results(result, rows):
+    """A pipeline's results over ``rows`` as a list: given a list it returns one; given a dataset, an iterator."""
     return result if isinstance(rows, (list, tuple)) else list(result)
 
 
@@ -262,8 +266,7 @@ def _call_block(pipe, rows, args, kwargs) -> list:
     if len(rows) == 1:
         piece = pipe(list(rows) * 2, *args, **{**kwargs, "batch_size": 1})[:1]
     else:
-        piece = pipe(rows, *args, **kwargs)
-        piece = piece if isinstance(rows, (list, tuple)) else list(piece)  # a dataset's: an iterator
+        piece = _results(pipe(rows, *args, **kwargs), rows)
     if _random_state() != state and _draws_beyond_its_loader(torch_state):
         raise RuntimeError(
             "nbddp: this pipeline call draws random numbers (sampling such as do_sample=True, dropout of a model "
