@@ -204,28 +204,35 @@ class ReportedChild:
         self.send_signal(signal.SIGKILL)
 
 
+class _AgentGone(Exception):
+    """The agent's end of the socket is closed."""
+
+
 def serve(sock: socket.socket, child) -> None:
     """The forker's loop: fork a child for each request, say each child's end, until the agent's end closes."""
     for name in _IGNORED:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     children: set[int] = set()  # forked, running as last seen
-    while True:
-        ready, _, _ = select.select([sock], [], [], REAP_S)
-        _say_ended(sock, children)
-        if not ready:
-            continue
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
-        except OSError:
-            data, fds = b"", []
-        if not data:  # the agent has ended: so does this process
-            _end(children)
-        message = pickle.loads(data)
-        if message[0] == "reap":
-            _reap(message[1])
-        else:
-            _send(sock, _fork_child(sock, message[1:], fds, child, children), children)
+    try:
+        while True:
+            ready, _, _ = select.select([sock], [], [], REAP_S)
+            _say_ended(sock, children)
+            if not ready:
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                raise _AgentGone
+            message = pickle.loads(data)
+            if message[0] == "reap":
+                _reap(message[1])
+            else:
+                _send(sock, _fork_child(sock, message[1:], fds, child, children))
+    except _AgentGone:  # the agent has ended: so does this process
+        _end(children)
 
 
 def _fork_child(sock: socket.socket, message: tuple, fds: list[int], child, children: set[int]) -> tuple:
@@ -259,13 +266,13 @@ def _say_ended(sock: socket.socket, children: set[int]) -> None:
             ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:  # not a child of this process any more: its end is not known
             children.discard(pid)
-            _send(sock, ("ended", pid, LOST), children)
+            _send(sock, ("ended", pid, LOST))
             continue
         if ended is None:
             continue
         children.discard(pid)
         code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
-        _send(sock, ("ended", pid, code), children)
+        _send(sock, ("ended", pid, code))
 
 
 def _reap(pid: int) -> None:
@@ -275,11 +282,11 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _send(sock: socket.socket, message: tuple, children: set[int]) -> None:
+def _send(sock: socket.socket, message: tuple) -> None:
     try:
         sock.send(pickle.dumps(message))
-    except OSError:  # the agent has ended
-        _end(children)
+    except OSError as exc:
+        raise _AgentGone from exc
 
 
 def _end(children: set[int]) -> None:
