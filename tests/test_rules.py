@@ -133,6 +133,23 @@ def test_device_map_keeps_one_argument_per_line():
     assert changes == [("device_map", 1, "AutoModelForCausalLM.from_pretrained: no device_map → this rank's device")]
 
 
+@pytest.mark.parametrize("factory", ["pipeline", "transformers.pipeline"])
+@pytest.mark.parametrize("spelling", ['device_map="auto"', 'device_map="balanced"', 'device_map={"": 0}'])
+def test_a_pipeline_loading_its_model_with_a_device_map_loads_it_on_this_ranks_device(factory, spelling):
+    """The model cards' form: ``pipeline("text-generation", model=model_id, device_map="auto")`` spread each rank's
+    copy over every GPU."""
+    (code,), changes = rewrite(f'pipe = {factory}("text-generation", model=model_id, {spelling}, dtype=torch.bfloat16)\n')
+    assert code == f'pipe = {factory}("text-generation", model=model_id, {DM}, dtype=torch.bfloat16)\n'
+    assert changes == [("device_map", 1, f"pipeline: {spelling} → this rank's device")]
+
+
+@pytest.mark.parametrize("src", ['pipe = pipeline("text-classification", model=model_id)\n',
+                                 'pipe = pipeline("text-classification", model=model, device=0)\n'])
+def test_a_pipeline_without_a_device_map_is_left_to_its_device(src):
+    (code,), changes = rewrite(src)
+    assert code == src and changes == []
+
+
 def test_device_map_with_star_kwargs_is_left_alone_and_said():
     (code,), changes = rewrite("m = AutoModelForCausalLM.from_pretrained(name, **load_kwargs)\n")
     assert code == "m = AutoModelForCausalLM.from_pretrained(name, **load_kwargs)\n"
