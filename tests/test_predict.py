@@ -78,20 +78,25 @@ def test_a_notebook_whose_only_prediction_is_trainer_predict_predicts_and_writes
     assert "print(trainer.evaluate()['eval_loss'])" in script.text.split("# [cell 3]")[1].split("# [cell 4]")[0]
 
 
-def test_a_trainer_prediction_whose_rows_would_be_padded_is_stopped_saying_the_fix(monkeypatch):
+def test_a_trainer_prediction_whose_rows_would_be_padded_is_split_in_blocks_unless_it_cannot_be(monkeypatch):
     from types import SimpleNamespace
 
     from nbddp.runtime import dist
-    from nbddp.runtime.trainer_rows import uneven
+    from nbddp.runtime.trainer_rows import padded, unsplittable
 
-    trainer = SimpleNamespace(args=SimpleNamespace(per_device_eval_batch_size=4))
+    args = SimpleNamespace(per_device_eval_batch_size=4, batch_eval_metrics=False, include_for_metrics=[])
+    trainer = SimpleNamespace(args=args)
     monkeypatch.setattr(dist, "rank_info", lambda: SimpleNamespace(world_size=2))
-    assert uneven(trainer, list(range(16))) is None
-    assert "its 10 rows do not fill the last step's batches (4 per rank on 2 ranks, 8 a step)" in uneven(
-        trainer, list(range(10)))
-    assert "no length" in uneven(trainer, iter(range(8)))
+    assert not padded(trainer, list(range(16))) and unsplittable(trainer, list(range(16))) is None
+    assert padded(trainer, list(range(10))) and unsplittable(trainer, list(range(10))) is None  # split in blocks
+    assert "no length" in unsplittable(trainer, iter(range(8)))
+    args.batch_eval_metrics = True
+    assert "batch by batch (batch_eval_metrics=True)" in unsplittable(trainer, list(range(10)))
+    assert unsplittable(trainer, list(range(16))) is None  # the Trainer's own split pads nothing there
+    args.batch_eval_metrics, args.include_for_metrics = False, ["inputs"]
+    assert "given the inputs" in unsplittable(trainer, list(range(10)))
     monkeypatch.setattr(dist, "rank_info", lambda: SimpleNamespace(world_size=1))
-    assert uneven(trainer, list(range(10))) is None
+    assert not padded(trainer, list(range(10))) and unsplittable(trainer, list(range(10))) is None
 
 
 REFUSED = {
@@ -414,7 +419,7 @@ def test_a_file_written_after_a_split_loop_in_the_same_block_or_function_is_writ
     compile(text, "script.py", "exec")
 
 
-def test_a_real_trainers_predict_on_rows_it_would_pad_stops_before_it_predicts(monkeypatch, tmp_path):
+def test_a_real_trainers_predict_that_cannot_be_split_in_blocks_stops_before_it_predicts(monkeypatch, tmp_path):
     import sys
 
     import nbddp.runtime.predict  # noqa: F401  (wraps the Trainer, as the converted script's import does)
@@ -429,11 +434,11 @@ def test_a_real_trainers_predict_on_rows_it_would_pad_stops_before_it_predicts(m
 
     model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
                                                      num_attention_heads=2, intermediate_size=32))
-    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), per_device_eval_batch_size=4,
-                                                          report_to=[], use_cpu=True))
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), per_device_eval_batch_size=4, report_to=[],
+                                                          use_cpu=True, batch_eval_metrics=True))
     monkeypatch.setattr(dist, "rank_info", lambda: type("Info", (), {"world_size": 2})())
     rows = Rows()
-    with pytest.raises(RuntimeError, match=r"trainer.predict\(…\) cannot split its rows.*its 6 rows"):
+    with pytest.raises(RuntimeError, match=r"trainer.predict\(…\) cannot split its rows.*batch_eval_metrics"):
         trainer.predict([rows[i] for i in range(6)])
     assert trainer.predict([rows[i] for i in range(8)]).predictions.shape == (8, 2)  # 4 a rank × 2: not stopped
 
