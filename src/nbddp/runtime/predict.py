@@ -185,7 +185,6 @@ def split_call(pipe, rows, /, *args, **kwargs):
     one of ``rank<r>-times.jsonl``, as a loop's. Anything else, or nothing to split, is called whole."""
     from .dist import rank_info
 
-    global _loops
     if not (isinstance(rows, (list, tuple)) or _map_style(rows)) or not len(rows):
         return pipe(rows, *args, **kwargs)
     info = rank_info()
@@ -194,17 +193,25 @@ def split_call(pipe, rows, /, *args, **kwargs):
     size = kwargs.get("batch_size") or getattr(pipe, "_batch_size", None) or 1
     if world > 1 and size > 1 and _chunks_rows(pipe):
         return _called_whole(pipe, rows, args, kwargs)
-    _loops += 1
     first, end = (min(b * size, len(rows)) for b in block(-(-len(rows) // size), rank, world))
-    began = time.time()
-    _append_share_line(f"rank{rank}.jsonl", {
-        "loop": _loops, "rank": rank, "world": world, "unit": "rows", "first": first, "end": end,
-        "total": len(rows), "began": round(began, 3), "call": getattr(pipe, "task", None) or type(pipe).__name__})
+    loop, began = record_share(rank, world, first, end, len(rows), getattr(pipe, "task", None) or type(pipe).__name__)
     if world < 2:
         return pipe(rows, *args, **kwargs)
     with _module_forwards():
         piece = _call_block(pipe, _block_of(rows, first, end), args, kwargs)
-    return _gather_pieces(piece, rank, world, _loops, began)
+    return _gather_pieces(piece, rank, world, loop, began)
+
+
+def record_share(rank: int, world: int, first: int, end: int, total: int, call: str) -> tuple[int, float]:
+    """A prediction made by a call over rows (a pipeline's, the Trainer's): this rank's share, on a line of
+    ``shares/rank<r>.jsonl`` as a loop's (unit rows). Returns the prediction's number and when it began."""
+    global _loops
+    _loops += 1
+    began = time.time()
+    _append_share_line(f"rank{rank}.jsonl", {
+        "loop": _loops, "rank": rank, "world": world, "unit": "rows", "first": first, "end": end, "total": total,
+        "began": round(began, 3), "call": call})
+    return _loops, began
 
 
 def _chunks_rows(pipe) -> bool:

@@ -114,7 +114,7 @@ def _by_blocks(evaluation_loop, bound, dataset):
     from torch.utils.data import DataLoader
 
     from .dist import rank_info
-    from .predict import block
+    from .predict import block, record_share
     from .rank import say
 
     trainer, dataloader = bound.arguments["self"], bound.arguments["dataloader"]
@@ -126,7 +126,7 @@ def _by_blocks(evaluation_loop, bound, dataset):
     say(f"nbddp: the Trainer's {rows} rows do not fill the ranks' last batches ({size} a rank on "
         f"{info.world_size} ranks): each rank computes its own block of whole batches, the batches one process "
         "makes, gathered once in row order", once="trainer_rows")
-    _record_share(info, first, end, rows)
+    record_share(info.rank, info.world_size, first, end, rows, "Trainer")
     loader = DataLoader(_rows_of(dataset, first, end), batch_size=size, collate_fn=dataloader.collate_fn,
                         num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory)
     losses: list = []
@@ -223,15 +223,3 @@ def _whole(trainer, every: list, prefix: str, rows: int):
         if not key.startswith(f"{prefix}_"):
             metrics[f"{prefix}_{key}"] = metrics.pop(key)
     return EvalLoopOutput(predictions=predictions, label_ids=labels, metrics=metrics, num_samples=rows)
-
-
-def _record_share(info, first: int, end: int, rows: int) -> None:
-    """This rank's block, on a line of ``shares/rank<r>.jsonl`` as a prediction loop's."""
-    import time
-
-    from . import predict
-
-    predict._loops += 1
-    predict._append_share_line(f"rank{info.rank}.jsonl", {
-        "loop": predict._loops, "rank": info.rank, "world": info.world_size, "unit": "rows", "first": first,
-        "end": end, "total": rows, "began": round(time.time(), 3), "call": "Trainer"})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 
 from ..patching import installed, wrap, when_imported
 from . import say
@@ -45,8 +46,6 @@ def _as_in_one_process(init):
     signature = inspect.signature(init)
 
     def __init__(self, *args, **kwargs):
-        import sys
-
         module = sys.modules[MODULE]
         if not _in_process_group() or not hasattr(module, GROUP_CHECK):
             return init(self, *args, **kwargs)
