@@ -419,6 +419,32 @@ def test_a_file_written_after_a_split_loop_in_the_same_block_or_function_is_writ
     compile(text, "script.py", "exec")
 
 
+def test_the_blocks_losses_are_cut_where_the_trainers_own_gather_cuts_them():
+    """The Trainer's gather (``gather_for_metrics``) keeps the last batch's repeated loss once per row it holds;
+    ``Seq2SeqTrainer``'s (``gather``) keeps it ``eval_batch_size`` times. 7 rows in batches of 2: the blocks'
+    losses, each batch's repeated twice, give one process's mean either way."""
+    import functools
+    from types import SimpleNamespace
+
+    import numpy as np
+    from accelerate import Accelerator
+
+    from nbddp.runtime.trainer_rows import _cuts_the_last_batch, _whole
+
+    accelerator = Accelerator(cpu=True)
+    trainer = SimpleNamespace(gather_function=functools.partial(accelerator.gather_for_metrics, use_gather_object=False))
+    assert _cuts_the_last_batch(trainer)
+    trainer.gather_function = accelerator.gather
+    assert not _cuts_the_last_batch(trainer)
+    trainer = SimpleNamespace(compute_metrics=None, args=SimpleNamespace(logging_nan_inf_filter=True,
+                                                                         include_for_metrics=[]))
+    batch = np.array([2.0, 4.0, 6.0, 8.0], dtype=np.float32)  # four batches' losses, the last of one row
+    every = [(None, None, np.repeat(batch[:2], 2)), (None, None, np.repeat(batch[2:], 2))]
+    cut = _whole(trainer, every, "test", 7, 7).metrics["test_loss"]
+    whole = _whole(trainer, every, "test", 7, None).metrics["test_loss"]
+    assert cut == np.repeat(batch, 2)[:7].mean().item() and whole == np.repeat(batch, 2).mean().item() == 5.0
+
+
 def test_a_real_trainers_predict_that_cannot_be_split_in_blocks_stops_before_it_predicts(monkeypatch, tmp_path):
     import sys
 

@@ -130,12 +130,20 @@ def _by_blocks(evaluation_loop, bound, dataset):
     loader = DataLoader(_rows_of(dataset, first, end), batch_size=size, collate_fn=dataloader.collate_fn,
                         num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory)
     losses: list = []
+    cut = _cuts_the_last_batch(trainer)
     with _alone(trainer, losses, size):
         bound.arguments["dataloader"] = loader
         mine = evaluation_loop(*bound.args, **bound.kwargs)
     every = [None] * info.world_size
     dist.all_gather_object(every, (mine.predictions, mine.label_ids, _numpy(losses)))
-    return _whole(trainer, every, prefix, rows)
+    return _whole(trainer, every, prefix, rows, rows if cut else None)
+
+
+def _cuts_the_last_batch(trainer) -> bool:
+    """Whether the loop's gather is accelerate's ``gather_for_metrics`` (the Trainer's), which keeps the last
+    batch's repeated loss once per row it holds, not ``gather`` (``Seq2SeqTrainer``'s), which keeps it whole."""
+    gather = trainer.gather_function
+    return getattr(getattr(gather, "func", gather), "__name__", "") == "gather_for_metrics"
 
 
 def _rows_of(dataset, first: int, end: int):
@@ -191,8 +199,9 @@ def _numpy(losses: list):
     return nested_numpify(torch.cat(losses))
 
 
-def _whole(trainer, every: list, prefix: str, rows: int):
-    """One process's ``EvalLoopOutput`` from every rank's (predictions, labels, losses), in rank order."""
+def _whole(trainer, every: list, prefix: str, rows: int, cut_at: int | None):
+    """One process's ``EvalLoopOutput`` from every rank's (predictions, labels, losses), in rank order; the losses
+    cut to ``cut_at`` rows where one process's gather cuts them."""
     import numpy as np
     from transformers.trainer_pt_utils import nested_concat
     from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
@@ -212,7 +221,7 @@ def _whole(trainer, every: list, prefix: str, rows: int):
                                                          losses=with_losses))
     metrics = denumpify_detensorize(metrics)
     if isinstance(losses, np.ndarray):
-        losses = losses[:rows]  # the last batch's loss once per row it holds, as gather_for_metrics leaves it
+        losses = losses[:cut_at] if cut_at is not None else losses
         finite = np.isfinite(losses)
         if trainer.args.logging_nan_inf_filter and finite.any():
             losses = losses[finite]
