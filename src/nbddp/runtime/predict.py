@@ -27,20 +27,10 @@ one loop leaves them); the cell imports this module itself, and the Trainer's ca
 from __future__ import annotations
 
 import contextlib
-
-import json
-import os
 import sys
 import time
 
-#: How many prediction loops this process has entered (the share records count them from 1).
-_loops = 0
-
-
-def block(total: int, rank: int, world: int) -> tuple[int, int]:
-    """The first and end position of rank ``rank``'s contiguous block of ``total`` positions in ``world``
-    blocks: as equal as they come, the later ranks one more where they do not divide."""
-    return total * rank // world, total * (rank + 1) // world
+from .shares import append_share_line, block, next_prediction, record_share
 
 
 class Rows:
@@ -49,9 +39,7 @@ class Rows:
     def __init__(self, iterable, enumerate_from: int | None = None, /, **accumulators):  # any name accumulates
         from .dist import rank_info
 
-        global _loops
-        _loops += 1
-        self.loop = _loops
+        self.loop = next_prediction()
         info = rank_info()
         self.rank, self.world = info.rank, info.world_size
         _check_strategy(self.world)
@@ -106,7 +94,7 @@ class Rows:
         """This rank's share, on a line of ``<run dir>/shares/rank<r>.jsonl`` (where a run directory is), when the
         loop starts: a loop that fails still says which rows each rank had."""
         self.began = time.time()
-        _append_share_line(f"rank{self.rank}.jsonl", {
+        append_share_line(f"rank{self.rank}.jsonl", {
             "loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit, "first": self.first,
             "end": self.end, "total": self.total, "began": round(self.began, 3)})
 
@@ -114,7 +102,7 @@ class Rows:
         """How long this rank's share took and how long it then waited in the gather (for the slowest rank), on a
         line of ``shares/rank<r>-times.jsonl``: where two GPUs fall short of twice one's speed, these say
         whether the rows or the waiting took the time."""
-        _append_share_line(f"rank{self.rank}-times.jsonl", {
+        append_share_line(f"rank{self.rank}-times.jsonl", {
             "loop": self.loop, "rank": self.rank, "rows_s": round(predicted - self.began, 3),
             "gather_s": round(gathered - predicted, 3), "gathered": round(gathered, 3)})
 
@@ -201,17 +189,6 @@ def split_call(pipe, rows, /, *args, **kwargs):
         piece = _call_block(pipe, _block_of(rows, first, end), args, kwargs)
     return _gather_pieces(piece, rank, world, loop, began)
 
-
-def record_share(rank: int, world: int, first: int, end: int, total: int, call: str) -> tuple[int, float]:
-    """A prediction made by a call over rows (a pipeline's, the Trainer's): this rank's share, on a line of
-    ``shares/rank<r>.jsonl`` as a loop's (unit rows). Returns the prediction's number and when it began."""
-    global _loops
-    _loops += 1
-    began = time.time()
-    _append_share_line(f"rank{rank}.jsonl", {
-        "loop": _loops, "rank": rank, "world": world, "unit": "rows", "first": first, "end": end, "total": total,
-        "began": round(began, 3), "call": call})
-    return _loops, began
 
 
 def _chunks_rows(pipe) -> bool:
@@ -312,28 +289,11 @@ def _gather_pieces(piece: list, rank: int, world: int, loop: int, began: float) 
     else:
         every = [None] * rank + [piece] + [[]] * (world - rank - 1)  # no process group: this rank's own
     gathered = time.time()
-    _append_share_line(f"rank{rank}-times.jsonl", {
+    append_share_line(f"rank{rank}-times.jsonl", {
         "loop": loop, "rank": rank, "rows_s": round(predicted - began, 3), "gather_s": round(gathered - predicted, 3),
         "gathered": round(gathered, 3)})
     return [x for r, part in enumerate(every) for x in (piece if r == rank else _local(part or []))]
 
-
-def _append_share_line(name: str, line: dict) -> None:
-    """A line of ``<run dir>/shares/<name>`` (where a run directory is)."""
-    from . import settings
-
-    run_dir = settings.current().run_dir
-    if not run_dir:
-        return
-    from .records import append_line, dropped_write
-
-    folder = os.path.join(run_dir, "shares")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:  # a full or read-only disk: the record is dropped, the prediction goes on
-        dropped_write(folder, exc)
-        return
-    append_line(os.path.join(folder, name), json.dumps(line))
 
 
 def _sync_buffers(frame) -> None:

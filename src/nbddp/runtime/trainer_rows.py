@@ -114,7 +114,7 @@ def _by_blocks(evaluation_loop, bound, dataset):
     from torch.utils.data import DataLoader
 
     from .dist import rank_info
-    from .predict import block, record_share
+    from .shares import block, record_share
     from .rank import say
 
     trainer, dataloader = bound.arguments["self"], bound.arguments["dataloader"]

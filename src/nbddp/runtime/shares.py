@@ -1,0 +1,58 @@
+"""Each rank's share of a prediction: the block of rows it takes, and the records that say so.
+
+A prediction (a split loop, a pipeline's call over rows, the Trainer's blocks) takes a contiguous block of the
+rows on each rank (``block``) and writes a line of ``<run dir>/shares/rank<r>.jsonl`` when it begins and one of
+``rank<r>-times.jsonl`` when its rows are done: which rows each rank had, and where its seconds went (the tests and
+``benchmarks/predict_speed.py`` read them). Its own module so that ``predict`` and ``trainer_rows``, which guards
+the Trainer from ``predict``, both use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+#: How many predictions this process has begun (the share records count them from 1).
+_count = 0
+
+
+def block(total: int, rank: int, world: int) -> tuple[int, int]:
+    """The first and end position of rank ``rank``'s contiguous block of ``total`` positions in ``world``
+    blocks: as equal as they come, the later ranks one more where they do not divide."""
+    return total * rank // world, total * (rank + 1) // world
+
+
+def next_prediction() -> int:
+    """The number of the prediction this process begins now."""
+    global _count
+    _count += 1
+    return _count
+
+
+def record_share(rank: int, world: int, first: int, end: int, total: int, call: str) -> tuple[int, float]:
+    """A prediction made by a call over rows (a pipeline's, the Trainer's): this rank's share, on a line of
+    ``shares/rank<r>.jsonl`` as a loop's (unit rows). Returns the prediction's number and when it began."""
+    number, began = next_prediction(), time.time()
+    append_share_line(f"rank{rank}.jsonl", {
+        "loop": number, "rank": rank, "world": world, "unit": "rows", "first": first, "end": end, "total": total,
+        "began": round(began, 3), "call": call})
+    return number, began
+
+
+def append_share_line(name: str, line: dict) -> None:
+    """A line of ``<run dir>/shares/<name>`` (where a run directory is)."""
+    from . import settings
+
+    run_dir = settings.current().run_dir
+    if not run_dir:
+        return
+    from .records import append_line, dropped_write
+
+    folder = os.path.join(run_dir, "shares")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:  # a full or read-only disk: the record is dropped, the prediction goes on
+        dropped_write(folder, exc)
+        return
+    append_line(os.path.join(folder, name), json.dumps(line))
