@@ -30,7 +30,7 @@ import contextlib
 import sys
 import time
 
-from .shares import append_share_line, block, next_prediction, record_share
+from .shares import append_share_line, block, next_prediction, record_share, record_times
 
 
 class Rows:
@@ -98,14 +98,6 @@ class Rows:
             "loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit, "first": self.first,
             "end": self.end, "total": self.total, "began": round(self.began, 3)})
 
-    def _record_times(self, predicted: float, gathered: float) -> None:
-        """How long this rank's share took and how long it then waited in the gather (for the slowest rank), on a
-        line of ``shares/rank<r>-times.jsonl``: where two GPUs fall short of twice one's speed, these say
-        whether the rows or the waiting took the time."""
-        append_share_line(f"rank{self.rank}-times.jsonl", {
-            "loop": self.loop, "rank": self.rank, "rows_s": round(predicted - self.began, 3),
-            "gather_s": round(gathered - predicted, 3), "gathered": round(gathered, 3)})
-
     # -- what it accumulates
 
     def add(self, name: str, value):
@@ -127,7 +119,7 @@ class Rows:
             dist.all_gather_object(every, mine)
         else:
             every = [mine]
-        self._record_times(predicted, time.time())
+        record_times(self.rank, self.loop, self.began, predicted, time.time())
         self.last_rank = max((r for r, part in enumerate(every) if part["ran"]), default=None)
         every = [_local(part) if r != self.rank else None for r, part in enumerate(every)]
         out = []
@@ -188,7 +180,6 @@ def split_call(pipe, rows, /, *args, **kwargs):
     with _module_forwards():
         piece = _call_block(pipe, _block_of(rows, first, end), args, kwargs)
     return _gather_pieces(piece, rank, world, loop, began)
-
 
 
 def _chunks_rows(pipe) -> bool:
@@ -288,10 +279,7 @@ def _gather_pieces(piece: list, rank: int, world: int, loop: int, began: float) 
         dist.all_gather_object(every, _portable(piece))
     else:
         every = [None] * rank + [piece] + [[]] * (world - rank - 1)  # no process group: this rank's own
-    gathered = time.time()
-    append_share_line(f"rank{rank}-times.jsonl", {
-        "loop": loop, "rank": rank, "rows_s": round(predicted - began, 3), "gather_s": round(gathered - predicted, 3),
-        "gathered": round(gathered, 3)})
+    record_times(rank, loop, began, predicted, time.time())
     return [x for r, part in enumerate(every) for x in (piece if r == rank else _local(part or []))]
 
 

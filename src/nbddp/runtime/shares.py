@@ -40,6 +40,15 @@ def record_share(rank: int, world: int, first: int, end: int, total: int, call: 
     return number, began
 
 
+def record_times(rank: int, number: int, began: float, predicted: float, gathered: float) -> None:
+    """How long this rank's share took and how long it then waited in the gather (for the slowest rank), on a
+    line of ``shares/rank<r>-times.jsonl``: where two GPUs fall short of twice one's speed, these say whether the
+    rows or the waiting took the time."""
+    append_share_line(f"rank{rank}-times.jsonl", {
+        "loop": number, "rank": rank, "rows_s": round(predicted - began, 3), "gather_s": round(gathered - predicted, 3),
+        "gathered": round(gathered, 3)})
+
+
 def append_share_line(name: str, line: dict) -> None:
     """A line of ``<run dir>/shares/<name>`` (where a run directory is)."""
     from . import settings
