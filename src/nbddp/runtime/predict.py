@@ -470,13 +470,9 @@ class _OnDevice:
 
 
 def _guard_trainers() -> None:
-    """A Trainer's own split of its rows, stopped where it would pad them (``runtime/trainer_rows.py``); not
-    where a kept job's ``%%ddp`` cell imports this module for its first split loop: that job's Trainer calls
-    ran unguarded before the cell and stay so after it."""
-    from . import serve
-
-    if serve.in_cell():
-        return
+    """A Trainer's ``predict``/``evaluate`` over rows that do not fill the ranks' last batches, computed by blocks
+    (``runtime/trainer_rows.py``). A kept job installed it at its start (``serve.listen_for_stop``), before its
+    Stop's wrapper of the same loop; installing it again changes nothing."""
     from .trainer_rows import guard
 
     guard()

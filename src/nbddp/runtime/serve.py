@@ -182,11 +182,6 @@ def _interrupt_cell(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
-def in_cell() -> bool:
-    """Whether a kept job's ``%%ddp`` cell is running in this rank (not the job's own cells)."""
-    return _cell_running.is_set()
-
-
 def _interruptible() -> bool:
     """Whether a Stop interrupts where the main thread is: a cell runs, and no training takes it at a step."""
     return _cell_running.is_set() and not _training.is_set()
@@ -289,7 +284,11 @@ def listen_for_stop() -> None:
         return
     _stop_file = os.path.join(os.path.dirname(os.environ[SOCKET_ENV]), STOP_FILE)
     from .patching import when_imported
+    from .trainer_rows import guard
 
+    # first: the blocks' wrapper of the evaluation loop goes inside the Stop's, whose looks then span a block's
+    # missed steps too (trainer_rows._take_the_missed_looks)
+    guard()
     when_imported("transformers.trainer", lambda module: _install_stop_callback({}))
 
 
@@ -400,10 +399,19 @@ def _stop_callback():
             def on_prediction_step(self, args, state, control, **kwargs):
                 if not _evaluating.is_set():
                     return control
-                self.predicted += 1
-                if self.evaluation.due(self.predicted) and self._agreed_stop(self.evaluation, self.predicted):
-                    raise KeyboardInterrupt  # on every rank at this step: none is left inside a gather
+                self._step(self.predicted + 1)
                 return control
+
+            def finish_evaluation(self, steps: int) -> None:
+                """The looks of steps up to ``steps`` that this rank's loop did not reach (a block of fewer
+                batches than another rank's: ``trainer_rows``), taken as its loop would have taken them."""
+                while _evaluating.is_set() and self.predicted < steps:
+                    self._step(self.predicted + 1)
+
+            def _step(self, step: int) -> None:
+                self.predicted = step
+                if self.evaluation.due(step) and self._agreed_stop(self.evaluation, step):
+                    raise KeyboardInterrupt  # on every rank at this step: none is left inside a gather
 
             @staticmethod
             def _agreed_stop(schedule, step) -> bool:

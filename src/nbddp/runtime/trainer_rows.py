@@ -11,7 +11,15 @@ predictions, the labels and each batch's loss are gathered once, in row order, a
 computed over the whole as the Trainer computes them in one process.
 
 Stopped before the call, saying the fix, where that cannot be done: rows without a length (an iterable dataset),
-metrics computed batch by batch (``batch_eval_metrics``) or given the inputs (``include_for_metrics``).
+metrics computed batch by batch (``batch_eval_metrics``) or given the inputs (``include_for_metrics``), a model
+sharded over the ranks (FSDP, DeepSpeed: each of its forwards needs every rank, and the blocks differ by a batch).
+
+Installed by ``runtime/predict`` in a notebook that only predicts, and by ``serve.listen_for_stop`` at a kept
+job's start, so that a ``%%ddp`` cell's ``trainer.predict``/``evaluate`` computes what the kernel's would. An
+evaluation inside ``train()`` is left to the Trainer (``is_in_train``), as in any training job: its refusals
+would stop a training, and its model may be sharded. In a kept job the evaluation loop looks at the kernel's Stop
+at steps every rank agrees on (``serve``): a rank whose block has a batch fewer takes the looks its last step would
+have taken (``_take_the_missed_looks``), so no rank waits in a look another never enters.
 """
 
 from __future__ import annotations
@@ -60,6 +68,10 @@ def unsplittable(trainer, dataset) -> str | None:
         return "its rows have no length (an iterable dataset), so nbddp cannot tell whether the last step is padded"
     if not padded(trainer, dataset):
         return None
+    strategy = _sharded()
+    if strategy:
+        return (f"its rows do not fill the last step's batches, and its model is sharded over the ranks ({strategy}), "
+                "so no rank can compute a block of its own")
     args = trainer.args
     if getattr(args, "batch_eval_metrics", False):
         return ("its rows do not fill the last step's batches, and its metrics are computed batch by batch "
@@ -70,9 +82,19 @@ def unsplittable(trainer, dataset) -> str | None:
     return None
 
 
+def _sharded() -> str | None:
+    """The strategy that shards the model over the ranks (``fsdp``, ``deepspeed``), or None."""
+    from . import settings
+
+    strategy = settings.current().strategy
+    return strategy if strategy in ("fsdp", "deepspeed") else None
+
+
 def _make_checked(method: str, dataset_arg: str):
     def make(original):
         def checked(self, *args, **kwargs):
+            if getattr(self, "is_in_train", False):  # the training's own evaluation: the Trainer's, unchanged
+                return original(self, *args, **kwargs)
             dataset = args[0] if args else kwargs.get(dataset_arg)
             if dataset is None and method == "evaluate":
                 dataset = self.eval_dataset
@@ -100,7 +122,7 @@ def _in_blocks(evaluation_loop):
         bound.apply_defaults()
         dataloader = bound.arguments["dataloader"]
         dataset = getattr(dataloader, "dataset", None)
-        if not padded(self, dataset) or unsplittable(self, dataset):
+        if getattr(self, "is_in_train", False) or not padded(self, dataset) or unsplittable(self, dataset):
             return evaluation_loop(*bound.args, **bound.kwargs)
         return _by_blocks(evaluation_loop, bound, dataset)
 
@@ -122,7 +144,8 @@ def _by_blocks(evaluation_loop, bound, dataset):
     info = rank_info()
     size = trainer.args.eval_batch_size
     rows = len(dataset)
-    first, end = (min(b * size, rows) for b in block(-(-rows // size), info.rank, info.world_size))
+    batches = -(-rows // size)
+    first, end = (min(b * size, rows) for b in block(batches, info.rank, info.world_size))
     say(f"nbddp: the Trainer's {rows} rows do not fill the ranks' last batches ({size} a rank on "
         f"{info.world_size} ranks): each rank computes its own block of whole batches, the batches one process "
         "makes, gathered once in row order", once="trainer_rows")
@@ -134,9 +157,19 @@ def _by_blocks(evaluation_loop, bound, dataset):
     with _alone(trainer, losses, size):
         bound.arguments["dataloader"] = loader
         mine = evaluation_loop(*bound.args, **bound.kwargs)
+    _take_the_missed_looks(trainer, -(-batches // info.world_size))
     every = [None] * info.world_size
     dist.all_gather_object(every, (mine.predictions, mine.label_ids, _numpy(losses)))
     return _whole(trainer, every, prefix, rows, rows if cut else None)
+
+
+def _take_the_missed_looks(trainer, steps: int) -> None:
+    """A kept job's look at the kernel's Stop (``serve``'s callback, duck-typed: this module does not import
+    ``serve``) at the steps the longest block reached and this rank's did not."""
+    for callback in trainer.callback_handler.callbacks:
+        finish = getattr(callback, "finish_evaluation", None)
+        if callable(finish):
+            finish(steps)
 
 
 def _cuts_the_last_batch(trainer) -> bool:
