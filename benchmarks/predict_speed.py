@@ -219,12 +219,15 @@ def rank_times(runs: Path, started: float, written: float) -> list[dict]:
     for share in sorted(runs.glob("*/shares/rank*.jsonl")):
         if share.stem.endswith("-times"):
             continue
-        began = json.loads(share.read_text().splitlines()[0])
+        lines = [json.loads(line) for line in share.read_text().splitlines()]
+        first_loop = [line for line in lines if line.get("loop") == lines[0].get("loop")]  # its block or chunks
+        began = first_loop[0]
         times_file = share.with_name(f"{share.stem}-times.jsonl")
         if "began" not in began or not times_file.exists():
             continue
         times = json.loads(times_file.read_text().splitlines()[0])
-        out.append({"rank": began["rank"], "rows": began["end"] - began["first"],
+        out.append({"rank": began["rank"], "rows": sum(line["end"] - line["first"] for line in first_loop),
+                    "chunks": len(first_loop),
                     "start_s": round(began["began"] - started, 2), "rows_s": times["rows_s"],
                     "gather_s": times["gather_s"], "write_s": round(written - times["gathered"], 2)})
     return sorted(out, key=lambda r: r["rank"])

@@ -46,7 +46,8 @@ def test_a_kept_cells_prediction_loop_takes_its_share_and_every_rank_gathers_the
         "print(correct)",  # on every rank, as every statement of a %%ddp cell: a later cell reads it anywhere
     ]
     assert kept.script.warnings == (
-        "this %%ddp cell, line 4: for … in test_loader: each rank predicts its own contiguous block of the rows, "
+        "this %%ddp cell, line 4: for … in test_loader: each rank predicts its share of the rows (a DataLoader's: a "
+        "contiguous block of whole batches; other rows: the next chunk whenever the rank is free), "
         "and after the loop preds, correct hold every rank's results in the rows' order (every rank holds them)",)
 
 

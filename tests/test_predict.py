@@ -1,6 +1,7 @@
 """Prediction on every rank, without launching: the converted script of a notebook that predicts and does not
 train, the refusals of loops the ranks cannot split, and the runtime's shares and gathers in one process."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from nbddp.job import run_job
 from nbddp.job_plan import PREDICT, decide_mode
 from nbddp.options import RunOptions
 from nbddp.runtime.predict import Rows, block
+from nbddp.runtime.shares import handed_chunks
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "predict"
 
@@ -644,3 +646,14 @@ def test_a_split_pipeline_call_over_a_dataset_column_gives_each_rank_a_subset_of
     monkeypatch.setenv("RANK", "1")  # 3 batches of 4: the first rank one, the second two
     assert split_call(pipe, column, batch_size=4) == [{"label": t.upper()} for t in texts[4:]]  # no group: its own
     assert isinstance(seen[-1], Subset) and list(seen[-1].indices) == list(range(4, 11))
+
+
+@given(st.integers(0, 5000), st.integers(1, 16))
+def test_handed_out_chunks_cover_the_rows_once_in_order_and_end_in_single_rows(total, world):
+    chunks = handed_chunks(total, world)
+    assert [c for first, end in chunks for c in range(first, end)] == list(range(total))
+    assert all(end > first for first, end in chunks)
+    sizes = [end - first for first, end in chunks]
+    assert sizes == sorted(sizes, reverse=True) and (not sizes or sizes[-1] == 1)
+    assert len(chunks) <= 2 * world * (1 + math.log(total + 1)) + world  # few hand-outs: about 2·world·ln(rows)
+

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -12,7 +13,9 @@ import pytest
 from conftest import no_rank_processes
 from nbddp.display.view import QuietView
 from nbddp.job import run_job
+from nbddp.launch import launch, new_run_dir, plan
 from nbddp.options import RunOptions
+from nbddp.runtime.shares import handed_chunks
 from test_predict import CORPUS
 
 pytestmark = pytest.mark.e2e
@@ -40,19 +43,33 @@ def test_a_predicting_notebook_splits_its_rows_and_writes_what_one_process_write
     assert result.ok, result.failure
     for name in WRITTEN:
         assert (ranked / name).read_bytes() == (reference / name).read_bytes(), name
-    # each rank's share of each loop: disjoint, in rank order, together every batch or row
+    # each rank's share of each loop: a DataLoader's in contiguous blocks in rank order, a list's rows in the
+    # chunks handed to whichever rank was free; either way disjoint, together every batch or row once
     shares = {r: [json.loads(ln) for ln in (result.run_dir / "shares" / f"rank{r}.jsonl").read_text().splitlines()]
               for r in (0, 1)}
-    assert [(s["unit"], s["total"]) for s in shares[0]] == [("batches", 8), ("rows", 11), ("rows", 7)] + [("batches", 8)] * 2
-    for first, second in zip(shares[0], shares[1]):
-        assert first["first"] == 0 and first["end"] == second["first"] < second["end"] == first["total"]
-        assert 0 < first["end"]
+    loops = {}
+    for r in (0, 1):
+        for s in shares[r]:
+            loops.setdefault(s["loop"], []).append((s["first"], s["end"], r, s["unit"], s["total"]))
+    assert [(pieces[0][3], pieces[0][4]) for _, pieces in sorted(loops.items())] == [
+        ("batches", 8), ("rows", 11), ("rows", 7)] + [("batches", 8)] * 2
+    for pieces in loops.values():
+        unit, total = pieces[0][3:]
+        covered = sorted((first, end) for first, end, *_ in pieces)
+        assert [covered[0][0], *[end for _, end in covered]] == [0, *[first for first, _ in covered[1:]], total]
+        if unit == "batches":
+            assert [r for *_, r, _, _ in sorted(pieces)] == [0, 1] and 0 < covered[0][1] < total
+        else:
+            assert covered == handed_chunks(total, 2) and all(s.get("handed_out") for r in (0, 1) for s in shares[r]
+                                                              if s["unit"] == "rows")
     # and how long each share took and then waited for the other rank: a line per loop, after its rows
     for r in (0, 1):
         times = [json.loads(ln) for ln in (result.run_dir / "shares" / f"rank{r}-times.jsonl").read_text().splitlines()]
-        assert [t["loop"] for t in times] == [s["loop"] for s in shares[r]]
-        assert all(t["rows_s"] >= 0 and t["gather_s"] >= 0 and t["gathered"] >= s["began"]
-                   for t, s in zip(times, shares[r]))
+        began = {}
+        for s in shares[r]:
+            began.setdefault(s["loop"], s["began"])
+        assert [t["loop"] for t in times] == sorted(loops)  # every rank gathers every loop, rows taken or not
+        assert all(t["rows_s"] >= 0 and t["gather_s"] >= 0 and t["gathered"] >= began.get(t["loop"], 0) for t in times)
     # the code after the loops ran once, on rank 0
     assert printed.startswith("accuracy") and printed in result.rank_log(0).read_text()
     assert "accuracy" not in result.rank_log(1).read_text()
@@ -132,3 +149,18 @@ def test_a_loop_over_a_pipeline_given_a_dataset_column_splits_it_and_writes_what
     assert [(s["unit"], s["first"], s["end"], s["total"]) for s in shares] == [("rows", 0, 12, 23), ("rows", 12, 23, 23)]
     assert "rows 23" in result.rank_log(0).read_text() and "rows 23" not in result.rank_log(1).read_text()
     assert no_rank_processes(str(result.run_dir))
+
+
+def test_rows_go_to_whichever_rank_is_free_and_come_back_in_order(tmp_path):
+    job = Path(__file__).resolve().parent / "jobs" / "handed_rows.py"
+    chunks = []
+    res = launch(plan(job, new_run_dir(tmp_path / "runs", "handed_rows"), RunOptions(timeout_s=120), nproc=2,
+                      cwd=tmp_path, env={}), sink=lambda stream, text: chunks.append(text))
+    out = "".join(chunks)
+    assert res.ok, out[-3000:]
+    result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["answers"] == [[i, (3 * i) ** 2] for i in range(40)] and result["total"] == 3 * sum(range(40))
+    taken = [[tuple(piece) for piece in rank] for rank in result["taken"]]
+    assert sorted(taken[0] + taken[1]) == handed_chunks(40, 2)  # every chunk once, on one rank
+    rows = [sum(end - first for first, end in rank) for rank in taken]
+    assert rows[1] > 2 * rows[0], taken  # the slow rank took fewer: its contiguous half would have been 20

@@ -314,7 +314,7 @@ def test_a_notebook_that_only_predicts_fetches_its_file_once_and_every_rank_pred
     with torch.no_grad():
         expected = [float(model(torch.tensor([float(i), float(i % 3)])).item()) for i in range(10)]
     assert json.loads((tmp_path / "preds.json").read_text()) == pytest.approx(expected)  # every row, in order
-    assert "each rank predicts its own contiguous block" in job.script.text
+    assert "each rank predicts its share of the rows" in job.script.text
 
 
 # ------------------------------------------------------------------ between two trainings

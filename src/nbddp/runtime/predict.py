@@ -1,5 +1,5 @@
-"""Prediction on every rank: a loop over the test rows takes this rank's contiguous block of them, and what the
-loop accumulates comes back whole, in the rows' order, as one process would have it.
+"""Prediction on every rank: a loop over the test rows takes this rank's share of them, and what the loop
+accumulates comes back whole, in the rows' order, as one process would have it.
 
 ``rules/predict.py`` rewrites ``for batch in test_loader: preds.append(model(batch).argmax(-1))`` into
 
@@ -9,11 +9,15 @@ loop accumulates comes back whole, in the rows' order, as one process would have
         preds, = _nbddp_rows.gathered()
 
 and ``correct += (pred == y).sum().item()`` inside it into ``correct += _nbddp_rows.add("correct", …)``.
-Rank r of n takes the r-th of n contiguous blocks (of whole batches, for a DataLoader, so each batch holds the
-rows it holds in one process: the same numbers come out); after the loop every rank has each list's
-appended items from every rank, in rank order (so in row order), and each sum replayed from its value before
-the loop through every increment in row order (the same additions in the same order: a float sum is equal
-to the bit). Each rank's share is written to ``<run dir>/shares/rank<r>.jsonl``, one line per loop.
+Over a DataLoader, rank r of n takes the r-th of n contiguous blocks of whole batches (so each batch holds the rows
+it holds in one process, and the same numbers come out; a block, because the loader's workers read ahead). Over
+rows (a list, a frame, a Dataset), each rank takes the next chunk of them whenever it is free
+(``shares.handed_chunks``: long chunks first, single rows last, counted out on the store the ranks share): a rank
+whose rows go slower (a busier GPU, longer answers) takes fewer, and the ranks end together. After the loop every
+rank has each list's appended items from every rank, in row order (each piece of rows is kept apart), and each sum
+replayed from its value before the loop through every increment in row order (the same additions in the same
+order: a float sum is equal to the bit). Each rank's block, or each chunk it took, is a line of
+``<run dir>/shares/rank<r>.jsonl``.
 
 A pipeline given a whole list in a statement of its own, ``outputs = pipe(texts, batch_size=32)``, becomes
 ``outputs = _nbddp.predict.split_call(pipe, texts, batch_size=32)``: each rank calls the pipeline on its own
@@ -21,7 +25,8 @@ contiguous block of whole batches of the list and every rank gets back every blo
 
 In a kept job's ``%%ddp`` cell, whose later cells run on every rank, the ``else`` then gives every rank the
 names the loop binds as the rank that ran the last row left them (``settle``: ``x``, ``out``, as the kernel's
-one loop leaves them); the cell imports this module itself, and the Trainer's calls stay unguarded there.
+one loop leaves them); the cell imports this module itself (the Trainer's blocks were installed at the job's
+start).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import contextlib
 import sys
 import time
 
-from .shares import append_share_line, block, next_prediction, record_share, record_times
+from .shares import append_share_line, block, hand_out, handed_chunks, next_prediction, record_share, record_times
 
 
 class Rows:
@@ -48,7 +53,12 @@ class Rows:
         self.lists = {name: v for name, v in accumulators.items() if isinstance(v, list)}
         self.increments: dict[str, list] = {name: [] for name in accumulators if name not in self.lists}
         self.share, self.first, self.end, self.total, self.unit = self._share(iterable)
-        self._record()
+        # rows (not a DataLoader's batches, which its workers read ahead) go to whichever rank is free next
+        self.next_chunk = hand_out(self.loop) if self.unit == "rows" and self.world > 1 else None
+        self.pieces: list[tuple[int, int, dict]] = []  # (first, end, the accumulators' lengths as it began)
+        self.began = time.time()
+        if self.next_chunk is None:
+            self._record(self.first, self.end)
         if self.world > 1:
             _sync_buffers(sys._getframe(1))
 
@@ -61,14 +71,36 @@ class Rows:
         loader = _loader_share(iterable, self.rank, self.world)
         if loader is not None:
             return loader
-        rows = iterable if _sliceable(iterable) else list(iterable)
+        self.rows = rows = iterable if _sliceable(iterable) else list(iterable)
         first, end = block(len(rows), self.rank, self.world)
         return _slice(rows, first, end), first, end, len(rows), "rows"
 
     def __iter__(self):
-        rows = iter(self.share) if self.enumerate_from is None else \
-            iter(enumerate(self.share, self.enumerate_from + self.first))
+        if self.next_chunk is None:  # this rank's contiguous block, its iterator made now (a DataLoader's draws
+            self._begin(self.first, self.end)  # its seed here, not in a row)
+            rows = self._counted(self.share, self.first)
+        else:
+            rows = self._handed_out()
         return rows if self.world < 2 else self._unrandom(_whole_models(rows))
+
+    def _handed_out(self):
+        """The next chunk of the rows each time this rank is free (``shares.hand_out``), until none is left: a
+        rank whose rows go slower (a busier GPU, longer answers) takes fewer, and the ranks end together."""
+        chunks = handed_chunks(self.total, self.world)
+        while (k := self.next_chunk()) < len(chunks):
+            first, end = chunks[k]
+            self._begin(first, end)
+            self._record(first, end)
+            yield from self._counted(_slice(self.rows, first, end), first)
+
+    def _counted(self, rows, first: int):
+        return iter(rows) if self.enumerate_from is None else iter(enumerate(rows, self.enumerate_from + first))
+
+    def _begin(self, first: int, end: int) -> None:
+        """A piece of rows begins: where each accumulator stands, so its items can be put in row order."""
+        lengths = {name: len(v) for name, v in self.lists.items()}
+        lengths.update((name, len(v)) for name, v in self.increments.items())
+        self.pieces.append((first, end, lengths))
 
     def _unrandom(self, rows):
         """The rows, stopped where one of them drew from a global random generator (sampling, noise, dropout of a
@@ -88,15 +120,17 @@ class Rows:
             state = now
 
     def __len__(self):
+        """The rows of this rank's block: its rows where they are handed out, about as many (a progress bar's
+        length)."""
         return len(self.share)
 
-    def _record(self) -> None:
-        """This rank's share, on a line of ``<run dir>/shares/rank<r>.jsonl`` (where a run directory is), when the
-        loop starts: a loop that fails still says which rows each rank had."""
-        self.began = time.time()
+    def _record(self, first: int, end: int) -> None:
+        """This rank's block, or a chunk handed to it, on a line of ``<run dir>/shares/rank<r>.jsonl`` (where a run
+        directory is) as it begins: a loop that fails still says which rows each rank had."""
         append_share_line(f"rank{self.rank}.jsonl", {
-            "loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit, "first": self.first,
-            "end": self.end, "total": self.total, "began": round(self.began, 3)})
+            "loop": self.loop, "rank": self.rank, "world": self.world, "unit": self.unit, "first": first,
+            "end": end, "total": self.total, "began": round(time.time(), 3),
+            **({"handed_out": True} if self.next_chunk is not None else {})})
 
     # -- what it accumulates
 
@@ -107,36 +141,40 @@ class Rows:
         return value
 
     def gathered(self) -> tuple:
-        """Every accumulator, in the order given: each list with the items every rank appended, in rank order
-        (in place: the same list object), each sum replayed from its value before the loop."""
+        """Every accumulator, in the order given: each list with the items every rank appended, in row order
+        (in place: the same list object), each sum replayed from its value before the loop, in row order."""
         import torch.distributed as dist
 
-        mine = {"lists": {n: _portable(v[self.before[n]:]) for n, v in self.lists.items()},
-                "sums": {n: _portable(v) for n, v in self.increments.items()}, "ran": self.end > self.first}
+        mine = [(first, end, self._items(i)) for i, (first, end, _) in enumerate(self.pieces)]
         predicted = time.time()
         every = [None] * self.world
         if self.world > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_gather_object(every, mine)
-        else:
-            every = [mine]
+            dist.all_gather_object(every, _portable(mine))
         record_times(self.rank, self.loop, self.began, predicted, time.time())
-        self.last_rank = max((r for r, part in enumerate(every) if part["ran"]), default=None)
-        every = [_local(part) if r != self.rank else None for r, part in enumerate(every)]
+        every[self.rank] = mine  # this rank's own, not the copies that travelled
+        pieces = sorted((first, r, end, part if r == self.rank else _local(part))
+                        for r, rank_pieces in enumerate(every) for first, end, part in rank_pieces)
+        self.last_rank = max(((first, r) for first, r, end, _ in pieces if end > first), default=(0, None))[1]
         out = []
         for name, before in self.before.items():
             if name in self.lists:
                 items = self.lists[name]
-                mine_now = items[before:]
-                items[before:] = [x for r, part in enumerate(every)
-                                  for x in (mine_now if part is None else part["lists"][name])]
+                items[before:] = [x for *_, part in pieces for x in part["lists"][name]]
                 out.append(items)
             else:
                 total = before
-                for part in every:
-                    for increment in (self.increments[name] if part is None else part["sums"][name]):
+                for *_, part in pieces:
+                    for increment in part["sums"][name]:
                         total += increment
                 out.append(total)
         return tuple(out)
+
+    def _items(self, i: int) -> dict:
+        """What the loop accumulated during piece ``i`` of this rank's rows."""
+        begin = self.pieces[i][2]
+        end = self.pieces[i + 1][2] if i + 1 < len(self.pieces) else None
+        return {"lists": {n: v[begin[n]:None if end is None else end[n]] for n, v in self.lists.items()},
+                "sums": {n: v[begin[n]:None if end is None else end[n]] for n, v in self.increments.items()}}
 
     def settle(self, namespace: dict, *names: str) -> None:
         """After ``gathered``: ``names`` in ``namespace`` as the rank that ran the last row holds them (a kept

@@ -1,7 +1,8 @@
 """Each rank's share of a prediction: the block of rows it takes, and the records that say so.
 
 A prediction (a split loop, a pipeline's call over rows, the Trainer's blocks) takes a contiguous block of the
-rows on each rank (``block``) and writes a line of ``<run dir>/shares/rank<r>.jsonl`` when it begins and one of
+rows on each rank (``block``), or, a loop over rows, the next chunk of them each time its rank is free
+(``handed_chunks``, ``hand_out``), and writes a line of ``<run dir>/shares/rank<r>.jsonl`` when it begins and one of
 ``rank<r>-times.jsonl`` when its rows are done: which rows each rank had, and where its seconds went (the tests and
 ``benchmarks/predict_speed.py`` read them). Its own module so that ``predict`` and ``trainer_rows``, which guards
 the Trainer from ``predict``, both use it without importing each other.
@@ -21,6 +22,35 @@ def block(total: int, rank: int, world: int) -> tuple[int, int]:
     """The first and end position of rank ``rank``'s contiguous block of ``total`` positions in ``world``
     blocks: as equal as they come, the later ranks one more where they do not divide."""
     return total * rank // world, total * (rank + 1) // world
+
+
+def handed_chunks(total: int, world: int) -> list[tuple[int, int]]:
+    """``total`` rows cut into chunks for ranks that take the next one as they free up (``hand_out``): each a
+    ``2 × world``-th of the rows still left, at least one row, so the first chunks are long (few hand-outs) and
+    the last are single rows (the ranks end within about a row of each other, however uneven their speed)."""
+    chunks, first = [], 0
+    while first < total:
+        end = first + max(1, (total - first) // (2 * world))
+        chunks.append((first, end))
+        first = end
+    return chunks
+
+
+def hand_out(number: int):
+    """For prediction ``number``: a function that gives this rank the next chunk's index, counted once across
+    every rank (an atomic add on the store the ranks share, torchrun's); None without a process group, or a
+    group whose store cannot be reached (the caller then keeps its contiguous block)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
+    key = f"nbddp/predict/{number}/taken"
+    return lambda: store.add(key, 1) - 1
 
 
 def next_prediction() -> int:

@@ -215,7 +215,8 @@ def _importing_runtime(statement: cst.BaseStatement) -> cst.FlattenSentinel:
 
 def _said(loop: str, names: list[str], kept: bool = False) -> str:
     after = "every rank holds them" if kept else "the code after it runs on rank 0"
-    return (f"for … in {loop}: each rank predicts its own contiguous block of the rows, and after the loop "
+    return (f"for … in {loop}: each rank predicts its share of the rows (a DataLoader's: a contiguous block of whole "
+            "batches; other rows: the next chunk whenever the rank is free), and after the loop "
             f"{', '.join(names)} hold every rank's results in the rows' order ({after})")
 
 
