@@ -157,11 +157,47 @@ def write_notebook(folder: Path, name: str, sizes: dict) -> Path:
     return path
 
 
-def one_process_script(notebook: Path) -> str:
+def one_process_script(notebook: Path, block: str | None = None) -> str:
+    """The notebook's code cells joined (with ``block``, the line a person splitting by hand adds after the first),
+    the timeline marked where the rows begin and end (after the first cell, after the second)."""
     import nbformat
 
-    nb = nbformat.read(str(notebook), as_version=4)
-    return "\n\n".join(c.source for c in nb.cells if c.cell_type == "code") + "\n"
+    cells = [c.source for c in nbformat.read(str(notebook), as_version=4).cells if c.cell_type == "code"]
+    marked = [cells[0], *([block] if block else []), _MARK.format("rows start"), cells[1], _MARK.format("rows end"),
+              *cells[2:]]
+    return "\n\n".join(marked) + "\n"
+
+
+#: The benchmark's timeline (``benchmarks/timeline``): every process of a run marks its start, its exit, and (a
+#: rank) its ``setup()``, (the launcher) its launch; the one-process scripts mark their rows.
+TIMELINE = ROOT / "benchmarks" / "timeline"
+_MARK = "import sitecustomize as _bench\n_bench.mark({!r})"
+
+
+def timeline_env(folder: Path, env: dict) -> dict:
+    return {**env, "PYTHONPATH": os.pathsep.join([str(TIMELINE), env.get("PYTHONPATH", "")]),
+            "NBDDP_BENCH_TIMELINE": str(folder / "timeline.jsonl")}
+
+
+def timeline(folders: list[Path], started: float) -> dict:
+    """Seconds from ``started`` to each process's marks, by role (``launcher``, ``agent``, ``rank0``…, ``other``;
+    a role two processes share, the by-hand ones, numbered by their start): ``created`` and ``site`` (the
+    interpreter started; Python reached ``site``), ``setup start``/``end``, ``launch start``, ``rows start``/``end``
+    (the one-process scripts), ``exit``."""
+    records = [json.loads(line) for folder in folders if (folder / "timeline.jsonl").exists()
+               for line in (folder / "timeline.jsonl").read_text().splitlines()]
+    pids: dict[str, list[int]] = {}
+    for r in sorted(records, key=lambda r: r["t"]):
+        if r["pid"] not in pids.setdefault(r["role"], []):
+            pids[r["role"]].append(r["pid"])
+    out: dict[str, dict] = {}
+    for r in records:
+        same = pids[r["role"]]
+        role = r["role"] if len(same) == 1 else f"{r['role']}{same.index(r['pid'])}"
+        t = r.get("t_created") if r["what"] == "created" else r["t"]
+        if t is not None:
+            out.setdefault(role, {}).setdefault(r["what"], round(t - started, 2))
+    return out
 
 
 def timed(side: str, notebook: Path, work: Path, nproc: int, timeout: int) -> dict:
@@ -174,13 +210,15 @@ def timed(side: str, notebook: Path, work: Path, nproc: int, timeout: int) -> di
         (folder / "notebook.py").write_text(one_process_script(notebook))
         argv = [sys.executable, "notebook.py"]
     started = time.time()
-    done = subprocess.run(argv, cwd=folder, env=ENV, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(argv, cwd=folder, env=timeline_env(folder, ENV), capture_output=True, text=True,
+                          timeout=timeout)
     ended = time.time()
     submission = folder / "submission.csv"
     if done.returncode or not submission.exists():
         raise SystemExit(f"{side} {notebook.name} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     return {"to_submission_s": round(submission.stat().st_mtime - started, 3), "wall_s": round(ended - started, 3),
             "bytes": submission.read_bytes(), "tail": done.stdout.strip().splitlines()[-1:],
+            "timeline": timeline([folder], started),
             "ranks": rank_times(folder / "runs", started, submission.stat().st_mtime) if side == "nbddp" else []}
 
 
@@ -188,16 +226,13 @@ def by_hand(notebook: Path, work: Path, nproc: int, timeout: int, total: int) ->
     """The rows split by hand: ``nproc`` plain processes started together, process i on GPU i alone
     (``CUDA_VISIBLE_DEVICES=i``) over its contiguous block, as nbddp's ranks take them. Seconds to the last of
     their files (each writes its own) and to the last exit."""
-    import nbformat
-
-    cells = [c.source for c in nbformat.read(str(notebook), as_version=4).cells if c.cell_type == "code"]
     started, procs = time.time(), []
     for i in range(nproc):
         folder = Path(tempfile.mkdtemp(prefix=f"by-hand-{i}-", dir=work))
         first, end = total * i // nproc, total * (i + 1) // nproc
-        script = [cells[0], BY_HAND[notebook.stem].format(first=first, end=end), *cells[1:]]
-        (folder / "notebook.py").write_text("\n\n".join(script) + "\n")
-        env = {**ENV, "CUDA_VISIBLE_DEVICES": str(i)}
+        (folder / "notebook.py").write_text(
+            one_process_script(notebook, BY_HAND[notebook.stem].format(first=first, end=end)))
+        env = timeline_env(folder, {**ENV, "CUDA_VISIBLE_DEVICES": str(i)})
         procs.append((folder, subprocess.Popen([sys.executable, "notebook.py"], cwd=folder, env=env,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
     ends = []
@@ -207,7 +242,8 @@ def by_hand(notebook: Path, work: Path, nproc: int, timeout: int, total: int) ->
         if proc.returncode or not (folder / "submission.csv").exists():
             raise SystemExit(f"by hand {notebook.name} failed (exit {proc.returncode}):\n{err[-4000:]}")
     written = max((folder / "submission.csv").stat().st_mtime for folder, _ in procs)
-    return {"to_submission_s": round(written - started, 3), "wall_s": round(max(ends) - started, 3)}
+    return {"to_submission_s": round(written - started, 3), "wall_s": round(max(ends) - started, 3),
+            "timeline": timeline([folder for folder, _ in procs], started)}
 
 
 def rank_times(runs: Path, started: float, written: float) -> list[dict]:
@@ -274,8 +310,9 @@ def measure(names: list[str], sizes: dict, repeats: int, nproc: int, timeout: in
                    "rows_written": run["single"]["bytes"].count(b"\n") - 1,
                    **{f"{side}_{what}": run[side][what] for side in ("single", "nbddp") for what in
                       ("to_submission_s", "wall_s")}, "nbddp_ranks": run["nbddp"]["ranks"],
-                   **({f"by_hand_{w}": run["by_hand"][w] for w in ("to_submission_s", "wall_s")}
-                      if "by_hand" in run else {})}
+                   **({f"by_hand_{w}": run["by_hand"][w] for w in ("to_submission_s", "wall_s", "timeline")}
+                      if "by_hand" in run else {}),
+                   "timeline": {side: run[side]["timeline"] for side in ("single", "nbddp")}}
             print(f"{name:10s} pass {n}: one process {row['single_to_submission_s']:7.2f} s, nbddp "
                   f"{row['nbddp_to_submission_s']:7.2f} s to submission.csv (× "
                   f"{row['single_to_submission_s'] / row['nbddp_to_submission_s']:.2f}); byte-equal: {row['equal']}",
@@ -284,8 +321,11 @@ def measure(names: list[str], sizes: dict, repeats: int, nproc: int, timeout: in
                 print(f"    by hand ({nproc} plain processes, one GPU each): {row['by_hand_to_submission_s']:7.2f} s "
                       f"(× {row['single_to_submission_s'] / row['by_hand_to_submission_s']:.2f})", flush=True)
             for r in row["nbddp_ranks"]:
-                print(f"    nbddp rank {r['rank']}: {r['rows']} rows; start {r['start_s']} s, rows {r['rows_s']} s, "
-                      f"gather {r['gather_s']} s, to the file {r['write_s']} s", flush=True)
+                print(f"    nbddp rank {r['rank']}: {r['rows']} rows in {r['chunks']} pieces; start {r['start_s']} s, "
+                      f"rows {r['rows_s']} s, gather {r['gather_s']} s, to the file {r['write_s']} s", flush=True)
+            for side, marks in [*row["timeline"].items(), *([("by_hand", row["by_hand_timeline"])]
+                                                           if "by_hand_timeline" in row else [])]:
+                print(f"    timeline {side}: {json.dumps(marks)}", flush=True)
             with open(runs_file, "a") as fh:  # every pair as it ends
                 fh.write(json.dumps(row) + "\n")
     shutil.rmtree(work, ignore_errors=True)

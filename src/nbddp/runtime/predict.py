@@ -365,14 +365,15 @@ def _module_forward(self, *args, **kwargs):
 
 
 def _random_state() -> tuple:
-    """Where the global random generators stand: Python's, NumPy's, torch's on the CPU and on each GPU in use."""
+    """Where the global random generators stand: Python's, NumPy's, torch's on the CPU and on this rank's GPU (the
+    one its rows run on: asking every GPU's would reach the other ranks' cards too)."""
     import random
 
     import torch
 
     states = [random.getstate(), torch.get_rng_state().numpy().tobytes()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states += [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+        states.append(torch.cuda.get_rng_state().numpy().tobytes())
     try:
         import numpy
 
