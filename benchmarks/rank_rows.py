@@ -14,10 +14,14 @@ and times its rows alone, from the first to the last (not the start):
 - ``plain_both_gpus``: both GPUs visible, ``torch.cuda.set_device(i)`` first (as a rank sees them);
 - ``torchrun``: plain ``torchrun --nproc_per_node=2`` of the same rows, an NCCL group joined, no nbddp;
 - ``nbddp``: ``nbddp run`` of the notebook (its ranks' rows from the run's share records);
-- ``nbddp_omp``: the same with ``OMP_NUM_THREADS`` set to half the CPUs (torchrun then leaves it).
+- ``nbddp_omp1``: the same with ``OMP_NUM_THREADS=1`` given (torchrun's own count, given by hand: the control for a
+  rank that drops it, tried as a change);
+- ``nbddp_omp_half``: the same with ``OMP_NUM_THREADS`` set to half the CPUs (torchrun then leaves it).
+
+``benchmarks/results/rank_rows.md`` says what two calls found.
 
 Variants run in a new order each pass. Writes ``rank_rows_runs.jsonl`` (every run as it ends) and
-``rank_rows.md``: each variant's seconds a row (the mean of its two processes, and the slower), as a ratio to
+``rank_rows_last.md``: each variant's seconds a row (the mean of its two processes, and the slower), as a ratio to
 ``plain`` in the same pass.
 """
 
@@ -37,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import predict_speed as ps  # noqa: E402
 
-VARIANTS = ("plain", "plain_omp1", "plain_both_gpus", "torchrun", "nbddp", "nbddp_omp")
+VARIANTS = ("plain", "plain_omp1", "plain_both_gpus", "torchrun", "nbddp", "nbddp_omp1", "nbddp_omp_half")
 TORCHRUN_PRELUDE = ('import os, torch, torch.distributed as dist\n'
                     'dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")\n'
                     'if torch.cuda.is_available():\n    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n'
@@ -107,7 +111,9 @@ def nbddp(variant: str, notebook: Path, work: Path, timeout: int) -> list[tuple[
     folder = Path(tempfile.mkdtemp(prefix=f"{variant}-", dir=work))
     shutil.copy(notebook, folder / notebook.name)
     env = dict(ps.ENV)
-    if variant == "nbddp_omp":
+    if variant == "nbddp_omp1":
+        env["OMP_NUM_THREADS"] = "1"
+    if variant == "nbddp_omp_half":
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
     done = subprocess.run([*ps.NBDDP, "run", notebook.name, "--nproc", "2", "--runs-dir", str(folder / "runs")],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
@@ -183,7 +189,7 @@ def main() -> None:
                 fh.write(json.dumps(row) + "\n")
     machine["load_after"] = [round(x, 2) for x in os.getloadavg()]
     text = report(runs, args.prompts, machine)
-    (args.out / "rank_rows.md").write_text(text)
+    (args.out / "rank_rows_last.md").write_text(text)
     print(text, flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
