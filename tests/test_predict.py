@@ -348,16 +348,38 @@ BATCHED_REFUSED = {
                                 "draws random numbers"),
     "generator": (PIPE + "out = pipe(t for t in ['a', 'b'])", 3, "give it a list"),
     "streamed dataset": (PIPE + "out = list(pipe(load_dataset('imdb', streaming=True)))", 3, "give it a list"),
+    # a tokenizer's batch given to one generate call: a split would pad and compute each part at another size
+    "one generate call": ("inputs = tok(prompts, return_tensors='pt', padding=True)\n"
+                          "out = model.generate(**inputs, max_new_tokens=8)\nanswers = tok.batch_decode(out)", 2,
+                          "this generate(…) call predicts its whole batch at once"),
+    "one generate in a with": ("with torch.no_grad():\n    ids = llm.generate(input_ids=x, do_sample=False)", 2,
+                               "Predict in a loop over the prompts or their batches"),
 }
 
 
 @pytest.mark.parametrize("case", BATCHED_REFUSED)
-def test_a_pipeline_call_over_rows_that_cannot_be_split_is_refused_at_its_line_saying_the_fix(case):
+def test_a_batched_prediction_that_cannot_be_split_is_refused_at_its_line_saying_the_fix(case):
     source, line, said = BATCHED_REFUSED[case]
     with pytest.raises(CellError) as caught:
         convert(SETUP, source)
     assert (caught.value.cell, caught.value.line) == (2, line)
     assert said in str(caught.value) and "cannot split this prediction" in str(caught.value)
+
+
+@pytest.mark.parametrize("source", [
+    "for p in prompts:\n    print(tok.decode(model.generate(**tok(p, return_tensors='pt'))[0]))",  # no accumulator
+    "answers = [model.generate(**tok(p, return_tensors='pt')) for p in prompts]",
+    "rows = faker.generate(10)",  # not a model
+])
+def test_a_generate_in_a_loop_or_not_of_a_model_is_no_one_call_refusal(source):
+    script = convert(SETUP, source)  # left to the job's decision (no training call found, or --every-rank)
+    assert "_nbddp.predict" not in script.text
+
+
+def test_one_generate_call_beside_a_split_loop_is_not_refused():
+    script = convert(SETUP, "out = []\nfor x in xs:\n    out.append(model(x))",
+                     "demo = model.generate(**tok('hello', return_tensors='pt'))")
+    assert "_nbddp.predict.Rows(xs, out=out)" in script.text
 
 
 def test_a_split_pipeline_call_is_given_whole_batches_and_one_process_just_calls_it(monkeypatch):

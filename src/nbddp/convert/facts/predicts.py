@@ -188,7 +188,7 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
                or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)
                or _trainer_predicts(stmt, facts) or stmt in split]
     if not holding:
-        facts.batched_calls.extend(refused[:1])
+        facts.batched_calls.extend((refused or one_generate_calls(top))[:1])
         return
     facts.predictions = [top[k] for k in holding]
     _refuse_loops(top, holding, defs, facts)
@@ -246,6 +246,44 @@ _STREAMED = frozenset({"Dataset", "IterableDataset", "iter", "load_dataset"})
 _KEYED = frozenset({"KeyDataset", "KeyPairDataset"})
 #: What may wrap a pipeline call a loop walks: its results go through them as they are.
 _LOOP_WRAPPERS = frozenset({"tqdm", "enumerate", "list", "iter"})
+
+
+#: Why a notebook's one ``generate`` call is refused (``one_generate_calls``).
+ONE_CALL = ("this generate(…) call predicts its whole batch at once, and the notebook has no loop over its prompts "
+            "that nbddp could split; one call's batch cannot be shared by the GPUs without changing its numbers "
+            "(each rank's part would be padded and computed at another size than one process's). Predict in a loop "
+            "over the prompts or their batches (for batch in batches: out.append(model.generate(**batch))), which "
+            "nbddp splits")
+_GENERATOR = re.compile(r"model|llm|lm$|net$", re.IGNORECASE)
+
+
+def one_generate_calls(top: list[Statement]) -> list[PredictRefusal]:
+    """``model.generate(…)`` called outside any loop or comprehension (its batch made by a tokenizer, of one prompt
+    or of all: the code does not say), for a notebook that predicts nothing nbddp can split: a refusal at each,
+    saying the loop that would split. A ``generate`` in a loop that does not accumulate, or of something that is not
+    a model, is not one."""
+    out = []
+    for stmt in top:
+        if isinstance(stmt.nodes[0], DEFS):
+            continue
+        for node in _outside_loops(stmt.nodes):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "generate"
+                    and _GENERATOR.search(last_name(node.func.value) or "")):
+                out.append(PredictRefusal(stmt.cell.position, node.lineno, ONE_CALL))
+    return out
+
+
+def _outside_loops(body: list[ast.stmt]):
+    """The nodes of ``body`` outside loops, comprehensions, functions and classes."""
+    stop = (*DEFS, ast.Lambda, ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp,
+            ast.GeneratorExp)
+    todo = list(reversed(body))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, stop):
+            continue
+        yield node
+        todo.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
 def split_calls(top: list[Statement]) -> tuple[dict[Statement, str], list[PredictRefusal]]:
