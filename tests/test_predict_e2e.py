@@ -164,3 +164,4 @@ def test_rows_go_to_whichever_rank_is_free_and_come_back_in_order(tmp_path):
     assert sorted(taken[0] + taken[1]) == handed_chunks(40, 2)  # every chunk once, on one rank
     rows = [sum(end - first for first, end in rank) for rank in taken]
     assert rows[1] > 2 * rows[0], taken  # the slow rank took fewer: its contiguous half would have been 20
+    assert result["last"] == [[39, 117], [39, 117]]  # every rank holds the last row's names, whoever ran it

@@ -20,8 +20,10 @@ for i, x in (_nbddp_rows := _nbddp.predict.Rows([3 * k for k in range(40)], 0, a
     total += _nbddp_rows.add("total", x)
 else:
     answers, total = _nbddp_rows.gathered()
-taken = [None, None]
+    _nbddp_rows.settle(globals(), "i", "x")  # as a kept cell's loop: the names as the last row left them
+taken, last = [None, None], [None, None]
 dist.all_gather_object(taken, [(first, end) for first, end, _ in _nbddp_rows.pieces])
+dist.all_gather_object(last, [i, x])
 if _nbddp.is_main_process():
-    print("RESULT " + json.dumps({"answers": answers, "total": total, "taken": taken}), flush=True)
+    print("RESULT " + json.dumps({"answers": answers, "total": total, "taken": taken, "last": last}), flush=True)
 _nbddp.cleanup()
