@@ -166,6 +166,18 @@ def test_one_process_takes_every_row_and_replays_its_sums():
     assert rows.gathered()[0] is preds
 
 
+def test_a_rank_without_a_process_group_keeps_its_block_and_gathers_its_own_rows(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    out, total = [], 0
+    rows = Rows(list(range(5)), out=out, total=total)
+    assert rows.next_chunk is None  # nothing to count hand-outs on: its contiguous block
+    for x in rows:
+        out.append(x * 10)
+        total += rows.add("total", x)
+    assert rows.gathered() == ([20, 30, 40], 9) and rows.last_rank == 1
+
+
 def test_a_tensor_sum_is_replayed_from_its_value_before_the_loop_and_an_unknown_accumulator_is_stopped():
     import collections
 

@@ -147,7 +147,7 @@ class Rows:
 
         mine = [(first, end, self._items(i)) for i, (first, end, _) in enumerate(self.pieces)]
         predicted = time.time()
-        every = [None] * self.world
+        every: list = [[] for _ in range(self.world)]  # no group: this rank's pieces alone
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             dist.all_gather_object(every, _portable(mine))
         record_times(self.rank, self.loop, self.began, predicted, time.time())
