@@ -641,7 +641,7 @@ def test_a_chunking_pipeline_batching_chunks_of_several_rows_is_called_whole_and
         monkeypatch, capsys):
     """A ``ChunkPipeline`` batches the chunks of neighbouring rows together: split over the ranks, a block's rows
     would be computed in other batches than one process's. With batches of one chunk it splits as any."""
-    from nbddp.runtime import predict
+    from nbddp.runtime import predict, rank
 
     pipe = tiny_zero_shot()
     texts = ["the movie is good", "a plot about sports", "not this", "politics is bad", "great example"]
@@ -649,7 +649,7 @@ def test_a_chunking_pipeline_batching_chunks_of_several_rows_is_called_whole_and
     whole = pipe(texts, candidate_labels=labels, batch_size=3)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(predict, "_said_chunked", False)
+    monkeypatch.setattr(rank, "_said", set())  # said once a process: not yet in this one
     assert predict.split_call(pipe, texts, candidate_labels=labels, batch_size=3) == whole  # every row, here too
     assert "every rank runs this call whole" in capsys.readouterr().out
     one = predict.split_call(pipe, texts, candidate_labels=labels, batch_size=1)  # no group: this rank's block

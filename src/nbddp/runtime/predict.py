@@ -35,7 +35,7 @@ import contextlib
 import sys
 import time
 
-from .shares import append_share_line, block, hand_out, handed_chunks, next_prediction, record_share, record_times
+from .shares import append_share_line, batch_block, block, hand_out, handed_chunks, next_prediction, record_share, record_times
 
 
 class Rows:
@@ -143,17 +143,9 @@ class Rows:
     def gathered(self) -> tuple:
         """Every accumulator, in the order given: each list with the items every rank appended, in row order
         (in place: the same list object), each sum replayed from its value before the loop, in row order."""
-        import torch.distributed as dist
-
         mine = [(first, end, self._items(i)) for i, (first, end, _) in enumerate(self.pieces)]
-        predicted = time.time()
-        every: list = [[] for _ in range(self.world)]  # no group: this rank's pieces alone
-        if self.world > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_gather_object(every, _portable(mine))
-        record_times(self.rank, self.loop, self.began, predicted, time.time())
-        every[self.rank] = mine  # this rank's own, not the copies that travelled
-        pieces = sorted((first, r, end, part if r == self.rank else _local(part))
-                        for r, rank_pieces in enumerate(every) for first, end, part in rank_pieces)
+        every = _every_rank(mine, self.rank, self.world, self.loop, self.began)
+        pieces = sorted((first, r, end, part) for r, rank_pieces in enumerate(every) for first, end, part in rank_pieces)
         self.last_rank = max(((first, r) for first, r, end, _ in pieces if end > first), default=(0, None))[1]
         out = []
         for name, before in self.before.items():
@@ -211,7 +203,7 @@ def split_call(pipe, rows, /, *args, **kwargs):
     size = kwargs.get("batch_size") or getattr(pipe, "_batch_size", None) or 1
     if world > 1 and size > 1 and _chunks_rows(pipe):
         return _called_whole(pipe, rows, args, kwargs)
-    first, end = (min(b * size, len(rows)) for b in block(-(-len(rows) // size), rank, world))
+    first, end = batch_block(len(rows), size, rank, world)
     loop, began = record_share(rank, world, first, end, len(rows), getattr(pipe, "task", None) or type(pipe).__name__)
     if world < 2:
         return pipe(rows, *args, **kwargs)
@@ -231,14 +223,11 @@ def _called_whole(pipe, rows, args, kwargs):
     """A chunking pipeline's call with batches of more than one chunk, made whole by every rank: its batches mix
     the chunks of rows on both sides of any block's edge, so a rank's block would be computed in other batches
     than one process's (other numbers in the last bits). Said once."""
-    global _said_chunked
-    if not _said_chunked:
-        _said_chunked = True
-        from .dist import print0
+    from .rank import say
 
-        print0(f"nbddp: {type(pipe).__name__} batches the chunks of several rows together, so split over the ranks "
-               "its rows would be computed in other batches than in one process: every rank runs this call whole "
-               "(no faster than one GPU; batch_size=1 lets nbddp split it)", flush=True)
+    say(f"nbddp: {type(pipe).__name__} batches the chunks of several rows together, so split over the ranks its rows "
+        "would be computed in other batches than in one process: every rank runs this call whole (no faster than "
+        "one GPU; batch_size=1 lets nbddp split it)", once="chunked pipeline")
     return _results(pipe(rows, *args, **kwargs), rows)
 
 
@@ -246,8 +235,6 @@ def _results(result, rows):
     """A pipeline's results over ``rows`` as a list: given a list it returns one; given a dataset, an iterator."""
     return result if isinstance(rows, (list, tuple)) else list(result)
 
-
-_said_chunked = False
 
 
 def _map_style(rows) -> bool:
@@ -307,18 +294,22 @@ def _draws_beyond_its_loader(before) -> bool:
 
 
 def _gather_pieces(piece: list, rank: int, world: int, loop: int, began: float) -> list:
-    """Every rank's results, in rank order (which is the list's order), on every rank: ``all_gather_object``,
-    GPU tensors on the CPU on the way (``_portable``/``_local``)."""
+    """Every rank's results, in rank order (which is the list's order), on every rank."""
+    return [x for part in _every_rank(piece, rank, world, loop, began) for x in part]
+
+
+def _every_rank(mine: list, rank: int, world: int, loop: int, began: float) -> list[list]:
+    """Each rank's part, in rank order, on every rank (``all_gather_object``, GPU tensors on the CPU on the way:
+    ``_portable``/``_local``; this rank's own as it is); without a process group, this rank's alone. The share's
+    seconds recorded (``record_times``)."""
     import torch.distributed as dist
 
     predicted = time.time()
-    every = [None] * world
-    if dist.is_available() and dist.is_initialized():
-        dist.all_gather_object(every, _portable(piece))
-    else:
-        every = [None] * rank + [piece] + [[]] * (world - rank - 1)  # no process group: this rank's own
+    every: list = [[] for _ in range(world)]
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_gather_object(every, _portable(mine))
     record_times(rank, loop, began, predicted, time.time())
-    return [x for r, part in enumerate(every) for x in (piece if r == rank else _local(part or []))]
+    return [mine if r == rank else _local(part or []) for r, part in enumerate(every)]
 
 
 

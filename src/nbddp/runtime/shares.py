@@ -24,6 +24,13 @@ def block(total: int, rank: int, world: int) -> tuple[int, int]:
     return total * rank // world, total * (rank + 1) // world
 
 
+def batch_block(rows: int, size: int, rank: int, world: int) -> tuple[int, int]:
+    """The first and end row of rank ``rank``'s contiguous block of whole batches of ``size`` rows (the batches
+    one process makes; the last may be short): ``block`` over the batches, in rows."""
+    first, end = block(-(-rows // size), rank, world)
+    return min(first * size, rows), min(end * size, rows)
+
+
 def handed_chunks(total: int, world: int) -> list[tuple[int, int]]:
     """``total`` rows cut into chunks for ranks that take the next one as they free up (``hand_out``): each a
     ``2 × world``-th of the rows still left, at least one row, so the first chunks are long (few hand-outs) and

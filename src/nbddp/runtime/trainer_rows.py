@@ -136,7 +136,7 @@ def _by_blocks(evaluation_loop, bound, dataset):
     from torch.utils.data import DataLoader
 
     from .dist import rank_info
-    from .shares import block, record_share
+    from .shares import batch_block, record_share
     from .rank import say
 
     trainer, dataloader = bound.arguments["self"], bound.arguments["dataloader"]
@@ -144,8 +144,7 @@ def _by_blocks(evaluation_loop, bound, dataset):
     info = rank_info()
     size = trainer.args.eval_batch_size
     rows = len(dataset)
-    batches = -(-rows // size)
-    first, end = (min(b * size, rows) for b in block(batches, info.rank, info.world_size))
+    first, end = batch_block(rows, size, info.rank, info.world_size)
     say(f"nbddp: the Trainer's {rows} rows do not fill the ranks' last batches ({size} a rank on "
         f"{info.world_size} ranks): each rank computes its own block of whole batches, the batches one process "
         "makes, gathered once in row order", once="trainer_rows")
@@ -157,7 +156,8 @@ def _by_blocks(evaluation_loop, bound, dataset):
     with _alone(trainer, losses, size):
         bound.arguments["dataloader"] = loader
         mine = evaluation_loop(*bound.args, **bound.kwargs)
-    _take_the_missed_looks(trainer, -(-batches // info.world_size))
+    batches = -(-rows // size)
+    _take_the_missed_looks(trainer, -(-batches // info.world_size))  # the longest block's batches
     every = [None] * info.world_size
     dist.all_gather_object(every, (mine.predictions, mine.label_ids, _numpy(losses)))
     return _whole(trainer, every, prefix, rows, rows if cut else None)
