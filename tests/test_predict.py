@@ -691,3 +691,42 @@ def test_handed_out_chunks_cover_the_rows_once_in_order_and_end_in_single_rows(t
     assert sizes == sorted(sizes, reverse=True) and (not sizes or sizes[-1] == 1)
     assert len(chunks) <= 2 * world * (1 + math.log(total + 1)) + world  # few hand-outs: about 2·world·ln(rows)
 
+
+
+def _last_display(file) -> str:
+    return file.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("rank, world, shown", [(0, 2, "predicting (rank 0's share): 100%"),
+                                                (1, 2, "predicting (rank 1's share): 100%"), (0, 1, "predicting: 100%")])
+def test_a_progress_bar_the_loop_iterates_for_the_notebook_counts_this_ranks_rows_to_the_end(monkeypatch, rank, world,
+                                                                                          shown):
+    # it stood at 0 % before: the loop iterated the rows the bar wraps, never the bar
+    import io
+
+    from tqdm.auto import tqdm
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", str(rank))
+    file, out = io.StringIO(), []
+    bar = tqdm(list(range(41)), total=41, desc="predicting", file=file, mininterval=0)
+    rows = Rows(bar, 0, out=out)  # enumerate(tqdm(rows, total=len(df))): the loop iterates the rows, not the bar
+    for i, x in rows:
+        out.append(x)
+    share = rows.end - rows.first
+    assert (bar.n, bar.total) == (share, share) and share == (41 if world == 1 else 20 + rank)
+    assert _last_display(file).startswith(shown) and f"{share}/{share}" in _last_display(file)
+
+
+def test_a_progress_bar_around_the_loop_is_given_this_ranks_share_as_its_total(monkeypatch):
+    import io
+
+    from tqdm.auto import tqdm
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    file, out = io.StringIO(), []
+    rows = Rows(list(range(40)), out=out)
+    for x in tqdm(rows, total=40, file=file, mininterval=0):  # tqdm(Rows(df.iterrows()), total=len(df))
+        out.append(x)
+    assert _last_display(file).startswith("rank 0's share: 100%") and "20/20" in _last_display(file)

@@ -165,3 +165,5 @@ def test_rows_go_to_whichever_rank_is_free_and_come_back_in_order(tmp_path):
     rows = [sum(end - first for first, end in rank) for rank in taken]
     assert rows[1] > 2 * rows[0], taken  # the slow rank took fewer: its contiguous half would have been 20
     assert result["last"] == [[39, 117], [39, 117]]  # every rank holds the last row's names, whoever ran it
+    for rank, bar in enumerate(result["bars"]):  # each rank's bar ends full, at the rows it took
+        assert bar.startswith(f"predicting (rank {rank}'s share): 100%") and f"{rows[rank]}/{rows[rank]}" in bar, bar

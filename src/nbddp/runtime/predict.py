@@ -49,6 +49,7 @@ class Rows:
         self.rank, self.world = info.rank, info.world_size
         _check_strategy(self.world)
         self.enumerate_from = enumerate_from
+        self.bar = None  # the notebook's progress bar around the rows, where this loop iterates them for it
         self.before = {name: _before(name, v) for name, v in accumulators.items()}
         self.lists = {name: v for name, v in accumulators.items() if isinstance(v, list)}
         self.increments: dict[str, list] = {name: [] for name in accumulators if name not in self.lists}
@@ -66,8 +67,8 @@ class Rows:
 
     def _share(self, iterable):
         """This rank's share of ``iterable``: (the share, its first and end position, the whole count, the unit)."""
-        if type(iterable).__module__.split(".")[0] == "tqdm":  # a progress bar (tqdm, tqdm.auto's): its rows
-            iterable = getattr(iterable, "iterable", iterable)
+        if type(iterable).__module__.split(".")[0] == "tqdm":  # a progress bar (tqdm, tqdm.auto's): its rows,
+            self.bar, iterable = iterable, getattr(iterable, "iterable", iterable)  # the bar counted by ``_shown``
         loader = _loader_share(iterable, self.rank, self.world)
         if loader is not None:
             return loader
@@ -81,7 +82,34 @@ class Rows:
             rows = self._counted(self.share, self.first)
         else:
             rows = self._handed_out()
+        rows = self._shown(rows)
         return rows if self.world < 2 else self._unrandom(_whole_models(rows))
+
+    def _shown(self, rows):
+        """The rows, the notebook's progress bar counting this rank's share of them, to its end: a bar around the
+        loop's rows (``enumerate(tqdm(rows))``), which this loop iterates in its place, is advanced here (it stood
+        at 0 % before); a bar around this loop (``tqdm(rows, total=len(df))``) counts itself. On a rank of several,
+        its total is this rank's share (the bar ended at half) and its label says so; where the rows are handed
+        out, the total is first the share's expected length and at the end the rows this rank took (100 %)."""
+        bar = self.bar if self.bar is not None else _bar_around(self)
+        if bar is None or getattr(bar, "disable", True):
+            yield from rows
+            return
+        if self.world > 1:
+            bar.total = len(self)
+            label = getattr(bar, "desc", "").rstrip(": ")
+            bar.set_description_str(f"{label} (rank {self.rank}'s share)" if label else f"rank {self.rank}'s share",
+                                    refresh=False)
+        taken = 0
+        for row in rows:
+            yield row
+            taken += 1
+            if bar is self.bar:
+                bar.update(1)
+        if self.world > 1:
+            bar.total = taken
+        if bar is self.bar:
+            bar.close()
 
     def _handed_out(self):
         """The next chunk of the rows each time this rank is free (``shares.hand_out``), until none is left: a
@@ -120,8 +148,8 @@ class Rows:
             state = now
 
     def __len__(self):
-        """The rows of this rank's block: its rows where they are handed out, about as many (a progress bar's
-        length)."""
+        """The rows of this rank's block: where they are handed out, about as many as it takes (a progress bar's
+        length until the loop ends, ``_shown``)."""
         return len(self.share)
 
     def _record(self, first: int, end: int) -> None:
@@ -183,6 +211,13 @@ class Rows:
         dist.broadcast_object_list(packed, src=self.last_rank)
         if self.rank != self.last_rank:
             unpack(packed[0], namespace, device())
+
+
+def _bar_around(rows: Rows):
+    """The progress bar iterating ``rows`` (``tqdm(Rows(…), …)``), found among tqdm's live bars; None if none."""
+    std = sys.modules.get("tqdm.std")
+    bars = list(getattr(getattr(std, "tqdm", None), "_instances", ()))
+    return next((bar for bar in bars if getattr(bar, "iterable", None) is rows), None)
 
 
 def split_call(pipe, rows, /, *args, **kwargs):
