@@ -430,7 +430,7 @@ def report(result: dict) -> str:
                 if entry.split(" (")[0] == name:
                     got = e["to_submission_s"]["ratio_median"]
                     lines.append(f"Target for {entry}: ≥ {goal}× — {'met' if got >= goal else 'not met'} "
-                                 f"({got:.2f}×, {e['pairs']} pair{'s' if e['pairs'] > 1 else ''}).")
+                                 f"({got:.3f}×, {e['pairs']} pair{'s' if e['pairs'] > 1 else ''}).")  # 1.799 is not 1.80
         lines.append("")
     return "\n".join(lines)
 
