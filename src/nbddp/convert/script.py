@@ -22,6 +22,7 @@ from .facts.shape import JobShape, ShapeUnread, shape_of
 from .frameworks import check_frameworks
 from .launches import Launch, find_launches, leading_launch, seems_to_train
 from .lines import align
+from .own_training import refuse_own_training
 from .rules import RULES
 from .rules.predict import refuse_batched, refuse_unsplittable
 
@@ -153,6 +154,7 @@ def _convert_cells(cells: list[Cell], origin: str, skip_bad_cells: bool, prechec
     check_frameworks(cleaned, codes, kept=kept_cell or kept_tail)  # TensorFlow, JAX, Lightning, Opacus…: refused here
     facts = gather_facts(codes, kept_cell=len(codes) - 1 if kept_cell else None, kept_tail=kept_tail,
                          every_rank=every_rank)
+    refuse_own_training(facts, cleaned)  # a loop in a method of the notebook's own class: refused at the call
     refuse_unsplittable(facts, cleaned)  # a prediction loop the ranks cannot split: refused at its cell and line
     launches = find_launches(cells) if facts.last_training is None else ()
     if facts.batched_calls and not launches and seems_to_train(cells) is None:

@@ -47,6 +47,13 @@ class JobFacts:
     train_iterated: set[str] = field(default_factory=set)
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
     cuda_amp_names: set[str] = field(default_factory=set)
+    #: classes the notebook defines (not derived from a library's trainer) → their training methods
+    #: (``facts/own_classes.py``); such a class named ``…Trainer`` holds no trainer of transformers'
+    own_classes: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: names bound to an instance of such a class with training methods → the class
+    own_instances: dict[str, str] = field(default_factory=dict)
+    #: the calls running such a method (``own_classes.OwnTraining``), anywhere: refused before launch
+    own_trainings: list = field(default_factory=list)
     #: the notebook distributes itself (its own DistributedDataParallel)
     self_distributed: bool = False
     #: the notebook calls ``nn.DataParallel`` (by any name it binds: ``rules/data_parallel.calls_data_parallel``):

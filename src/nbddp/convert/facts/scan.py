@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..ast_helpers import dotted_name, is_dead_if, is_literal, keyword, last_name
 from .loaders import loader_name, plain_sampler
 from .models import is_optimizer, is_peft, model_of_parameters
+from .own_classes import OwnTraining, own_class, owner_called
 from .training import is_trainer_class, is_trainer_factory
 
 from .job_facts import Seen
@@ -105,8 +106,10 @@ class _Scan:
             targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
             call = node.value
             callee = last_name(call.func)
-            if is_trainer_class(callee) or is_trainer_factory(callee):
+            if (is_trainer_class(callee) and callee not in self.facts.own_classes) or is_trainer_factory(callee):
                 self.facts.trainer_names.update(targets)
+            if self.facts.own_classes.get(callee):  # an instance of the notebook's own class that trains
+                self.facts.own_instances.update(dict.fromkeys(targets, callee))
             if callee == "Accelerator":
                 self.facts.accelerators.update(targets)
             if is_optimizer(call):
@@ -197,6 +200,8 @@ class _Scan:
             self.generic(node)
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        if (training := own_class(node, self.facts.own_classes)) is not None:
+            self.facts.own_classes[node.name] = training
         self.bind(node.name)
         self.reads.add(node.name)
         self._scopes += 1
@@ -244,6 +249,8 @@ class _Scan:
             self.facts.self_distributed = True
         if is_peft(node):
             self.facts.peft = True
+        if (owner := owner_called(node, self.facts.own_instances, self.facts.own_classes)) is not None:
+            self.facts.own_trainings.append(OwnTraining(self.stmt.cell.position, node.lineno, owner, node.func.attr))
         self.generic(node)
 
 

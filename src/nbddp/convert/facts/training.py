@@ -44,7 +44,8 @@ def is_training_call(node: ast.Call, facts: JobFacts) -> bool:
         if attr in ("train", "fit"):
             if isinstance(owner, ast.Name) and owner.id in facts.trainer_names:
                 return True
-            if isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func)):
+            if isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func)) \
+                    and last_name(owner.func) not in facts.own_classes:
                 return True
         return is_helper_training(node, facts)
     if isinstance(func, ast.Name) and func.id == "notebook_launcher":
@@ -93,7 +94,8 @@ def launches(call: ast.Call, facts: JobFacts) -> bool:
 def plan_trainers(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
     """Names bound to what a function of the notebook returns when that function builds a trainer
     (``trainer_x = create_trainer(…)``): their ``.train()`` trains."""
-    factories = {name for name, calls in defs.items() if any(is_trainer_class(last_name(c.func)) for c in calls)}
+    factories = {name for name, calls in defs.items() if any(
+        is_trainer_class(last_name(c.func)) and last_name(c.func) not in facts.own_classes for c in calls)}
     for targets, call in seen.assigned:
         if isinstance(call.func, ast.Name) and call.func.id in factories:
             facts.trainer_names.update(targets)

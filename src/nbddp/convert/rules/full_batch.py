@@ -70,10 +70,11 @@ def refusal(tensors: list[str]) -> str:
     edges = next((t for t in tensors if t.rpartition(".")[2] in _GRAPH_EDGES), None)
     if edges is not None:
         return why + f"a whole graph ({edges}) has no rows nbddp can share out between the ranks: run it in one " \
-                     "process (--nproc 1)"
+                     "process, in the notebook's kernel"
     data = ", ".join(tensors) if len(tensors) > 1 else f"{x}, …"  # every input, then the targets
     return (why + f"feed it in batches (a DataLoader over TensorDataset({data}), or slices {x}[i:i+bs] over "
-            f"range(0, len({x}), bs)) and nbddp gives each rank its share, or run it in one process (--nproc 1)")
+            f"range(0, len({x}), bs)) and nbddp gives each rank its share, or run it in one process, in the "
+            "notebook's kernel")
 
 
 def _places(stmt: Statement, facts: JobFacts) -> list[tuple[int, int, list[str]]]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import ast
 
-from ...errors import CellError
 from ..cst_helpers import code_of, cst, fixed_expression, last_name
 from ..engine.rule import Rule
 from ..facts.kept import writes_once
 from ..facts.predicts import SPLIT_CALLS, PredictLoop, loop_names, prediction_loop
+from ..refusal import refuse_at
 from .rank_zero import MAIN_PROCESS_EXPR
 
 #: The name the rewritten loop binds to its share (``runtime.predict.Rows``).
@@ -241,9 +241,4 @@ KEPT_INSTEAD = ("The kept job's ranks are kept, and nothing of this cell ran: ch
 
 
 def _refuse(refusal, cleaned, what: str, instead: str = "Or run the notebook in its kernel, in one process") -> None:
-    clean = cleaned[refusal.position]
-    j = refusal.line - 1
-    line = clean.line_map[j] if 0 <= j < len(clean.line_map) else None
-    lines = clean.cell.source.splitlines()
-    source = lines[line - 1] if line and line <= len(lines) else ""
-    raise CellError(f"{what}: {refusal.reason}. {instead}", cell=clean.cell.index, line=line, source=source)
+    refuse_at(refusal.position, refusal.line, cleaned, f"{what}: {refusal.reason}. {instead}")
