@@ -24,6 +24,7 @@ from .from_rank0 import from_rank0
 from .handoff import for_accelerate
 from .lifecycle import cleanup, setup
 from .loaders import shard_items, shard_loader, shard_range, whole_loader
+from .loop_sums import before_loop, over_ranks
 from .rich import display
 from .shell_lines import cd, expand, getoutput, shell, shell_cell, write_file
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
@@ -33,6 +34,7 @@ __all__ = [
     "MultiGPUConfig",
     "RankInfo",
     "barrier",
+    "before_loop",
     "cd",
     "cleanup",
     "data_parallel",
@@ -52,6 +54,7 @@ __all__ = [
     "is_main_process",
     "main_process_first",
     "on_rank0",
+    "over_ranks",
     "print0",
     "rank0_mode",
     "rank0_only",

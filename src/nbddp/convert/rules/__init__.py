@@ -20,6 +20,7 @@ from .device_map import DeviceMapRule
 from .full_batch import FullBatchRule
 from .launcher import LauncherRule
 from .loop_output import LoopOutputRule
+from .loop_sums import LoopSumsRule
 from .main_process_first import MainProcessFirstRule
 from .predict import PredictRule
 from .rank_zero import RankZeroRule
@@ -53,4 +54,5 @@ RULES: tuple[type[Rule], ...] = (
     LoopOutputRule,
     PredictRule,
     TrackersRule,
+    LoopSumsRule,  # last: what it gives back is the loop and its sums' lines, which no later rule would see
 )

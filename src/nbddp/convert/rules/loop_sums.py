@@ -1,0 +1,135 @@
+"""Plain PyTorch: what a loop over a sharded loader adds up is the whole data set's when the loop ends."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from ..ast_helpers import last_name
+from ..cst_helpers import code_of, cst
+from ..engine.rule import Rule
+
+
+class LoopSumsRule(Rule):
+    """Plain PyTorch: ``trn_loss += loss.item() * x.size(0)`` in a loop over a loader nbddp shards: before the loop
+    ``_nbddp_trn_loss = _nbddp.before_loop(trn_loss)``, after it ``trn_loss = _nbddp.over_ranks(trn_loss,
+    since=_nbddp_trn_loss)``.
+
+    Each rank's loop reads its share of the batches (a DistributedSampler), so what it adds up is its share's:
+    ``trn_loss / len(data_train)`` printed half the epoch's loss on two ranks, and an early stop or a best
+    checkpoint chosen on it was chosen on rank 0's half, the other ranks deciding on theirs. After the loop every
+    rank holds what it held before the loop plus what every rank's loop added (``runtime/loop_sums.over_ranks``):
+    one process's sum, also for a count kept across epochs (``examples_seen``), which summing the whole value
+    would count again each epoch. A sum the code after
+    the loop divides by a count of the rank's own — ``len(train_loader)`` (its batches under the sampler), the
+    loop's ``enumerate`` index, a counter the loop adds 1 to — is averaged over the ranks instead, so the quotient
+    is the whole set's mean. Only names the loop adds to and never sets, with something other than a constant
+    (``step += 1`` stays each rank's count); not in a notebook that calls DataParallel, whose loaders are split
+    otherwise (``data_parallel``).
+    """
+
+    # -- where it has work: Python's ast, before libcst reads anything
+
+    name = "loop_sums"
+    pattern = re.compile(r"\+=")
+
+    @classmethod
+    def wanted(cls, cell, facts) -> bool:
+        return facts.plain_loop and not facts.data_parallel and bool(facts.sharded_loaders) and \
+            super().wanted(cell, facts)
+
+    @classmethod
+    def touches(cls, stmt, facts, nodes) -> bool:
+        return any(isinstance(n, ast.For) and _loader_of(n.iter, facts) and _sums(n) for n in nodes)
+
+    # -- what it does: libcst
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self._tree = ast.parse(node.code)  # the code after a loop, where its sums are divided
+
+    def leave_For(self, original: cst.For, updated: cst.For):
+        tree = ast.parse(code_of(original.with_changes(leading_lines=[]))).body[0]
+        loader = _loader_of(tree.iter, self.facts)
+        sums = _sums(tree) if loader else []
+        if not sums:
+            return updated
+        own_counts = _own_counts(tree, loader)
+        means = [name for name in sums if _divided_by(self._tree, name, own_counts)]
+        before = [cst.parse_statement(f"_nbddp_{name} = _nbddp.before_loop({name})\n") for name in sums]
+        after = [cst.parse_statement(f"{name} = _nbddp.over_ranks({name}, since=_nbddp_{name}"
+                                     f"{', mean=True' if name in means else ''})\n") for name in sums]
+        summed = [name for name in sums if name not in means]
+        said = []
+        if summed:
+            said.append(f"what it adds to {', '.join(summed)} is summed over the ranks")
+        if means:
+            said.append(f"what it adds to {', '.join(means)} is averaged over them (divided by a count of each "
+                        "rank's own)")
+        self.note(original, f"after the loop over {loader}, whose batches are shared out, {' and '.join(said)}: "
+                            "what one process adds up, the same on every rank")
+        before[0] = before[0].with_changes(leading_lines=updated.leading_lines)
+        return cst.FlattenSentinel([*before, updated.with_changes(leading_lines=[]), *after])
+
+
+def _loader_of(iterated: ast.expr, facts) -> str | None:
+    """The loader nbddp shards that a ``for`` iterates: ``dl`` in ``dl``, ``enumerate(dl)``, ``tqdm(dl, …)``."""
+    while isinstance(iterated, ast.Call) and iterated.args and last_name(iterated.func) in ("enumerate", "tqdm", "iter"):
+        iterated = iterated.args[0]
+    if isinstance(iterated, ast.Name) and iterated.id in facts.sharded_loaders and \
+            iterated.id not in facts.whole_loaders | facts.accelerate_prepared:
+        return iterated.id
+    return None
+
+
+def _body_nodes(loop: ast.For):
+    """Every node of the loop's body, not inside a function, class or lambda defined there."""
+    todo = list(loop.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _sums(loop: ast.For) -> list[str]:
+    """The names the loop adds to (``x += …``, not a constant) and never sets otherwise, in source order."""
+    nodes = list(_body_nodes(loop))
+    added = [n for n in nodes if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+             and isinstance(n.target, ast.Name) and not isinstance(n.value, ast.Constant)]
+    set_ = {t.id for n in nodes if isinstance(n, (ast.Assign, ast.AnnAssign, ast.For, ast.With, ast.NamedExpr))
+            for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+    set_ |= {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
+    set_ |= {n.target.id for n in nodes if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
+             and not isinstance(n.op, ast.Add)}
+    names = sorted({n.target.id for n in added} - set_, key=lambda name: next(
+        (n.lineno, n.col_offset) for n in added if n.target.id == name))
+    return names
+
+
+def _own_counts(loop: ast.For, loader: str) -> set[str]:
+    """What counts the rank's own batches or rows: ``len(<loader>)``, the loop's ``enumerate`` index, a name the
+    loop adds a constant to (``n += 1``)."""
+    own = {f"len({loader})"}
+    if isinstance(loop.iter, ast.Call) and last_name(loop.iter.func) == "enumerate" and \
+            isinstance(loop.target, ast.Tuple) and isinstance(loop.target.elts[0], ast.Name):
+        own.add(loop.target.elts[0].id)
+    own |= {n.target.id for n in _body_nodes(loop) if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+            and isinstance(n.target, ast.Name) and isinstance(n.value, ast.Constant)}
+    return own
+
+
+def _divided_by(tree: ast.AST, name: str, own_counts: set[str]) -> bool:
+    """Whether the code divides ``name`` by one of ``own_counts`` (``loss_sum / len(train_loader)``,
+    ``total / (i + 1)``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            divided, by = node.left, node.right
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):  # train_loss /= len(loader)
+            divided, by = node.target, node.value
+        else:
+            continue
+        if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(divided)) and any(
+                ast.unparse(n) in own_counts for n in ast.walk(by) if isinstance(n, (ast.Name, ast.Call))):
+            return True
+    return False

@@ -1,0 +1,107 @@
+"""What a training loop over a sharded loader adds up (an epoch's loss, correct answers, rows seen), made the whole
+data set's after the loop: summed over the ranks, or averaged where the notebook divides it by a count of the
+rank's own. Before, ``trn_loss / len(data_train)`` printed half the epoch's loss on two ranks.
+
+The first notebook is the shape of a public Kaggle notebook's training cell (the "blind" competition's training
+notebook, cell 17: ``trn_loss += loss.item() * inputs.size(0)`` … ``trn_loss / len(data_train)``), cut to a tiny
+model with a learning rate of 0, so one process and two ranks see the same losses."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import write_notebook
+from nbddp.cells import Cell
+from nbddp.convert.script import convert_cells
+from nbddp.display.view import QuietView
+from nbddp.job import run_job
+from nbddp.options import RunOptions
+
+SETUP = """import json, torch, torch.nn as nn
+torch.manual_seed(0)
+X = torch.randn(96, 8); Y = (X[:, 0] > 0).long()
+data_train = torch.utils.data.TensorDataset(X[:64], Y[:64])
+data_valid = torch.utils.data.TensorDataset(X[64:], Y[64:])
+train_loader = torch.utils.data.DataLoader(data_train, batch_size=8, shuffle=True)
+valid_loader = torch.utils.data.DataLoader(data_valid, batch_size=8, shuffle=False)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+criterion = nn.CrossEntropyLoss()"""
+
+TRAIN = """history, examples_seen = [], 0
+for epoch in range(2):
+    summed = torch.zeros(())
+    trn_loss, running, correct, seen, batches, step = 0.0, 0.0, 0, 0, 0, 0
+    model.train()
+    for i, (inputs, labels) in enumerate(train_loader):
+        optimizer.zero_grad()
+        out = model(inputs)
+        loss = criterion(out, labels)
+        loss.backward(); optimizer.step()
+        trn_loss += loss.item() * inputs.size(0)
+        running += loss.item()
+        correct += (out.argmax(1) == labels).sum().item()
+        seen += labels.size(0)
+        examples_seen += labels.size(0)  # across epochs, never reset
+        summed += loss.detach() * inputs.size(0)  # a tensor, added to in place
+        batches += 1
+        step += 1
+    val_loss = 0.0
+    with torch.no_grad():
+        for inputs, labels in valid_loader:
+            val_loss += criterion(model(inputs), labels).item() * inputs.size(0)
+    history.append({"trn_loss": trn_loss / len(data_train), "by_batches": running / len(train_loader),
+                    "by_index": running / (i + 1), "accuracy": correct / seen, "seen": seen, "step": step,
+                    "batches": batches, "val_loss": val_loss / len(data_valid),
+                    "examples_seen": examples_seen, "summed": summed.item() / len(data_train)})
+    print(history[-1])
+json.dump(history, open("history.json", "w"))"""
+
+
+def test_a_training_loops_sums_are_summed_over_the_ranks_and_those_divided_by_its_own_counts_averaged():
+    script = convert_cells([Cell(1, SETUP), Cell(2, TRAIN)], origin="nb.ipynb")
+    lines = script.text.splitlines()
+    after = lines.index(next(ln for ln in lines if "trn_loss = _nbddp.over_ranks(trn_loss, since=_nbddp_trn_loss)" in ln))
+    assert lines[after - 1].strip() == "step += 1"  # right after the loop over train_loader, inside the epoch loop
+    assert "running = _nbddp.over_ranks(running, since=_nbddp_running, mean=True)" in lines[after + 1]
+    assert [ln.strip() for ln in lines[after + 2:after + 5]] == [
+        "correct = _nbddp.over_ranks(correct, since=_nbddp_correct)", "seen = _nbddp.over_ranks(seen, since=_nbddp_seen)",
+        "examples_seen = _nbddp.over_ranks(examples_seen, since=_nbddp_examples_seen)"]
+    loop = lines.index(next(ln for ln in lines if "for i, (inputs, labels) in enumerate(train_loader):" in ln))
+    assert lines[loop - 6].strip() == "_nbddp_trn_loss = _nbddp.before_loop(trn_loss)"  # where each sum starts
+    assert lines[loop - 7].strip() == "model.train()"
+    assert "over_ranks(step" not in script.text and "over_ranks(batches" not in script.text  # counts of one's own
+    assert "over_ranks(val_loss" not in script.text  # the validation loader is whole on every rank
+    assert any(c.rule == "loop_sums" and "adds to trn_loss, correct, seen, examples_seen, summed is summed over the ranks" in c.message
+               and "adds to running is averaged" in c.message for c in script.changes)
+
+
+@pytest.mark.parametrize("loop", [
+    "for x, y in train_loader:\n    total = 0\n    total += y.sum().item()",  # set in the loop: a batch's own
+    "with torch.no_grad():\n    for x, y in valid_loader:\n        total += y.sum().item()",  # a whole loader
+])
+def test_a_name_the_loop_sets_or_a_loop_over_a_whole_loader_is_left(loop):
+    script = convert_cells([Cell(1, SETUP), Cell(2, TRAIN), Cell(3, "total = 0\n" + loop)], origin="nb.ipynb")
+    assert "over_ranks(total" not in script.text and "over_ranks(trn_loss" in script.text
+
+
+@pytest.mark.e2e
+def test_two_ranks_print_and_write_the_epoch_losses_one_process_does(tmp_path, monkeypatch):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    subprocess.run([sys.executable, "-c", SETUP + "\n" + TRAIN], cwd=one, check=True, capture_output=True,
+                   timeout=120)
+    notebook = write_notebook(two / "train.ipynb", [SETUP, TRAIN])
+    monkeypatch.chdir(two)
+    result = run_job(notebook, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
+    assert result.ok, result.failure
+    want, got = (json.loads((d / "history.json").read_text()) for d in (one, two))
+    for epoch_want, epoch_got in zip(want, got, strict=True):
+        for key in ("trn_loss", "by_batches", "by_index", "accuracy", "val_loss", "summed"):
+            assert epoch_got[key] == pytest.approx(epoch_want[key], rel=1e-6), key  # half of it before
+        assert (epoch_got["seen"], epoch_want["seen"]) == (64, 64)
+        assert epoch_got["examples_seen"] == epoch_want["examples_seen"]  # 64, then 128: not counted again
+        assert (epoch_got["step"], epoch_want["step"]) == (4, 8)  # each rank's own count of its 4 batches
