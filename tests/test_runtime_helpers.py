@@ -27,12 +27,15 @@ RANK = textwrap.dedent(
     first = list(sampler)
     _nbddp.set_epoch(loader, 1)
     _nbddp.set_epoch([1, 2], 1)  # not a loader with a DistributedSampler: nothing happens
+    wrapped.note = "set after the wrap"  # net.output_type = ["loss"]: what the model's forward reads
+    wrapped.require_backward_grad_sync = True  # DDP's own attribute stays DDP's
     import copy
     copied = copy.deepcopy(wrapped)  # the notebook keeps a copy of its model (peft's MLP example)
     out = {
         "copy": [type(copied).__name__, sorted(dict(copied.named_parameters()))],
         "wrapped": type(wrapped).__name__, "again": _nbddp.ddp(wrapped) is wrapped,
         "head": wrapped.head is model.head, "note": wrapped.note, "unwrap": _nbddp.unwrap(wrapped) is model,
+        "set_through": [model.note, "note" in vars(wrapped), "require_backward_grad_sync" in vars(model)],
         "device": str(_nbddp.device()), "share": first, "reshuffled": list(sampler) != first,
         "indexed": wrapped[1] is model.head and [m for m in wrapped] == [model.body, model.head]
                    and len(wrapped) == 2 and bool(_nbddp.ddp(torch.nn.Linear(1, 1))),
@@ -57,7 +60,8 @@ def test_ddp_unwrap_sampler_and_set_epoch_on_two_ranks(tmp_path):
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
-        assert r["wrapped"] == "NotebookDDP" and r["again"] and r["head"] and r["note"] == "mine" and r["unwrap"]
+        assert r["wrapped"] == "NotebookDDP" and r["again"] and r["head"] and r["unwrap"]
+        assert r["note"] == "set after the wrap" and r["set_through"] == ["set after the wrap", False, False]
         assert r["device"] == "cpu" and r["reshuffled"] and len(r["share"]) == 5 and r["indexed"]
         # a deep copy of a wrapped model is a copy of the notebook's model: no wrapper, no "module." names
         assert r["copy"] == ["Sequential", ["body.bias", "body.weight", "head.bias", "head.weight"]]

@@ -127,8 +127,9 @@ def device():
 def ddp(model):
     """Wrap a model placed on this rank's device in ``DistributedDataParallel`` (once; alone, it stays as it is).
 
-    The wrapper passes attribute lookups it cannot answer on to the model, so the notebook's code keeps
-    working after the wrap (``model.head.parameters()``, ``model.config``, its own methods). DDP looks for
+    The wrapper passes attribute lookups it cannot answer on to the model, and sets the model's own plain
+    attributes on the model, so the notebook's code keeps working after the wrap (``model.head.parameters()``,
+    ``model.config``, its own methods, ``net.output_type = ["loss"]`` read by its forward). DDP looks for
     parameters a step leaves out unless the model is a PEFT adapter (``looks_for_unused``). Under
     ``NBDDP_STRATEGY=fsdp`` the model is sharded with FSDP2's ``fully_shard`` instead (``apply_strategy.shard``).
     """
@@ -191,6 +192,17 @@ def _notebook_ddp():
                 if inner is None or name == "module":
                     raise
                 return getattr(inner, name)
+
+        def __setattr__(self, name, value):
+            """``net.output_type = ["loss"]`` after the wrap sets the model's own attribute, which its forward
+            reads (set on the wrapper, the model never saw it: a Kaggle loop failed with KeyError). Only a plain
+            attribute the model has and the wrapper does not: DDP's own, and names new to both, stay DDP's."""
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is not None and name in inner.__dict__ and name not in self.__dict__ \
+                    and not hasattr(type(self), name):
+                setattr(inner, name, value)
+            else:
+                super().__setattr__(name, value)
 
         def __getitem__(self, index):
             """``model[0]`` of an ``nn.Sequential``/``ModuleList`` the notebook indexes after the wrap."""
