@@ -730,3 +730,12 @@ def test_a_progress_bar_around_the_loop_is_given_this_ranks_share_as_its_total(m
     for x in tqdm(rows, total=40, file=file, mininterval=0):  # tqdm(Rows(df.iterrows()), total=len(df))
         out.append(x)
     assert _last_display(file).startswith("rank 0's share: 100%") and "20/20" in _last_display(file)
+
+
+def test_a_sum_made_anew_in_each_row_and_grown_in_an_inner_loop_is_the_rows_own():
+    # test-time augmentation (a public Kaggle notebook's valid_epoch): logits = zeros(…) in each row, then
+    # logits += preds / n over the flips; it was refused as "logits carries a value from one row to the next"
+    script = convert(SETUP, "probs = []\nfor (x,) in test_loader:\n    logits = torch.zeros(len(x), 3)\n"
+                            "    for k in range(2):\n        logits += model(x * (1 - 2 * k)) / 2\n"
+                            "    probs.append(logits.softmax(-1))")
+    assert "_nbddp.predict.Rows(test_loader, probs=probs)" in script.text and script.text.count("Rows(") == 1

@@ -615,8 +615,8 @@ def _reads_before_binds(stmt: ast.stmt, bound: set[str]):
     else:
         value = getattr(stmt, "value", None)
         heads = [stmt] if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) else [value] if value else []
-        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
-            yield stmt.target.id
+        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id not in bound:
+            yield stmt.target.id  # grown in this row before it was bound in it: the previous row's value
     for head in heads:
         names = list(_own_names([head]))
         yield from (n.id for n in names if isinstance(n.ctx, ast.Load) and n.id not in bound)
