@@ -186,6 +186,17 @@ def test_an_optional_torch_xla_import_alone_is_no_refusal():
             "model = Net()\nopt = SGD(model.parameters())\nfor x in loader:\n    model(x).sum().backward()\n    opt.step()\n")
 
 
+def test_torch_xla_calls_in_branches_the_device_setting_chooses_are_no_refusal():
+    # a public Kaggle notebook (kozodoi's leaf-disease pipeline) set to CFG['device'] = 'GPU', with its TPU
+    # branches beside: refused as a TPU notebook before
+    loop = "model = Net()\nopt = SGD(model.parameters())\nfor x in loader:\n    model(x).sum().backward()\n    opt.step()\n"
+    convert("CFG = {'device': 'GPU'}\nif CFG['device'] == 'TPU':\n    import torch_xla.core.xla_model as xm\n",
+            "device = torch.device('cuda') if CFG['device'] != 'TPU' else xm.xla_device()\n",
+            "if CFG['device'] == 'TPU':\n    xm.optimizer_step(opt, barrier=True)\nelse:\n    pass\n", loop)
+    error = refusal("import torch_xla.core.xla_model as xm\n", "device = xm.xla_device()\n", loop)
+    assert "TPU notebooks are out of scope" in str(error)  # the same call, chosen by nothing: refused
+
+
 @pytest.mark.parametrize("fit", ["learn.fine_tune(3)", "learn.fit_one_cycle(5, 1e-3)", "learn.fit(2)"])
 def test_fastai_is_refused_naming_fastai_and_its_recipe(fit):
     error = refusal("from fastai.vision.all import *\n",

@@ -25,7 +25,9 @@ process starts:
   would make Opacus account the privacy budget on one rank's share.
 
 - **TPU** (a call through ``torch_xla``: ``xm.xla_device()``, ``xmp.spawn``): nbddp runs on GPUs; refused at
-  that call, with the GPU accelerator to pick (an optional ``import torch_xla`` alone is no refusal).
+  that call, with the GPU accelerator to pick (an optional ``import torch_xla`` alone is no refusal, nor a call
+  in a branch the notebook's device setting chooses, ``if CFG['device'] == 'TPU':``: its GPU setting runs the
+  other branch).
 - **fastai** (``learn.fine_tune``, ``fit_one_cycle``, a learner's ``fit``) without fastai's own
   ``distrib_ctx``: fastai's Learner builds its own loaders and loop, which nbddp's rules do not reach, so
   every rank would train alone on the whole data; refused with fastai's in-notebook recipe.
@@ -50,11 +52,11 @@ import ast
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..errors import CellError
 from .ast_helpers import dotted_name, last_name
 from .clean import CleanCell
 from .code import CellCode, Statement
 from .facts import gather_facts
+from .refusal import refuse_at
 
 #: Words one of whose presence in a cell's text makes the check walk the notebook.
 _MARKERS = ("tensorflow", "keras", "jax", "flax", "lightning", "make_private", "TFTrainer", "torch_xla", "fastai",
@@ -114,6 +116,30 @@ _AXOLOTL_TRAINS = ("do_cli", "do_train", "train")
 _VLLM_ENGINES = ("LLM", "from_engine_args")
 
 
+#: What a test choosing the device by configuration names (``CFG['device'] == 'TPU'``, ``if use_tpu:``).
+_DEVICE_WORDS = ("tpu", "xla", "gpu", "cuda")
+
+
+def _under_device_choice(tree: ast.AST):
+    """The nodes in either branch of an ``if`` (or ``… if … else …``) whose test chooses the device
+    (``CFG['device'] == 'TPU'``, ``torch.cuda.is_available()``): a notebook written for TPU and GPU alike, whose
+    torch_xla calls its GPU configuration never makes."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp)) and _chooses_device(node.test):
+            branches = [node.body, node.orelse] if isinstance(node, ast.IfExp) else [*node.body, *node.orelse]
+            for branch in branches:
+                yield from ast.walk(branch)
+
+
+def _chooses_device(test: ast.expr) -> bool:
+    for n in ast.walk(test):
+        word = (n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else
+                n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else "")
+        if any(w in word.lower() for w in _DEVICE_WORDS) or word == "is_available":
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class _Found:
     position: int  #: the cell's position among the cleaned cells
@@ -129,12 +155,7 @@ def check_frameworks(cleaned: list[CleanCell], codes: list[CellCode], kept: bool
     found = _Walk(codes, kept).first()
     if found is None:
         return
-    clean = cleaned[found.position]
-    j = found.line - 1
-    line = clean.line_map[j] if 0 <= j < len(clean.line_map) else None
-    lines = clean.cell.source.splitlines()
-    source = lines[line - 1] if line and line <= len(lines) else ""
-    raise CellError(found.message, cell=clean.cell.index, line=line, source=source)
+    refuse_at(found.position, found.line, cleaned, found.message)
 
 
 class _Walk:
@@ -165,6 +186,7 @@ class _Walk:
                         self.learners.update(t.id for t in node.targets if isinstance(t, ast.Name))
         calls = [(code.position, node) for code in self.codes for node in ast.walk(code.tree)
                  if isinstance(node, ast.Call)]
+        self.device_chosen = {id(n) for code in self.codes for n in _under_device_choice(code.tree)}
         for _, call in calls:
             self._note(call)
         found = [f for position, call in calls if (f := self._judge(position, call)) is not None]
@@ -265,7 +287,7 @@ class _Walk:
         if origin == "vllm" and (attr in _VLLM_ENGINES or attr in self.vllm_engines) \
                 and not self._after_training(position, call):
             return _Found(position, call.lineno, _VLLM_FIX)
-        if origin == "torch_xla":
+        if origin == "torch_xla" and id(call) not in self.device_chosen:
             return _Found(position, call.lineno, _TPU_FIX)
         if "fastai" in self.imported and not self.fastai_distributed and isinstance(call.func, ast.Attribute) and (
             attr in _FASTAI_FITS or attr == "fit" and isinstance(call.func.value, ast.Name)
