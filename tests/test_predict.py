@@ -739,3 +739,14 @@ def test_a_sum_made_anew_in_each_row_and_grown_in_an_inner_loop_is_the_rows_own(
                             "    for k in range(2):\n        logits += model(x * (1 - 2 * k)) / 2\n"
                             "    probs.append(logits.softmax(-1))")
     assert "_nbddp.predict.Rows(test_loader, probs=probs)" in script.text and script.text.count("Rows(") == 1
+
+
+def test_a_loop_that_builds_loads_and_keeps_models_is_no_prediction_and_the_loop_running_them_is_split():
+    # a public Kaggle submission notebook (BirdCLEF): its fold checkpoints loaded in a loop were split as rows and
+    # the models gathered; the runtime then stopped it, blaming the models' random init for "sampling"
+    load = ("class BirdModel(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.fc = torch.nn.Linear(4, 3)\n    def forward(self, x):\n        return self.fc(x)\n"
+            "models = []\nfor path in ['a.pt', 'b.pt']:\n    model = BirdModel()\n"
+            "    model.load_state_dict(torch.load(path))\n    model.eval()\n    models.append(model.to('cpu'))")
+    script = convert(SETUP, load, "preds = []\nfor (x,) in test_loader:\n    preds.append(model(x))")
+    assert script.text.count("Rows(") == 1 and "_nbddp.predict.Rows(test_loader, preds=preds)" in script.text

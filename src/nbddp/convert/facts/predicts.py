@@ -47,6 +47,22 @@ if TYPE_CHECKING:
 
 #: Callees that run a model on rows: ``model(x)``, ``net(x)``, ``model.generate(…)``, ``clf.predict(…)``, ``pipe(…)``.
 _MODEL_CALL = re.compile(r"model|net$|^net|generate|predict|pipe|classifier|clf|forward|infer", re.IGNORECASE)
+#: Calls that make, load or place a model rather than run it: a loop of only these loads models (``for path in
+#: ckpts: model = Net(); model.load_state_dict(torch.load(path)); models.append(model)``), it predicts nothing.
+_MODEL_SETUP = re.compile(r"^(?:load_state_dict|state_dict|eval|train|to|cuda|cpu|half|float|bfloat16|parameters|"
+                          r"named_parameters|requires_grad_|from_pretrained|(?:create|build|load|get|make|init)_?\w*|"
+                          r"append|extend|insert|pop|remove|clear|copy|keys|items|values|update)$")  # models.append(m)
+
+
+def _calls_a_model(call: ast.Call) -> bool:
+    """A call that runs a model (``model(x)``, ``net.predict(x)``, ``pipe(texts)``, ``model.generate(…)``): not a
+    class built (``BirdModel(cfg)``) nor a model made, loaded or placed (``_MODEL_SETUP``)."""
+    last = last_name(call.func) or ""
+    if last[:1].isupper() or _MODEL_SETUP.match(last):
+        return False
+    return _MODEL_CALL.search(dotted_name(call.func) or last) is not None
+
+
 #: Methods that accumulate into a list named before the loop.
 _LIST_GROWS = frozenset({"append", "extend"})
 #: Methods that change what they are called on: outside an accumulator, a write the gather would not see.
@@ -86,7 +102,7 @@ def prediction_loop(loop: ast.AST, splitting: frozenset[str] = frozenset()) -> P
     if any(last_name(c.func) == "backward" or isinstance(c.func, ast.Name) and c.func.id in splitting
            for c in calls):
         return None
-    if not any(_MODEL_CALL.search(dotted_name(c.func) or last_name(c.func) or "") for c in calls):
+    if not any(_calls_a_model(c) for c in calls):
         return None
     names = list(_own_names(loop.body))
     own = {id(n) for n in names}  # ``[r.append(…) for r in rows]`` grows no list named before the loop
