@@ -750,3 +750,19 @@ def test_a_loop_that_builds_loads_and_keeps_models_is_no_prediction_and_the_loop
             "    model.load_state_dict(torch.load(path))\n    model.eval()\n    models.append(model.to('cpu'))")
     script = convert(SETUP, load, "preds = []\nfor (x,) in test_loader:\n    preds.append(model(x))")
     assert script.text.count("Rows(") == 1 and "_nbddp.predict.Rows(test_loader, preds=preds)" in script.text
+
+
+@pytest.mark.parametrize("loop, line, written", [
+    ("preds = np.zeros((9, 3))\nfor b, (x,) in enumerate(test_loader):\n    out = model(x)\n"
+     "    preds[b * 2:(b + 1) * 2] = out.detach().numpy()", 2, "preds[b * 2:(b + 1) * 2]"),
+    ("def infer(df):\n    for fold in range(2):\n        for i, (x,) in enumerate(test_loader):\n"
+     "            df.loc[i, 'p'] = model(x).sum().item()\ninfer(frame)", 3, "df.loc[i, 'p']"),
+])
+def test_a_notebook_whose_prediction_writes_rows_into_what_it_made_before_is_refused_at_that_loop(loop, line,
+                                                                                                   written):
+    # public Kaggle inference notebooks (a preallocated array filled by batch slices; test.loc[i, …] = … in a
+    # function): refused as "no training call found … pass --every-rank" before, which predicts every row twice
+    with pytest.raises(CellError) as caught:
+        convert(SETUP + "\nimport numpy as np", loop)
+    error = caught.value
+    assert (error.cell, error.line) == (2, line) and f"it writes into {written} row by row" in str(error)

@@ -204,7 +204,7 @@ def plan_predictions(top: list[Statement], facts: JobFacts) -> None:
                or any(isinstance(c.func, ast.Name) and c.func.id in splitting for c in stmt.calls)
                or _trainer_predicts(stmt, facts) or stmt in split]
     if not holding:
-        facts.batched_calls.extend((refused or one_generate_calls(top))[:1])
+        facts.batched_calls.extend((refused or one_generate_calls(top) or writing_loops(top))[:1])
         return
     facts.predictions = [top[k] for k in holding]
     _refuse_loops(top, holding, defs, facts)
@@ -287,6 +287,28 @@ def one_generate_calls(top: list[Statement]) -> list[PredictRefusal]:
                     and _GENERATOR.search(last_name(node.func.value) or "")):
                 out.append(PredictRefusal(stmt.cell.position, node.lineno, ONE_CALL))
     return out
+
+
+def writing_loops(top: list[Statement]) -> list[PredictRefusal]:
+    """For a notebook that predicts nothing nbddp can split: the first loop (its innermost such, a function's
+    included) that runs a model and writes each row's result into something named before it
+    (``preds[i*bs:(i+1)*bs] = …``, ``test.loc[i, "answer"] = …``) instead of accumulating it; refused there, saying
+    so, rather than as a notebook with no training call."""
+    for stmt in top:
+        found = [loop for node in stmt.nodes for loop in ast.walk(node) if isinstance(loop, ast.For)
+                 and prediction_loop(loop) is None and (written := _written_elsewhere(loop, set()))
+                 and any(_calls_a_model(c) for c in _walk_body(loop.body) if isinstance(c, ast.Call))
+                 and not any(last_name(c.func) == "backward" for c in _walk_body(loop.body) if isinstance(c, ast.Call))]
+        if found:
+            loop = max(found, key=lambda n: (n.lineno, n.col_offset))  # the innermost of nested ones
+            reason = _row_writes_reason(_written_elsewhere(loop, set()))
+            return [PredictRefusal(stmt.cell.position, loop.lineno, reason)]
+    return []
+
+
+def _row_writes_reason(written: str) -> str:
+    return (f"it writes into {written} row by row, which would hold only each rank's own rows; append to a list "
+            "named before the loop (preds.append(…)) and build it after the loop")
 
 
 def _outside_loops(body: list[ast.stmt]):
@@ -500,8 +522,7 @@ def refusal(loop: ast.For, top: list[Statement], k: int, function: ast.FunctionD
                 "rows before it; keep each row's prediction independent of the others'")
     written = _written_elsewhere(loop, accumulators)
     if written:
-        return (f"it writes into {written} row by row, which would hold only each rank's own rows; append to a "
-                "list named before the loop (preds.append(…)) and build it after the loop")
+        return _row_writes_reason(written)
     drawn = _draws(loop)
     if drawn:
         return (f"{drawn} draws random numbers in each row, which split over the ranks would differ from one "
