@@ -766,3 +766,18 @@ def test_a_notebook_whose_prediction_writes_rows_into_what_it_made_before_is_ref
         convert(SETUP + "\nimport numpy as np", loop)
     error = caught.value
     assert (error.cell, error.line) == (2, line) and f"it writes into {written} row by row" in str(error)
+
+
+def test_a_file_written_in_a_loop_after_a_call_that_splits_its_rows_is_written_by_rank_0():
+    # a public Kaggle feature-extraction notebook: for each patient, features = extract(pid, model) (a function
+    # whose loader loop is split), then torch.save(features, path): every rank wrote the same file at once before
+    script = convert(SETUP, "import os\ndef extract(x):\n    out = []\n    for (b,) in test_loader:\n"
+                            "        out.append(model(b + x))\n    return torch.cat(out)",
+                     "for pid in range(3):\n    path = f'{pid}.pt'\n    if not os.path.exists(path):\n"
+                     "        feats = extract(pid)\n        if feats is not None:\n            torch.save(feats, path)\n"
+                     "            print(pid)")
+    text = script.text
+    assert ("        if feats is not None:\n            if _nbddp.on_rank0():\n                torch.save(feats, path)\n"
+            "            print(pid)") in text
+    assert "if _nbddp.on_rank0():\n        feats" not in text  # the call itself stays on every rank
+    compile(text, "script.py", "exec")

@@ -63,6 +63,10 @@ class PredictRule(Rule):
         self._kept = facts.kept_cell is not None
         self._split_call: tuple[cst.CSTNode, str] | None = None  # a chosen statement being walked, its pipeline
         self._import_before: cst.CSTNode | None = None  # a kept cell's statement whose pipeline call was split
+        #: within the top-level statement walked: whether a call of a function splitting its rows was left yet,
+        #: and, for each statement line or ``with`` met, whether it was when the walk reached it
+        self._split_called = False
+        self._after_split_call: dict[cst.CSTNode, bool] = {}
 
     def visit_FunctionDef(self, node) -> bool:
         # a function whose body holds a prediction loop splits it each call (``JobFacts.predict_functions``);
@@ -104,6 +108,10 @@ class PredictRule(Rule):
     def on_visit(self, node: cst.CSTNode) -> bool:
         """A top-level statement ``split_calls`` chose: its one call of the pipeline is split (``leave_Call``)."""
         visit = super().on_visit(node)
+        if node in self._top:
+            self._split_called = False
+        if isinstance(node, (cst.SimpleStatementLine, cst.With)):
+            self._after_split_call[node] = self._split_called
         if self._top.get(node) is not None:
             callee = self.facts.rule_state.get(SPLIT_CALLS, {}).get(self.statement(node))
             self._split_call = (node, callee) if callee is not None else None
@@ -120,6 +128,8 @@ class PredictRule(Rule):
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         """``pipe(texts, …)`` in a statement ``split_calls`` chose (``outputs = pipe(texts, …)``, ``for out in
         pipe(KeyDataset(ds, "text")): …``) → ``_nbddp.predict.split_call(pipe, texts, …)``."""
+        if isinstance(updated.func, cst.Name) and updated.func.value in self.facts.predict_functions:
+            self._split_called = True  # every rank holds what it returns: a file written after, rank 0 writes
         if self._split_call is None or not (isinstance(updated.func, cst.Name) and updated.args
                                             and updated.func.value == self._split_call[1]):
             return updated
@@ -134,17 +144,20 @@ class PredictRule(Rule):
         return updated.with_changes(func=cst.parse_expression(SPLIT_CALL), args=[cst.Arg(updated.func), *updated.args])
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
-        """After a split loop in the same block (a ``with``, a function): a statement writing a file goes under
-        ``if _nbddp.on_rank0():``. Every rank holds the gathered results there, so each would write the same
-        bytes; rank 0 writes them once, as after a loop at a cell's top level."""
+        """After a split loop in the same block (a ``with``, a function), or after a call of a function that splits
+        its loop anywhere before in the statement (``for pid in ids: t = extract(pid); torch.save(t, p)``): a
+        statement writing a file goes under ``if _nbddp.on_rank0():``. Every rank holds the gathered results there,
+        so each would write the same bytes to the same path at once; rank 0 writes them once, as after a loop at a
+        cell's top level."""
         body, after_loop, k = list(updated.body), False, 0
         for stmt in original.body:
             if any(stmt is loop for loop in self._split):
                 after_loop = True
                 k += 1 + self._kept  # a kept cell's split loop comes after its import
                 continue
-            if after_loop and _writes_file(stmt):
-                self.note(stmt, "writes its file on rank 0 only (after the split loop above, which every rank gathered)")
+            if (after_loop or self._after_split_call.get(stmt)) and _writes_file(stmt):
+                self.note(stmt, "writes its file on rank 0 only (after the split loop or call above, whose results "
+                                "every rank gathered)")
                 body[k] = cst.If(test=fixed_expression(MAIN_PROCESS_EXPR),
                                  body=cst.IndentedBlock(body=[body[k].with_changes(leading_lines=[])]),
                                  leading_lines=body[k].leading_lines)
