@@ -105,3 +105,12 @@ def test_two_ranks_print_and_write_the_epoch_losses_one_process_does(tmp_path, m
         assert (epoch_got["seen"], epoch_want["seen"]) == (64, 64)
         assert epoch_got["examples_seen"] == epoch_want["examples_seen"]  # 64, then 128: not counted again
         assert (epoch_got["step"], epoch_want["step"]) == (4, 8)  # each rank's own count of its 4 batches
+
+
+def test_a_loop_over_batch_positions_shared_out_has_its_sums_summed_too():
+    loop = ("for epoch in range(2):\n    total = 0.0\n    for i in range(0, len(X), 8):\n"
+            "        loss = criterion(model(X[i:i + 8]), Y[i:i + 8])\n        loss.backward(); optimizer.step()\n"
+            "        total += loss.item() * 8\n    print(total / len(X))")
+    text = convert_cells([Cell(1, SETUP), Cell(2, loop)], origin="nb.ipynb").text
+    assert "_nbddp.shard_range(range(0, len(X), 8))" in text
+    assert "    total = _nbddp.over_ranks(total, since=_nbddp_total)\n" in text

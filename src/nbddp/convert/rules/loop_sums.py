@@ -8,10 +8,12 @@ import re
 from ..ast_helpers import last_name
 from ..cst_helpers import code_of, cst
 from ..engine.rule import Rule
+from ..facts.index_loops import shardable_loop
 
 
 class LoopSumsRule(Rule):
-    """Plain PyTorch: ``trn_loss += loss.item() * x.size(0)`` in a loop over a loader nbddp shards: before the loop
+    """Plain PyTorch: ``trn_loss += loss.item() * x.size(0)`` in a loop over a loader nbddp shards (or over the batch
+    positions or samples ``ShardLoopRule`` shares out): before the loop
     ``_nbddp_trn_loss = _nbddp.before_loop(trn_loss)``, after it ``trn_loss = _nbddp.over_ranks(trn_loss,
     since=_nbddp_trn_loss)``.
 
@@ -40,7 +42,7 @@ class LoopSumsRule(Rule):
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return any(isinstance(n, ast.For) and _loader_of(n.iter, facts) and _sums(n) for n in nodes)
+        return any(isinstance(n, ast.For) and _shared_out(n, facts) and _sums(n) for n in nodes)
 
     # -- what it does: libcst
 
@@ -49,7 +51,7 @@ class LoopSumsRule(Rule):
 
     def leave_For(self, original: cst.For, updated: cst.For):
         tree = ast.parse(code_of(original.with_changes(leading_lines=[]))).body[0]
-        loader = _loader_of(tree.iter, self.facts)
+        loader = _shared_out(tree, self.facts)
         sums = _sums(tree) if loader else []
         if not sums:
             return updated
@@ -69,6 +71,14 @@ class LoopSumsRule(Rule):
                             "what one process adds up, the same on every rank")
         before[0] = before[0].with_changes(leading_lines=updated.leading_lines)
         return cst.FlattenSentinel([*before, updated.with_changes(leading_lines=[]), *after])
+
+
+def _shared_out(loop: ast.For, facts) -> str | None:
+    """What the loop iterates where nbddp shares it out between the ranks: a loader it shards, or the batch
+    positions or samples ``ShardLoopRule`` shares out (``range(0, len(X), bs)``); None for any other loop."""
+    if shardable_loop(loop, facts) is not None:
+        return ast.unparse(loop.iter)
+    return _loader_of(loop.iter, facts)
 
 
 def _loader_of(iterated: ast.expr, facts) -> str | None:
