@@ -111,6 +111,9 @@ def test_a_loop_over_batch_positions_shared_out_has_its_sums_summed_too():
     loop = ("for epoch in range(2):\n    total = 0.0\n    for i in range(0, len(X), 8):\n"
             "        loss = criterion(model(X[i:i + 8]), Y[i:i + 8])\n        loss.backward(); optimizer.step()\n"
             "        total += loss.item() * 8\n    print(total / len(X))")
-    text = convert_cells([Cell(1, SETUP), Cell(2, loop)], origin="nb.ipynb").text
+    setup = SETUP.split("\ntrain_loader")[0] + ("\nmodel = nn.Linear(8, 2)\ncriterion = nn.CrossEntropyLoss()\n"
+                                                 "optimizer = torch.optim.SGD(model.parameters(), lr=0.0)")
+    text = convert_cells([Cell(1, setup), Cell(2, loop)], origin="nb.ipynb").text
+    assert "DataLoader" not in text  # no loader at all: the loop's own positions are what is shared out
     assert "_nbddp.shard_range(range(0, len(X), 8))" in text
     assert "    total = _nbddp.over_ranks(total, since=_nbddp_total)\n" in text

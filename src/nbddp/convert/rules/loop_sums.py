@@ -37,8 +37,7 @@ class LoopSumsRule(Rule):
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
-        return facts.plain_loop and not facts.data_parallel and bool(facts.sharded_loaders) and \
-            super().wanted(cell, facts)
+        return facts.plain_loop and not facts.data_parallel and super().wanted(cell, facts)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
