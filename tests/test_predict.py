@@ -781,3 +781,15 @@ def test_a_file_written_in_a_loop_after_a_call_that_splits_its_rows_is_written_b
             "            print(pid)") in text
     assert "if _nbddp.on_rank0():\n        feats" not in text  # the call itself stays on every rank
     compile(text, "script.py", "exec")
+
+
+@pytest.mark.parametrize("call, runs", [("model(x)", True), ("model.get_image_features(x)", True),
+                                        ("model.encode(x)", True), ("BirdModel()", False),
+                                        ("timm.create_model('nfnet')", False), ("model.load_state_dict(s)", False),
+                                        ("models.append(m)", False), ("net.to(device)", False)])
+def test_what_runs_a_model_and_what_only_builds_loads_or_keeps_one(call, runs):
+    import ast
+
+    from nbddp.convert.facts.predicts import _calls_a_model
+
+    assert _calls_a_model(ast.parse(call).body[0].value) is runs

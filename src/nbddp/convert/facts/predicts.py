@@ -50,7 +50,8 @@ _MODEL_CALL = re.compile(r"model|net$|^net|generate|predict|pipe|classifier|clf|
 #: Calls that make, load or place a model rather than run it: a loop of only these loads models (``for path in
 #: ckpts: model = Net(); model.load_state_dict(torch.load(path)); models.append(model)``), it predicts nothing.
 _MODEL_SETUP = re.compile(r"^(?:load_state_dict|state_dict|eval|train|to|cuda|cpu|half|float|bfloat16|parameters|"
-                          r"named_parameters|requires_grad_|from_pretrained|(?:create|build|load|get|make|init)_?\w*|"
+                          r"named_parameters|requires_grad_|from_pretrained|(?:create|build|load|get|make|init)_\w*"
+                          r"(?:model|net)\w*|"  # timm.create_model(…), get_model(…); not model.get_image_features(x)
                           r"append|extend|insert|pop|remove|clear|copy|keys|items|values|update)$")  # models.append(m)
 
 

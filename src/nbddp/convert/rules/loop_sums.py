@@ -9,6 +9,7 @@ from ..ast_helpers import last_name
 from ..cst_helpers import code_of, cst
 from ..engine.rule import Rule
 from ..facts.index_loops import shardable_loop
+from ..facts.loaders import loader_name
 
 
 class LoopSumsRule(Rule):
@@ -81,12 +82,10 @@ def _shared_out(loop: ast.For, facts) -> str | None:
 
 
 def _loader_of(iterated: ast.expr, facts) -> str | None:
-    """The loader nbddp shards that a ``for`` iterates: ``dl`` in ``dl``, ``enumerate(dl)``, ``tqdm(dl, …)``."""
-    while isinstance(iterated, ast.Call) and iterated.args and last_name(iterated.func) in ("enumerate", "tqdm", "iter"):
-        iterated = iterated.args[0]
-    if isinstance(iterated, ast.Name) and iterated.id in facts.sharded_loaders and \
-            iterated.id not in facts.whole_loaders | facts.accelerate_prepared:
-        return iterated.id
+    """The loader nbddp shards that a ``for`` iterates (``loader_name``: through ``enumerate``/``tqdm``/``iter``)."""
+    name = loader_name(iterated)
+    if name in facts.sharded_loaders and name not in facts.whole_loaders | facts.accelerate_prepared:
+        return name
     return None
 
 
