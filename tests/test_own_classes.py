@@ -100,3 +100,12 @@ def test_classes_that_do_not_train_leave_a_plain_loop_to_be_distributed():
                      "    loss = nn.functional.cross_entropy(model(x), y)\n    loss.backward()\n"
                      "    optimizer.step(); meter.update(loss.item())")
     assert script.trains and "_nbddp.ddp(" in script.text
+
+
+def test_a_class_of_the_notebooks_wrapping_transformers_trainer_without_a_loop_of_its_own_is_still_a_trainer():
+    script = convert("from transformers import Trainer as HFTrainer, TrainingArguments\n"
+                     "class Trainer:\n    def __init__(self, model, ds):\n"
+                     "        self.inner = HFTrainer(model=model, args=TrainingArguments('out'), train_dataset=ds)\n"
+                     "    def train(self):\n        return self.inner.train()",
+                     "trainer = Trainer(model, ds)\ntrainer.train()")
+    assert script.trains

@@ -48,7 +48,8 @@ class JobFacts:
     #: names imported from ``torch.cuda.amp`` (``autocast``, ``GradScaler``)
     cuda_amp_names: set[str] = field(default_factory=set)
     #: classes the notebook defines (not derived from a library's trainer) → their training methods
-    #: (``facts/own_classes.py``); such a class named ``…Trainer`` holds no trainer of transformers'
+    #: (``facts/own_classes.py``); such a class named ``…Trainer`` with training methods holds no trainer of
+    #: transformers' (one without, a wrapper around transformers' Trainer, is read as a trainer, as before)
     own_classes: dict[str, frozenset[str]] = field(default_factory=dict)
     #: names bound to an instance of such a class with training methods → the class
     own_instances: dict[str, str] = field(default_factory=dict)

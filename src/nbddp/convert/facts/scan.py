@@ -106,7 +106,7 @@ class _Scan:
             targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
             call = node.value
             callee = last_name(call.func)
-            if (is_trainer_class(callee) and callee not in self.facts.own_classes) or is_trainer_factory(callee):
+            if (is_trainer_class(callee) and not self.facts.own_classes.get(callee)) or is_trainer_factory(callee):
                 self.facts.trainer_names.update(targets)
             if self.facts.own_classes.get(callee):  # an instance of the notebook's own class that trains
                 self.facts.own_instances.update(dict.fromkeys(targets, callee))

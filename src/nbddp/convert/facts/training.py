@@ -45,7 +45,7 @@ def is_training_call(node: ast.Call, facts: JobFacts) -> bool:
             if isinstance(owner, ast.Name) and owner.id in facts.trainer_names:
                 return True
             if isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func)) \
-                    and last_name(owner.func) not in facts.own_classes:
+                    and not facts.own_classes.get(last_name(owner.func)):
                 return True
         return is_helper_training(node, facts)
     if isinstance(func, ast.Name) and func.id == "notebook_launcher":
@@ -95,7 +95,7 @@ def plan_trainers(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) 
     """Names bound to what a function of the notebook returns when that function builds a trainer
     (``trainer_x = create_trainer(…)``): their ``.train()`` trains."""
     factories = {name for name, calls in defs.items() if any(
-        is_trainer_class(last_name(c.func)) and last_name(c.func) not in facts.own_classes for c in calls)}
+        is_trainer_class(last_name(c.func)) and not facts.own_classes.get(last_name(c.func)) for c in calls)}
     for targets, call in seen.assigned:
         if isinstance(call.func, ast.Name) and call.func.id in factories:
             facts.trainer_names.update(targets)
