@@ -23,6 +23,7 @@ from .frameworks import check_frameworks
 from .launches import Launch, find_launches, leading_launch, seems_to_train
 from .lines import align
 from .own_training import refuse_own_training
+from .refusal import cell_error
 from .rules import RULES
 from .rules.predict import refuse_batched, refuse_unsplittable
 
@@ -295,12 +296,7 @@ def _rewrite(
     try:
         return rewrite(code, plan, facts)
     except CodeError as exc:
-        j = exc.line - 1
-        line = clean.line_map[j] if 0 <= j < len(clean.line_map) and clean.line_map[j] else None
-        lines = clean.cell.source.splitlines()
-        source = lines[line - 1] if line and line <= len(lines) else ""
-        error = CellError(exc.message, cell=clean.cell.index, line=line,
-                          source=source)
+        error = cell_error(clean, exc.line, exc.message)
         if not skip_bad_cells:
             raise error from None
         warnings.append(f"not rewritten: {error}")

@@ -35,7 +35,8 @@ import contextlib
 import sys
 import time
 
-from .shares import append_share_line, batch_block, block, hand_out, handed_chunks, next_prediction, record_share, record_times
+from .shares import (append_share_line, batch_block, block, hand_out, handed_chunks, next_prediction, record_share,
+                     record_times)
 
 
 class Rows:
@@ -269,7 +270,6 @@ def _called_whole(pipe, rows, args, kwargs):
 def _results(result, rows):
     """A pipeline's results over ``rows`` as a list: given a list it returns one; given a dataset, an iterator."""
     return result if isinstance(rows, (list, tuple)) else list(result)
-
 
 
 def _map_style(rows) -> bool:

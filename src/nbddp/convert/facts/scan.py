@@ -10,7 +10,7 @@ from ..ast_helpers import dotted_name, is_dead_if, is_literal, keyword, last_nam
 from .loaders import loader_name, plain_sampler
 from .models import is_optimizer, is_peft, model_of_parameters
 from .own_classes import OwnTraining, own_class, owner_called
-from .training import is_trainer_class, is_trainer_factory
+from .training import is_trainer_factory, makes_trainer
 
 from .job_facts import Seen
 
@@ -106,7 +106,7 @@ class _Scan:
             targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
             call = node.value
             callee = last_name(call.func)
-            if (is_trainer_class(callee) and not self.facts.own_classes.get(callee)) or is_trainer_factory(callee):
+            if makes_trainer(callee, self.facts) or is_trainer_factory(callee):
                 self.facts.trainer_names.update(targets)
             if self.facts.own_classes.get(callee):  # an instance of the notebook's own class that trains
                 self.facts.own_instances.update(dict.fromkeys(targets, callee))

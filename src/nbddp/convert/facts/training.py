@@ -24,6 +24,12 @@ def is_trainer_class(name: str | None) -> bool:
     return bool(name) and name.endswith("Trainer")
 
 
+def makes_trainer(name: str | None, facts: JobFacts) -> bool:
+    """``name(…)`` makes a trainer that distributes itself: a ``…Trainer`` class, not one of the notebook's own
+    with a training loop in its methods (``facts/own_classes.py``: nbddp refuses those)."""
+    return is_trainer_class(name) and not facts.own_classes.get(name)
+
+
 #: A helper's name that says it returns a trainer: ``create_trainer``, ``get_trainer``, ``build_sft_trainer``.
 _TRAINER_FACTORY = re.compile(r"^(?:get|create|build|make|setup|set_up|init|prepare|new)_?\w*trainer$", re.I)
 
@@ -44,8 +50,7 @@ def is_training_call(node: ast.Call, facts: JobFacts) -> bool:
         if attr in ("train", "fit"):
             if isinstance(owner, ast.Name) and owner.id in facts.trainer_names:
                 return True
-            if isinstance(owner, ast.Call) and is_trainer_class(last_name(owner.func)) \
-                    and not facts.own_classes.get(last_name(owner.func)):
+            if isinstance(owner, ast.Call) and makes_trainer(last_name(owner.func), facts):
                 return True
         return is_helper_training(node, facts)
     if isinstance(func, ast.Name) and func.id == "notebook_launcher":
@@ -94,8 +99,7 @@ def launches(call: ast.Call, facts: JobFacts) -> bool:
 def plan_trainers(seen: Seen, defs: dict[str, list[ast.Call]], facts: JobFacts) -> None:
     """Names bound to what a function of the notebook returns when that function builds a trainer
     (``trainer_x = create_trainer(…)``): their ``.train()`` trains."""
-    factories = {name for name, calls in defs.items() if any(
-        is_trainer_class(last_name(c.func)) and not facts.own_classes.get(last_name(c.func)) for c in calls)}
+    factories = {name for name, calls in defs.items() if any(makes_trainer(last_name(c.func), facts) for c in calls)}
     for targets, call in seen.assigned:
         if isinstance(call.func, ast.Name) and call.func.id in factories:
             facts.trainer_names.update(targets)

@@ -47,7 +47,8 @@ class LoopSumsRule(Rule):
     # -- what it does: libcst
 
     def visit_Module(self, node: cst.Module) -> None:
-        self._tree = ast.parse(node.code)  # the code after a loop, where its sums are divided
+        # the code after a loop, where its sums are divided: the chunk's statements as the facts read them
+        self._tree = ast.Module(body=[n for stmt in self.chunk.statements for n in stmt.nodes], type_ignores=[])
 
     def leave_For(self, original: cst.For, updated: cst.For):
         tree = ast.parse(code_of(original.with_changes(leading_lines=[]))).body[0]
@@ -100,19 +101,23 @@ def _body_nodes(loop: ast.For):
         todo.extend(ast.iter_child_nodes(node))
 
 
+def _additions(loop: ast.For) -> list[ast.AugAssign]:
+    """The loop's ``name += …`` statements, in source order."""
+    added = [n for n in _body_nodes(loop) if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+             and isinstance(n.target, ast.Name)]
+    return sorted(added, key=lambda n: (n.lineno, n.col_offset))
+
+
 def _sums(loop: ast.For) -> list[str]:
     """The names the loop adds to (``x += …``, not a constant) and never sets otherwise, in source order."""
     nodes = list(_body_nodes(loop))
-    added = [n for n in nodes if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
-             and isinstance(n.target, ast.Name) and not isinstance(n.value, ast.Constant)]
     set_ = {t.id for n in nodes if isinstance(n, (ast.Assign, ast.AnnAssign, ast.For, ast.With, ast.NamedExpr))
             for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
     set_ |= {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
     set_ |= {n.target.id for n in nodes if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
              and not isinstance(n.op, ast.Add)}
-    names = sorted({n.target.id for n in added} - set_, key=lambda name: next(
-        (n.lineno, n.col_offset) for n in added if n.target.id == name))
-    return names
+    return list(dict.fromkeys(n.target.id for n in _additions(loop)
+                              if not isinstance(n.value, ast.Constant) and n.target.id not in set_))
 
 
 def _own_counts(loop: ast.For, loader: str) -> set[str]:
@@ -122,8 +127,7 @@ def _own_counts(loop: ast.For, loader: str) -> set[str]:
     if isinstance(loop.iter, ast.Call) and last_name(loop.iter.func) == "enumerate" and \
             isinstance(loop.target, ast.Tuple) and isinstance(loop.target.elts[0], ast.Name):
         own.add(loop.target.elts[0].id)
-    own |= {n.target.id for n in _body_nodes(loop) if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
-            and isinstance(n.target, ast.Name) and isinstance(n.value, ast.Constant)}
+    own |= {n.target.id for n in _additions(loop) if isinstance(n.value, ast.Constant)}
     return own
 
 
