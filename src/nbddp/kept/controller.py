@@ -115,11 +115,23 @@ class KeptJob:
         answer, asked_stop, failed_at, back_at, first_at, before = Answer(), None, None, None, None, 0
         started = time.monotonic()
         while len(answer.replies) < len(ranks):
-            try:
+            try:  # a Ctrl-C anywhere in the wait, not only while collecting, is the Stop (never a traceback)
                 self._collect(answer, ranks, follow)
                 if timeout_s is not None and asked_stop is None and time.monotonic() - started > timeout_s:
                     answer.timed_out = True
                     raise KeyboardInterrupt
+                now = time.monotonic()
+                if failed_at is None and any(isinstance(rep, Failed) for rep in answer.replies.values()):
+                    failed_at = now
+                if asked_stop and back_at is None and len(answer.replies) > before:
+                    back_at = now
+                if first_at is None and answer.replies:
+                    first_at = now
+                if waiting and first_at is not None and len(answer.replies) < len(ranks):
+                    for r in ranks:
+                        if r not in answer.replies:
+                            waiting(r, now - first_at, answer)
+                why = self._late(answer, ranks, now, failed_at, asked_stop, back_at)
             except KeyboardInterrupt:
                 answer.interrupted = True
                 if asked_stop is None:
@@ -129,18 +141,6 @@ class KeptJob:
                             with contextlib.suppress(OSError):
                                 send(self.channel.ranks[r], Interrupt())
                 continue
-            now = time.monotonic()
-            if failed_at is None and any(isinstance(rep, Failed) for rep in answer.replies.values()):
-                failed_at = now
-            if asked_stop and back_at is None and len(answer.replies) > before:
-                back_at = now
-            if first_at is None and answer.replies:
-                first_at = now
-            if waiting and first_at is not None and len(answer.replies) < len(ranks):
-                for r in ranks:
-                    if r not in answer.replies:
-                        waiting(r, now - first_at, answer)
-            why = self._late(answer, ranks, now, failed_at, asked_stop, back_at)
             if why:
                 if asked_stop:
                     self._where_missing(answer, ranks, follow)
