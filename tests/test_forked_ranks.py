@@ -163,8 +163,21 @@ def test_only_a_python_script_command_is_forked():
 def test_only_torch_parts_whose_settings_the_script_leaves_alone_are_preloaded(tmp_path, code, preloaded):
     script = tmp_path / "script.py"
     script.write_text(code)
-    assert preload.preload_for(str(script)) == preloaded
-    assert preload.preload_for(str(tmp_path / "missing.py")) == ()
+    assert preload.preload_for(str(script), gpus=False) == preloaded
+    assert preload.preload_for(str(tmp_path / "missing.py"), gpus=False) == ()
+
+
+def test_on_a_machine_with_gpus_the_agent_imports_nothing_that_initializes_cuda(tmp_path, monkeypatch):
+    """``torch._inductor`` initializes CUDA's driver as it is imported where there are GPUs; a rank forked after
+    that could not use its GPU, so there each rank imports it itself."""
+    script = tmp_path / "script.py"
+    script.write_text("import torch\nfrom transformers import Trainer\n")
+    assert preload.preload_for(str(script), gpus=True) == ("torch._dynamo",)
+    device = tmp_path / "nvidiactl"
+    monkeypatch.setattr("nbddp.gpus.GPU_DEVICE_FILES", (str(device),))
+    assert "torch._inductor.compile_fx" in preload.preload_for(str(script))
+    device.touch()  # the machine's own device files say which it is
+    assert preload.preload_for(str(script)) == ("torch._dynamo",)
 
 
 def test_the_agent_finds_the_script_as_torchrun_parses_its_command_line():

@@ -150,6 +150,39 @@ def test_a_launcher_killed_mid_job_leaves_no_warm_process_agent_or_rank(tmp_path
     assert not alive, [(p.pid, " ".join(p.cmdline())) for p in alive]
 
 
+@pytest.mark.e2e
+@NEEDS_FORKED_RANKS
+def test_a_warm_process_whose_imports_initialized_cuda_forks_no_agent_and_is_not_started_again(tmp_path, monkeypatch):
+    """An agent forked from a process whose CUDA driver is initialized could not use CUDA (torchrun's agent does,
+    where there are GPUs): such a warm process refuses, the job gets a fresh agent, and so do later jobs, without
+    a warm process started again for each. The driver is said initialized here by a site customization (this
+    machine has none to initialize)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from nbddp.agent import forked_ranks\nforked_ranks.cuda_driver_initialized = lambda: True\n")
+    started = []
+
+    def counted(env, names):
+        started.append(names)
+        return real(env, names)
+
+    real = warm_start._WarmProcess
+    monkeypatch.setattr(warm_start, "_WarmProcess", counted)
+    monkeypatch.setattr(warm_start, "_wanted", True)
+    monkeypatch.setattr(warm_start, "_warm", {})
+    monkeypatch.setattr(warm_start, "_refused", set())
+    plan = plan_for(tmp_path, PYTHONPATH=os.pathsep.join([str(site), str(ROOT / "src")]))
+    assert warm_start.start_agent(plan, tmp_path / "torchrun.log") is None
+    assert warm_start.start_agent(plan, tmp_path / "torchrun.log") is None
+    assert len(started) == 1 and warm_start._warm == {}
+    other = plan_for(tmp_path, PYTHONPATH=str(ROOT / "src"))  # another start-up environment: its own warm process
+    agent = warm_start.start_agent(other, tmp_path / "torchrun.log")
+    assert agent is not None and agent.wait(120) == 0
+    for warm in warm_start._warm.values():
+        warm.close()
+
+
 def test_an_agent_seen_gone_is_never_said_to_be_running():
     """A kept job asks ``poll()`` after its ranks ended themselves (the idle limit): an agent that has exited, not
     yet reaped and reported by its warm process, is waited for as ``Popen.poll`` would reap it, not said to run."""

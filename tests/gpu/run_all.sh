@@ -10,7 +10,7 @@
 #   t4-fp16      precision as on a T4: bf16 refused, fp16 with a GradScaler, the quickstart trains, loss falls
 #   templates    tests/gpu/prove_templates_and_export.py: QLoRA 4-bit template via papermill + Kaggle export
 #   each-template  tests/gpu/prove_each_template.py: every template via `nbddp run` and `%ddp_train` in a kernel
-#   forked       tests/gpu/check_forked_ranks.py: with GPUs, ranks start fresh (not forked), join NCCL, use their GPU
+#   forked       tests/gpu/check_forked_ranks.py: with GPUs, ranks forked from torchrun's process join NCCL, each on its GPU
 #   loopback     tests/gpu/check_loopback.py: the quickstart's job listens on loopback only (stores, NCCL's bootstrap)
 #   kaggle-idioms  tests/gpu/prove_kaggle_idioms.py: DataParallel and f"cuda:{gpu}" notebooks via `nbddp run` and
 #                `%%ddp_train`, each rank on its own GPU, samples shared, replicas equal, files once

@@ -15,10 +15,16 @@ once, in the agent). At its end, as Python's own exit does: non-daemon threads j
 script's objects released (open files flushed), then ``os._exit`` — never back into torchrun's code, whose
 ``finally`` blocks belong to the agent.
 
-Where a fork would not give that, torchrun's ``Popen`` runs as before: not Linux; a machine with GPUs (torchrun's
-agent initializes CUDA there before the ranks start); a command that is not ``python -u <script>`` (``--no-python``,
-``-m``); CUDA's driver initialized in the agent (a forked child cannot use it); a torch whose handler has no
-``_popen``; or ``NBDDP_FORK_RANKS=0``.
+Where a fork would not give that, torchrun's ``Popen`` runs as before: not Linux; a command that is not ``python
+-u <script>`` (``--no-python``, ``-m``); CUDA's driver initialized by the agent's imports (a child forked after
+that cannot use CUDA); a torch whose handler has no ``_popen``; or ``NBDDP_FORK_RANKS=0``.
+
+On a machine with GPUs too. torchrun's agent initializes CUDA there before it starts the ranks, which is why ranks
+were once started fresh wherever there were GPUs; but the process they are forked from (``forker``) is forked
+before torchrun runs, when the agent has imported torch and left the driver alone (``preload`` imports nothing
+that initializes it there, ``install`` checks), so each rank initializes CUDA itself, on its own GPU, as a fresh one
+does. What it saves there: each rank's own import of torch, seconds before a prediction's first row
+(``benchmarks/results/predict_speed_gpu_notes.md``).
 
 What the agent imports for its ranks, and why no more: ``agent/preload.py``.
 
@@ -65,10 +71,6 @@ _before: _Before | None = None
 _agents_customizations: list = []
 
 
-#: Device files of a machine with GPUs (NVIDIA, ROCm, WSL's GPU bridge).
-GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
-
-
 def enabled(environ=None) -> bool:
     """Possible on this machine (``possible_here``) and not switched off in ``environ`` (this process's by
     default; the launcher asks of a job's environment before its agent exists)."""
@@ -79,11 +81,10 @@ def enabled(environ=None) -> bool:
 
 
 def possible_here() -> bool:
-    """Linux, no GPU device file. torchrun's agent initializes CUDA on a machine with GPUs before it starts the
-    ranks (seen on a 2× H200 host), and a child forked from it could not use CUDA: there the ranks start fresh,
-    and the agent imports nothing more than torchrun does. (The forker is forked before that initialization;
-    ranks forked from it on GPUs have not been tried.)"""
-    return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in GPU_DEVICE_FILES)
+    """Linux. On a machine with GPUs too: torchrun's agent initializes CUDA before it starts the ranks, but the
+    forker was forked before that, from an agent whose imports left the driver uninitialized (``install`` checks;
+    ``preload`` leaves out what would initialize it), so a rank forked from it takes its GPU as a fresh one does."""
+    return sys.platform.startswith("linux")
 
 
 def install() -> bool:

@@ -7,6 +7,9 @@ imports no converter). Never a notebook's own libraries: transformers or peft im
 ``setup()`` would bind functions nbddp's shims replace after it (the save shim's ``save_file``), and Unsloth
 must come before them. ``load`` notes the exit handlers the imports register: a rank keeps those, and only
 those, of the agent's.
+
+On a machine with GPUs, nothing whose import initializes CUDA's driver (``INITIALIZES_CUDA``): a process forked
+after that cannot use CUDA, and the ranks are forked from the agent's imports.
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ PRELOAD = ("torch", "torch.distributed", "nbddp.runtime")
 #: optimizer step, ``torch._inductor`` with bitsandbytes (peft, trl, transformers' Trainer). Preloaded only for
 #: a script that sets no such variable itself (``preload_for``), which a later import in a fresh rank would read.
 LATER = (("torch._dynamo", ()), ("torch._inductor.compile_fx", ("transformers", "peft", "trl", "bitsandbytes")))
+#: Of ``LATER``, the imports that initialize CUDA's driver on a machine with GPUs (``torch._inductor`` asks the
+#: devices as it is imported: seen on a 2× H200 host, ``benchmarks/results/gpu/forked_ranks.md``). There each rank
+#: imports them itself.
+INITIALIZES_CUDA = ("torch._inductor.compile_fx",)
+
+
+def machine_has_gpus() -> bool:
+    import os
+
+    from ..gpus import GPU_DEVICE_FILES
+
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
 def training_script(torchrun_argv: list[str]) -> str | None:
@@ -29,9 +44,10 @@ def training_script(torchrun_argv: list[str]) -> str | None:
         return None
 
 
-def preload_for(script: str | None) -> tuple[str, ...]:
+def preload_for(script: str | None, gpus: bool | None = None) -> tuple[str, ...]:
     """Of ``LATER``, what this script's ranks would import with the settings the agent has: nothing where the
-    script sets a ``TORCH*`` variable (or one whose name is not written out), or cannot be read."""
+    script sets a ``TORCH*`` variable (or one whose name is not written out), or cannot be read; with ``gpus``
+    (by default: whether this machine has them), none of ``INITIALIZES_CUDA``."""
     import ast
 
     try:
@@ -49,7 +65,8 @@ def preload_for(script: str | None) -> tuple[str, ...]:
             sets_torch = sets_torch or _names_torch(node)
     if sets_torch:
         return ()
-    return tuple(name for name, needs in LATER if not needs or imported & set(needs))
+    leave = INITIALIZES_CUDA if (machine_has_gpus() if gpus is None else gpus) else ()
+    return tuple(name for name, needs in LATER if (not needs or imported & set(needs)) and name not in leave)
 
 
 def _sets_environment(node) -> bool:

@@ -44,6 +44,7 @@ def serve(names: list[str]) -> None:
         sys.path.pop(0)
     preload.load(names)
     _import_title_setter()
+    refusal = _why_not_fork()
     pending, agents = b"", set()
     while True:
         readable, _, _ = select.select([0], [], [], REAP_S)
@@ -56,7 +57,15 @@ def serve(names: list[str]) -> None:
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            _answer(_start(json.loads(line), agents))
+            _answer({"error": refusal, "refused": True} if refusal else _start(json.loads(line), agents))
+
+
+def _why_not_fork() -> str | None:
+    """Why this process may not fork agents: CUDA's driver initialized by its imports (a site customization,
+    say), so that an agent forked from it could not use CUDA (torchrun's agent does, on a machine with GPUs)."""
+    from .forked_ranks import cuda_driver_initialized
+
+    return "CUDA's driver was initialized in the warm process" if cuda_driver_initialized() else None
 
 
 def _start(job: dict, agents: set[int]) -> dict:

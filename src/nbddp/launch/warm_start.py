@@ -1,6 +1,6 @@
 """Agents forked from a warm process of the launcher's, in place of a fresh ``python -m nbddp.agent`` per job.
 
-Where ranks are forked from the agent (``agent/forked_ranks``: Linux, no GPU), the agent first imports what every
+Where ranks are forked from the agent (``agent/forked_ranks``: Linux), the agent first imports what every
 rank imports (torch, ``torch._dynamo``, with transformers ``torch._inductor``): 4–5 CPU seconds at every launch
 (``benchmarks/results/warm_start.md``). A launcher that lives on after a job (a kernel running ``%%ddp_train`` again,
 a Python program calling ``run_job``) makes those imports once: its first job starts a warm process
@@ -45,6 +45,9 @@ REPORT_S = 5.0
 
 _wanted = True
 _warm: dict[tuple, "_WarmProcess"] = {}
+#: Keys whose warm process answered a job with a refusal: their jobs get fresh agents from then on, rather than a
+#: warm process started again for each (its imports are seconds).
+_refused: set[tuple] = set()
 _lock = threading.Lock()
 
 
@@ -68,6 +71,8 @@ def start_agent(plan, log: Path) -> ReportedChild | None:
         return None
     key = (names, startup_environment(plan.env))
     with _lock:
+        if key in _refused:
+            return None
         warm = _warm.get(key)
         if warm is None or warm.gone or warm.owner != os.getpid():  # a forked launcher's copy is not its own
             try:
@@ -76,10 +81,13 @@ def start_agent(plan, log: Path) -> ReportedChild | None:
                 return None
         try:
             return warm.fork_agent(plan, log)
+        except Refused:
+            _refused.add(key)
         except (OSError, ValueError, queue.Empty):
-            warm.close()
-            del _warm[key]
-            return None
+            pass
+        warm.close()
+        del _warm[key]
+        return None
 
 
 def usable_for(plan) -> tuple[str, ...] | None:
@@ -99,6 +107,10 @@ def usable_for(plan) -> tuple[str, ...] | None:
 
 def startup_environment(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP) or k == "HOME"))
+
+
+class Refused(OSError):
+    """The warm process will fork no agent for any job (``agent/warm._why_not_fork``)."""
 
 
 class _WarmProcess:
@@ -122,7 +134,7 @@ class _WarmProcess:
         self.proc.stdin.flush()
         answer = self._answers.get(timeout=ANSWER_S)
         if "pid" not in answer:
-            raise OSError(answer.get("error", "no agent"))
+            raise (Refused if answer.get("refused") else OSError)(answer.get("error", "no agent"))
         return ReportedChild(int(answer["pid"]), tuple(plan.argv), self)
 
     def exit_status(self, pid: int) -> int | None:
