@@ -306,7 +306,8 @@ def measure(names: list[str], sizes: dict, repeats: int, nproc: int, timeout: in
             if by_hand_too and name in BY_HAND:
                 run["by_hand"] = by_hand(notebook, work, nproc, timeout, sizes["prompts"])
             row = {"notebook": name, "pass": n, "first": order[0], "sizes": {s: sizes[s] for s in SIZE_KEYS[name]},
-                   "nproc": nproc, "call": call["started"], "equal": run["single"]["bytes"] == run["nbddp"]["bytes"],
+                   "nproc": nproc, "call": call["started"], "ranks": ranks_started(),
+                   "equal": run["single"]["bytes"] == run["nbddp"]["bytes"],
                    "rows_written": run["single"]["bytes"].count(b"\n") - 1,
                    **{f"{side}_{what}": run[side][what] for side in ("single", "nbddp") for what in
                       ("to_submission_s", "wall_s")}, "nbddp_ranks": run["nbddp"]["ranks"],
@@ -348,7 +349,18 @@ def handed_out(run: dict) -> bool:
 
 
 def entry_name(run: dict) -> str:
-    return run["notebook"] + (" (rows handed out)" if handed_out(run) else "")
+    ways = ["rows handed out"] if handed_out(run) else []
+    ways += ["ranks forked"] if run.get("ranks") == "forked" else []
+    return run["notebook"] + (f" ({', '.join(ways)})" if ways else "")
+
+
+def ranks_started() -> str:
+    """How nbddp's agent starts the ranks on this machine: forked from its own imports of torch, or each a fresh
+    interpreter (every GPU run before forked ranks came to GPU machines, whose runs carry no such field)."""
+    sys.path.insert(0, str(ROOT / "src"))  # this tree's nbddp, as the runs' ``ENV`` has it
+    from nbddp.agent import forked_ranks
+
+    return "forked" if forked_ranks.enabled(ENV) else "fresh"
 
 
 def summarise(runs: list[dict]) -> dict:
