@@ -28,12 +28,13 @@ train_loader = torch.utils.data.DataLoader(data_train, batch_size=8, shuffle=Tru
 valid_loader = torch.utils.data.DataLoader(data_valid, batch_size=8, shuffle=False)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-criterion = nn.CrossEntropyLoss()"""
+criterion = nn.CrossEntropyLoss()
+n_batches = len(train_loader)  # bound in another cell than the loop's: each rank's own count once sharded"""
 
 TRAIN = """history, examples_seen = [], 0
 for epoch in range(2):
     summed = torch.zeros(())
-    trn_loss, running, correct, seen, batches, step = 0.0, 0.0, 0, 0, 0, 0
+    trn_loss, running, per_batch, correct, seen, batches, step = 0.0, 0.0, 0.0, 0, 0, 0, 0
     model.train()
     for i, (inputs, labels) in enumerate(train_loader):
         optimizer.zero_grad()
@@ -46,6 +47,7 @@ for epoch in range(2):
         seen += labels.size(0)
         examples_seen += labels.size(0)  # across epochs, never reset
         summed += loss.detach() * inputs.size(0)  # a tensor, added to in place
+        per_batch += loss.item()
         batches += 1
         step += 1
     val_loss = 0.0
@@ -55,7 +57,8 @@ for epoch in range(2):
     history.append({"trn_loss": trn_loss / len(data_train), "by_batches": running / len(train_loader),
                     "by_index": running / (i + 1), "accuracy": correct / seen, "seen": seen, "step": step,
                     "batches": batches, "val_loss": val_loss / len(data_valid),
-                    "examples_seen": examples_seen, "summed": summed.item() / len(data_train)})
+                    "examples_seen": examples_seen, "summed": summed.item() / len(data_train),
+                    "by_bound_count": per_batch / n_batches})
     print(history[-1])
 json.dump(history, open("history.json", "w"))"""
 
@@ -70,12 +73,13 @@ def test_a_training_loops_sums_are_summed_over_the_ranks_and_those_divided_by_it
         "correct = _nbddp.over_ranks(correct, since=_nbddp_correct)", "seen = _nbddp.over_ranks(seen, since=_nbddp_seen)",
         "examples_seen = _nbddp.over_ranks(examples_seen, since=_nbddp_examples_seen)"]
     loop = lines.index(next(ln for ln in lines if "for i, (inputs, labels) in enumerate(train_loader):" in ln))
-    assert lines[loop - 6].strip() == "_nbddp_trn_loss = _nbddp.before_loop(trn_loss)"  # where each sum starts
-    assert lines[loop - 7].strip() == "model.train()"
+    assert lines[loop - 7].strip() == "_nbddp_trn_loss = _nbddp.before_loop(trn_loss)"  # where each sum starts
+    assert lines[loop - 8].strip() == "model.train()"
     assert "over_ranks(step" not in script.text and "over_ranks(batches" not in script.text  # counts of one's own
     assert "over_ranks(val_loss" not in script.text  # the validation loader is whole on every rank
     assert any(c.rule == "loop_sums" and "adds to trn_loss, correct, seen, examples_seen, summed is summed over the ranks" in c.message
-               and "adds to running is averaged" in c.message for c in script.changes)
+               and "adds to running, per_batch is averaged" in c.message for c in script.changes)
+    assert "per_batch = _nbddp.over_ranks(per_batch, since=_nbddp_per_batch, mean=True)" in script.text
 
 
 @pytest.mark.parametrize("loop", [
@@ -100,7 +104,7 @@ def test_two_ranks_print_and_write_the_epoch_losses_one_process_does(tmp_path, m
     assert result.ok, result.failure
     want, got = (json.loads((d / "history.json").read_text()) for d in (one, two))
     for epoch_want, epoch_got in zip(want, got, strict=True):
-        for key in ("trn_loss", "by_batches", "by_index", "accuracy", "val_loss", "summed"):
+        for key in ("trn_loss", "by_batches", "by_index", "accuracy", "val_loss", "summed", "by_bound_count"):
             assert epoch_got[key] == pytest.approx(epoch_want[key], rel=1e-6), key  # half of it before
         assert (epoch_got["seen"], epoch_want["seen"]) == (64, 64)
         assert epoch_got["examples_seen"] == epoch_want["examples_seen"]  # 64, then 128: not counted again
@@ -117,3 +121,18 @@ def test_a_loop_over_batch_positions_shared_out_has_its_sums_summed_too():
     assert "DataLoader" not in text  # no loader at all: the loop's own positions are what is shared out
     assert "_nbddp.shard_range(range(0, len(X), 8))" in text
     assert "    total = _nbddp.over_ranks(total, since=_nbddp_total)\n" in text
+
+
+@pytest.mark.parametrize("count, averaged", [
+    ("n = len(train_loader)", True),
+    ("n = len(train_loader)\nn = len(data_train)", False),  # bound to something else too: what it counts is unknown
+    ("n = len(valid_loader)", False),  # a whole loader's length: every rank's is the whole set's
+    ("n = len(train_loader)\nfor n in range(3):\n    pass", False),
+])
+def test_a_sum_divided_by_a_name_bound_to_the_sharded_loaders_length_is_averaged(count, averaged):
+    loop = ("for epoch in range(2):\n    total = 0.0\n    for x, y in train_loader:\n"
+            "        loss = criterion(model(x), y)\n        loss.backward(); optimizer.step()\n"
+            "        total += loss.item()\n    print(total / n)")
+    text = convert_cells([Cell(1, SETUP), Cell(2, count), Cell(3, loop)], origin="nb.ipynb").text
+    assert ("total = _nbddp.over_ranks(total, since=_nbddp_total, mean=True)" in text) is averaged
+    assert "total = _nbddp.over_ranks(total, since=_nbddp_total" in text

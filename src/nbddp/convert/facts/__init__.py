@@ -24,7 +24,7 @@ from ..code import CellCode, Statement
 from .data_parallel import calls_data_parallel
 from .job_facts import JobFacts, Seen
 from .kept import plan_kept_cell
-from .loaders import plan_helper_training_loaders, plan_loaders
+from .loaders import loader_lengths, plan_helper_training_loaders, plan_loaders
 from .model_uses import plan_model_uses
 from .models import plan_accelerate, plan_ddp_wraps
 from .parts import plan_part_wraps
@@ -55,6 +55,7 @@ def gather_facts(cells: list[CellCode], kept_cell: int | None = None, kept_tail:
     trains = [any(is_training_call(c, facts) for c in stmt.calls) for stmt in top]
     plan_accelerate(seen, facts, top, trains)
     plan_loaders(seen, defs, facts)
+    facts.loader_lengths = loader_lengths([n for stmt in top for n in stmt.nodes], facts.sharded_loaders)
     facts.handed_to_accelerate &= facts.ddp_models | facts.sharded_loaders | facts.helper_loaders
     facts.training = [s for s, t in zip(top, trains) if t]
     if facts.training:

@@ -32,6 +32,9 @@ class JobFacts:
     optimizers: set[str] = field(default_factory=set)
     #: plain PyTorch: names bound to a DataLoader that gets a DistributedSampler
     sharded_loaders: set[str] = field(default_factory=set)
+    #: plain PyTorch: names bound only to ``len(<loader>)`` of one of ``sharded_loaders`` (``n_batches =
+    #: len(train_loader)``) → that loader: a count of each rank's own batches once it is sharded
+    loader_lengths: dict[str, str] = field(default_factory=dict)
     #: plain PyTorch: training loaders a helper of the notebook's imports returns (``create_dataloader(…)``)
     helper_loaders: set[str] = field(default_factory=set)
     #: plain PyTorch: training loaders handed to an imported training helper (``engine.train(…,

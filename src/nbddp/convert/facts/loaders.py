@@ -110,3 +110,30 @@ def plan_helper_training_loaders(top: list, facts: JobFacts) -> None:
 def call_place(stmt, call: ast.Call) -> tuple[int, int, int]:
     """(cell position, line, column in characters, as libcst counts them) of a call; ast counts UTF-8 bytes."""
     return stmt.cell.position, call.lineno, len(stmt.cell.line_bytes(call.lineno)[: call.col_offset].decode())
+
+
+def loader_lengths(nodes, sharded: set[str]) -> dict[str, str]:
+    """Names bound only to ``len(<loader>)`` of one loader of ``sharded`` in ``nodes`` and everything under them
+    (``n_batches = len(train_loader)``) → that loader. A name bound to anything else anywhere, or to the lengths of
+    two loaders, is none: what it counts is not known."""
+    lengths: dict[str, str] = {}
+    counted: set[int] = set()  # the Name nodes those bindings store to
+    for node in nodes:
+        for n in ast.walk(node):
+            loader = _length_of(n.value) if isinstance(n, ast.Assign) else None
+            if loader is None:
+                continue
+            for target in n.targets:
+                if isinstance(target, ast.Name) and lengths.setdefault(target.id, loader) == loader:
+                    counted.add(id(target))
+    other = {n.id for node in nodes for n in ast.walk(node)
+             if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)) and id(n) not in counted}
+    return {name: loader for name, loader in lengths.items() if name not in other and loader in sharded}
+
+
+def _length_of(value: ast.expr) -> str | None:
+    """``L`` of ``len(L)``, L a name."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "len" and \
+            len(value.args) == 1 and not value.keywords and isinstance(value.args[0], ast.Name):
+        return value.args[0].id
+    return None

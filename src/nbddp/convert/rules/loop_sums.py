@@ -26,7 +26,8 @@ class LoopSumsRule(Rule):
     would count again each epoch. A sum the code after
     the loop divides by a count of the rank's own — ``len(train_loader)`` (its batches under the sampler), the
     loop's ``enumerate`` index, a counter the loop adds 1 to — is averaged over the ranks instead, so the quotient
-    is the whole set's mean. Only names the loop adds to and never sets, with something other than a constant
+    is the whole set's mean (also by a name bound to ``len(train_loader)``: summed, ``total / n_batches`` was twice
+    the mean on two ranks). Only names the loop adds to and never sets, with something other than a constant
     (``step += 1`` stays each rank's count); not in a notebook that calls DataParallel, whose loaders are split
     otherwise (``data_parallel``).
     """
@@ -56,7 +57,7 @@ class LoopSumsRule(Rule):
         sums = _sums(tree) if loader else []
         if not sums:
             return updated
-        own_counts = _own_counts(tree, loader)
+        own_counts = _own_counts(tree, loader, self.facts)
         means = [name for name in sums if _divided_by(self._tree, name, own_counts)]
         before = [cst.parse_statement(f"_nbddp_{name} = _nbddp.before_loop({name})\n") for name in sums]
         after = [cst.parse_statement(f"{name} = _nbddp.over_ranks({name}, since=_nbddp_{name}"
@@ -120,10 +121,11 @@ def _sums(loop: ast.For) -> list[str]:
                               if not isinstance(n.value, ast.Constant) and n.target.id not in set_))
 
 
-def _own_counts(loop: ast.For, loader: str) -> set[str]:
-    """What counts the rank's own batches or rows: ``len(<loader>)``, the loop's ``enumerate`` index, a name the
-    loop adds a constant to (``n += 1``)."""
-    own = {f"len({loader})"}
+def _own_counts(loop: ast.For, loader: str, facts) -> set[str]:
+    """What counts the rank's own batches or rows: ``len(<loader>)``, a name bound to it (``n_batches =
+    len(train_loader)``, in any cell), the loop's ``enumerate`` index, a name the loop adds a constant to (``n +=
+    1``)."""
+    own = {f"len({loader})"} | {name for name, of in facts.loader_lengths.items() if of == loader}
     if isinstance(loop.iter, ast.Call) and last_name(loop.iter.func) == "enumerate" and \
             isinstance(loop.target, ast.Tuple) and isinstance(loop.target.elts[0], ast.Name):
         own.add(loop.target.elts[0].id)
