@@ -136,3 +136,65 @@ def test_a_sum_divided_by_a_name_bound_to_the_sharded_loaders_length_is_averaged
     text = convert_cells([Cell(1, SETUP), Cell(2, count), Cell(3, loop)], origin="nb.ipynb").text
     assert ("total = _nbddp.over_ranks(total, since=_nbddp_total, mean=True)" in text) is averaged
     assert "total = _nbddp.over_ranks(total, since=_nbddp_total" in text
+
+
+METER = '''class AverageMeter(object):
+    """Computes and stores the average and current value"""
+    def __init__(self):
+        self.reset()
+    def reset(self):
+        self.val = 0
+        self.avg = 0
+        self.sum = 0
+        self.count = 0
+    def update(self, val, n=1):
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count'''
+
+#: The shape of a Kaggle training notebook's ``train_fn`` (the ImageNet example's meter, created in the function).
+TRAIN_FN = '''def train_fn(train_loader, model, criterion, optimizer, epoch):
+    model.train()
+    losses = AverageMeter()
+    for step, (x, y) in enumerate(train_loader):
+        loss = criterion(model(x), y)
+        losses.update(loss.item(), x.size(0))
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+    return losses.avg
+
+history = []
+for epoch in range(2):
+    avg_loss = train_fn(train_loader, model, criterion, optimizer, epoch)
+    history.append(avg_loss)
+    print(f"epoch {epoch} loss {avg_loss:.4f}")
+json.dump(history, open("history.json", "w"))'''
+
+
+def test_an_average_meters_sums_are_summed_over_the_ranks_and_its_average_derived_again():
+    script = convert_cells([Cell(1, SETUP), Cell(2, METER), Cell(3, TRAIN_FN)], origin="nb.ipynb")
+    assert "    _nbddp_losses = _nbddp.before_meter(losses, ('sum', 'count'))\n    for step" in script.text
+    assert "        optimizer.zero_grad(); loss.backward(); optimizer.step()\n" \
+           "    _nbddp.meter_over_ranks(losses, _nbddp_losses, (('avg', 'sum', 'count'),))\n    return losses.avg" \
+           in script.text
+    # a meter the loop resets, or one a whole loader's loop updates: left as it is
+    for loop in ("for x, y in train_loader:\n    meter.reset()\n    meter.update(1.0)",
+                 "for x, y in valid_loader:\n    meter.update(criterion(model(x), y).item())"):
+        text = convert_cells([Cell(1, SETUP), Cell(2, METER), Cell(3, TRAIN_FN),
+                              Cell(4, "meter = AverageMeter()\n" + loop)], origin="nb.ipynb").text
+        assert "before_meter(meter" not in text and "before_meter(losses" in text
+
+
+@pytest.mark.e2e
+def test_two_ranks_return_the_epoch_average_one_process_does_from_an_average_meter(tmp_path, monkeypatch):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    code = [SETUP, METER, TRAIN_FN]
+    subprocess.run([sys.executable, "-c", "\n".join(code)], cwd=one, check=True, capture_output=True, timeout=120)
+    notebook = write_notebook(two / "train.ipynb", code)
+    monkeypatch.chdir(two)
+    result = run_job(notebook, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
+    assert result.ok, result.failure
+    want, got = (json.loads((d / "history.json").read_text()) for d in (one, two))
+    assert got == pytest.approx(want, rel=1e-6)  # rank 0's half's average before

@@ -24,7 +24,7 @@ from .from_rank0 import from_rank0
 from .handoff import for_accelerate
 from .lifecycle import cleanup, setup
 from .loaders import shard_items, shard_loader, shard_range, whole_loader
-from .loop_sums import before_loop, over_ranks
+from .loop_sums import before_loop, before_meter, meter_over_ranks, over_ranks
 from .rich import display
 from .shell_lines import cd, expand, getoutput, shell, shell_cell, write_file
 from .report import GPUInfo, MultiGPUConfig, get_multi_gpu_config
@@ -35,6 +35,7 @@ __all__ = [
     "RankInfo",
     "barrier",
     "before_loop",
+    "before_meter",
     "cd",
     "cleanup",
     "data_parallel",
@@ -54,6 +55,7 @@ __all__ = [
     "is_main_process",
     "main_process_first",
     "on_rank0",
+    "meter_over_ranks",
     "over_ranks",
     "print0",
     "rank0_mode",

@@ -47,3 +47,22 @@ def over_ranks(value, since=0, mean: bool = False):
     if isinstance(value, numbers.Integral):
         return since + int(round(added.item()))
     return type(value)(since + added.item())
+
+
+def before_meter(meter, summed):
+    """Where a running-average object's sums stand as its loop begins (``AverageMeter``'s ``sum`` and ``count``):
+    each attribute of ``summed`` as ``before_loop`` takes it; those it lacks are not there."""
+    return {attr: before_loop(getattr(meter, attr)) for attr in summed if hasattr(meter, attr)}
+
+
+def meter_over_ranks(meter, since: dict, derived=()) -> None:
+    """The meter's sums made what one process's are (``over_ranks`` of each, from ``since``: ``before_meter``),
+    then what ``update`` derives from them set again (``derived``: ``(avg, sum, count)`` for ``avg = sum / count``,
+    where the count is not zero). Every rank makes the same calls in the same order."""
+    for attr, start in since.items():
+        setattr(meter, attr, over_ranks(getattr(meter, attr), since=start))
+    for attr, num, den in derived:
+        count = getattr(meter, den, 0)
+        if attr in since or num not in since or den not in since or not count:
+            continue
+        setattr(meter, attr, getattr(meter, num) / count)

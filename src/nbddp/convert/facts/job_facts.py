@@ -58,6 +58,11 @@ class JobFacts:
     own_instances: dict[str, str] = field(default_factory=dict)
     #: the calls running such a method (``own_classes.OwnTraining``), anywhere: refused before launch
     own_trainings: list = field(default_factory=list)
+    #: running-average classes the notebook defines (``AverageMeter``) → what their ``update`` sums and derives
+    #: (``facts/meters.MeterShape``)
+    meters: dict = field(default_factory=dict)
+    #: names bound to an instance of such a class, in any scope → the class
+    meter_instances: dict[str, str] = field(default_factory=dict)
     #: the notebook distributes itself (its own DistributedDataParallel)
     self_distributed: bool = False
     #: the notebook calls ``nn.DataParallel`` (by any name it binds: ``rules/data_parallel.calls_data_parallel``):

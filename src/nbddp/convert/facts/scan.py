@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..ast_helpers import dotted_name, is_dead_if, is_literal, keyword, last_name
 from .loaders import loader_name, plain_sampler
+from .meters import meter_shape
 from .models import is_optimizer, is_peft, model_of_parameters
 from .own_classes import OwnTraining, own_class, owner_called
 from .training import is_trainer_factory, makes_trainer
@@ -110,6 +111,8 @@ class _Scan:
                 self.facts.trainer_names.update(targets)
             if self.facts.own_classes.get(callee):  # an instance of the notebook's own class that trains
                 self.facts.own_instances.update(dict.fromkeys(targets, callee))
+            if callee in self.facts.meters and isinstance(call.func, ast.Name):
+                self.facts.meter_instances.update(dict.fromkeys(targets, callee))
             if callee == "Accelerator":
                 self.facts.accelerators.update(targets)
             if is_optimizer(call):
@@ -202,6 +205,8 @@ class _Scan:
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         if (training := own_class(node, self.facts.own_classes)) is not None:
             self.facts.own_classes[node.name] = training
+        if (shape := meter_shape(node)) is not None:
+            self.facts.meters[node.name] = shape
         self.bind(node.name)
         self.reads.add(node.name)
         self._scopes += 1

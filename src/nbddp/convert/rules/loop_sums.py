@@ -29,13 +29,16 @@ class LoopSumsRule(Rule):
     is the whole set's mean (also by a name bound to ``len(train_loader)``: summed, ``total / n_batches`` was twice
     the mean on two ranks). Only names the loop adds to and never sets, with something other than a constant
     (``step += 1`` stays each rank's count); not in a notebook that calls DataParallel, whose loaders are split
-    otherwise (``data_parallel``).
+    otherwise (``data_parallel``). A running-average object of the notebook's own class the loop updates
+    (``losses.update(loss.item(), n)`` on an ``AverageMeter``, ``facts/meters.py``) gets the same for the
+    attributes its ``update`` adds to (``sum``, ``count``), and what ``update`` derives from them (``avg``) is
+    derived again: a ``train_fn`` returning ``losses.avg`` returned rank 0's share's average.
     """
 
     # -- where it has work: Python's ast, before libcst reads anything
 
     name = "loop_sums"
-    pattern = re.compile(r"\+=")
+    pattern = re.compile(r"\+=|\.update\(")  # a sum, or a meter's update
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
@@ -43,7 +46,7 @@ class LoopSumsRule(Rule):
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
-        return any(isinstance(n, ast.For) and _shared_out(n, facts) and _sums(n) for n in nodes)
+        return any(isinstance(n, ast.For) and _shared_out(n, facts) and (_sums(n) or _meters(n, facts)) for n in nodes)
 
     # -- what it does: libcst
 
@@ -55,13 +58,17 @@ class LoopSumsRule(Rule):
         tree = ast.parse(code_of(original.with_changes(leading_lines=[]))).body[0]
         loader = _shared_out(tree, self.facts)
         sums = _sums(tree) if loader else []
-        if not sums:
+        meters = _meters(tree, self.facts) if loader else {}
+        if not sums and not meters:
             return updated
         own_counts = _own_counts(tree, loader, self.facts)
         means = [name for name in sums if _divided_by(self._tree, name, own_counts)]
         before = [cst.parse_statement(f"_nbddp_{name} = _nbddp.before_loop({name})\n") for name in sums]
         after = [cst.parse_statement(f"{name} = _nbddp.over_ranks({name}, since=_nbddp_{name}"
                                      f"{', mean=True' if name in means else ''})\n") for name in sums]
+        for name, shape in meters.items():
+            before.append(cst.parse_statement(f"_nbddp_{name} = _nbddp.before_meter({name}, {shape.summed!r})\n"))
+            after.append(cst.parse_statement(f"_nbddp.meter_over_ranks({name}, _nbddp_{name}, {shape.derived!r})\n"))
         summed = [name for name in sums if name not in means]
         said = []
         if summed:
@@ -69,6 +76,10 @@ class LoopSumsRule(Rule):
         if means:
             said.append(f"what it adds to {', '.join(means)} is averaged over them (divided by a count of each "
                         "rank's own)")
+        for name, shape in meters.items():
+            derived = ", ".join(attr for attr, _, _ in shape.derived)
+            said.append(f"{name}'s {', '.join(shape.summed)} are summed over the ranks"
+                        + (f" and its {derived} derived from them again" if derived else ""))
         self.note(original, f"after the loop over {loader}, whose batches are shared out, {' and '.join(said)}: "
                             "what one process adds up, the same on every rank")
         before[0] = before[0].with_changes(leading_lines=updated.leading_lines)
@@ -119,6 +130,20 @@ def _sums(loop: ast.For) -> list[str]:
              and not isinstance(n.op, ast.Add)}
     return list(dict.fromkeys(n.target.id for n in _additions(loop)
                               if not isinstance(n.value, ast.Constant) and n.target.id not in set_))
+
+
+def _meters(loop: ast.For, facts) -> dict:
+    """The notebook's running-average objects the loop updates (``losses.update(loss.item(), n)`` on an instance
+    of a ``facts/meters`` class) → their class's shape; not one the loop binds or calls any other method of
+    (``losses.reset()``), whose sums would not run from the loop's start to its end."""
+    nodes = list(_body_nodes(loop))
+    calls = [(n.func.value.id, n.func.attr) for n in nodes if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)]
+    bound = {t.id for n in nodes for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+    bound |= {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
+    updated = dict.fromkeys(name for name, method in calls if method == "update" and name in facts.meter_instances)
+    return {name: facts.meters[facts.meter_instances[name]] for name in updated if name not in bound
+            and all(method == "update" for owner, method in calls if owner == name)}
 
 
 def _own_counts(loop: ast.For, loader: str, facts) -> set[str]:
