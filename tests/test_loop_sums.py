@@ -91,14 +91,20 @@ def test_a_name_the_loop_sets_or_a_loop_over_a_whole_loader_is_left(loop):
     assert "over_ranks(total" not in script.text and "over_ranks(trn_loss" in script.text
 
 
+#: How a Kaggle kernel uses its two GPUs: DataParallel splits each batch over them. nbddp's ranks take a part of
+#: each batch instead (``data_parallel_batch``), so a batch's loss is each rank's part's, and its counts too.
+DATA_PARALLEL = "model = nn.DataParallel(model)"
+
+
 @pytest.mark.e2e
-def test_two_ranks_print_and_write_the_epoch_losses_one_process_does(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cells, steps", [((SETUP, TRAIN), 4), ((SETUP, DATA_PARALLEL, TRAIN), 8)],
+                         ids=["sharded", "data-parallel"])
+def test_two_ranks_print_and_write_the_epoch_losses_one_process_does(tmp_path, monkeypatch, cells, steps):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    subprocess.run([sys.executable, "-c", SETUP + "\n" + TRAIN], cwd=one, check=True, capture_output=True,
-                   timeout=120)
-    notebook = write_notebook(two / "train.ipynb", [SETUP, TRAIN])
+    subprocess.run([sys.executable, "-c", "\n".join(cells)], cwd=one, check=True, capture_output=True, timeout=120)
+    notebook = write_notebook(two / "train.ipynb", list(cells))
     monkeypatch.chdir(two)
     result = run_job(notebook, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     assert result.ok, result.failure
@@ -108,7 +114,8 @@ def test_two_ranks_print_and_write_the_epoch_losses_one_process_does(tmp_path, m
             assert epoch_got[key] == pytest.approx(epoch_want[key], rel=1e-6), key  # half of it before
         assert (epoch_got["seen"], epoch_want["seen"]) == (64, 64)
         assert epoch_got["examples_seen"] == epoch_want["examples_seen"]  # 64, then 128: not counted again
-        assert (epoch_got["step"], epoch_want["step"]) == (4, 8)  # each rank's own count of its 4 batches
+        # each rank's own count of its batches: half of them, or with DataParallel a part of each of them
+        assert (epoch_got["step"], epoch_want["step"]) == (steps, 8)
 
 
 def test_a_loop_over_batch_positions_shared_out_has_its_sums_summed_too():

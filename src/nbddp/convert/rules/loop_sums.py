@@ -28,8 +28,8 @@ class LoopSumsRule(Rule):
     loop's ``enumerate`` index, a counter the loop adds 1 to — is averaged over the ranks instead, so the quotient
     is the whole set's mean (also by a name bound to ``len(train_loader)``: summed, ``total / n_batches`` was twice
     the mean on two ranks). Only names the loop adds to and never sets, with something other than a constant
-    (``step += 1`` stays each rank's count); not in a notebook that calls DataParallel, whose loaders are split
-    otherwise (``data_parallel``). A running-average object of the notebook's own class the loop updates
+    (``step += 1`` stays each rank's count). In a notebook that calls DataParallel too: there every rank reads a
+    part of each batch (``data_parallel_batch``), so what a loop adds up is its part's, made whole the same way. A running-average object of the notebook's own class the loop updates
     (``losses.update(loss.item(), n)`` on an ``AverageMeter``, ``facts/meters.py``) gets the same for the
     attributes its ``update`` adds to (``sum``, ``count``), and what ``update`` derives from them (``avg``) is
     derived again: a ``train_fn`` returning ``losses.avg`` returned rank 0's share's average.
@@ -42,7 +42,7 @@ class LoopSumsRule(Rule):
 
     @classmethod
     def wanted(cls, cell, facts) -> bool:
-        return facts.plain_loop and not facts.data_parallel and super().wanted(cell, facts)
+        return facts.plain_loop and super().wanted(cell, facts)
 
     @classmethod
     def touches(cls, stmt, facts, nodes) -> bool:
