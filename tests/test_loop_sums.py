@@ -192,16 +192,36 @@ def test_an_average_meters_sums_are_summed_over_the_ranks_and_its_average_derive
         assert "before_meter(meter" not in text and "before_meter(losses" in text
 
 
+def test_an_imported_average_meter_is_taken_to_have_the_usual_shape_and_one_the_notebook_defines_otherwise_is_not():
+    imported = "from utils import AverageMeter"  # a Kaggle utility script's, or timm.utils'
+    text = convert_cells([Cell(1, SETUP), Cell(2, imported), Cell(3, TRAIN_FN)], origin="nb.ipynb").text
+    assert "_nbddp.meter_over_ranks(losses, _nbddp_losses, (('avg', 'sum', 'count'),))" in text
+    windowed = ("class AverageMeter:\n    def __init__(self):\n        self.values = []\n"
+                "    def update(self, val, n=1):\n        self.values = (self.values + [val])[-10:]\n"
+                "        self.avg = sum(self.values) / len(self.values)")
+    text = convert_cells([Cell(1, SETUP), Cell(2, windowed), Cell(3, TRAIN_FN)], origin="nb.ipynb").text
+    assert "before_meter" not in text
+
+
 @pytest.mark.e2e
-def test_two_ranks_return_the_epoch_average_one_process_does_from_an_average_meter(tmp_path, monkeypatch):
+def test_two_ranks_return_the_epoch_averages_one_process_does_from_average_meters(tmp_path, monkeypatch):
+    """Two meters in one job: an ``AverageMeter`` imported from a utility script beside the notebook, as Kaggle
+    notebooks import their helpers (``from utils import AverageMeter``), and a class of the notebook's own. Before,
+    each rank returned its share's averages: rank 0's were printed and kept as the epoch's."""
     one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    code = [SETUP, METER, TRAIN_FN]
+    own = METER.replace("class AverageMeter(object):", "class Meter(object):")
+    train = TRAIN_FN.replace("    losses = AverageMeter()\n", "    losses = AverageMeter()\n    positives = Meter()\n") \
+        .replace("        losses.update(loss.item(), x.size(0))\n",
+                 "        losses.update(loss.item(), x.size(0))\n        positives.update(y.float().mean().item(), x.size(0))\n") \
+        .replace("    return losses.avg", "    return losses.avg, positives.avg").replace(":.4f}", "}")
+    code = [SETUP, "from utils import AverageMeter", own, train]
+    for folder in (one, two):
+        folder.mkdir()
+        (folder / "utils.py").write_text(METER + "\n")
     subprocess.run([sys.executable, "-c", "\n".join(code)], cwd=one, check=True, capture_output=True, timeout=120)
     notebook = write_notebook(two / "train.ipynb", code)
     monkeypatch.chdir(two)
     result = run_job(notebook, RunOptions(nproc=2, runs_dir=tmp_path / "runs"), QuietView()).run
     assert result.ok, result.failure
     want, got = (json.loads((d / "history.json").read_text()) for d in (one, two))
-    assert got == pytest.approx(want, rel=1e-6)  # rank 0's half's average before
+    assert [x for epoch in got for x in epoch] == pytest.approx([x for epoch in want for x in epoch], rel=1e-6)

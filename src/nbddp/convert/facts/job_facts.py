@@ -61,7 +61,8 @@ class JobFacts:
     #: running-average classes the notebook defines (``AverageMeter``) → what their ``update`` sums and derives
     #: (``facts/meters.MeterShape``)
     meters: dict = field(default_factory=dict)
-    #: names bound to an instance of such a class, in any scope → the class
+    #: names bound to an instance of such a class, or of an ``AverageMeter`` the notebook imports, in any scope →
+    #: the class (``meters.shape_of``)
     meter_instances: dict[str, str] = field(default_factory=dict)
     #: the notebook distributes itself (its own DistributedDataParallel)
     self_distributed: bool = False

@@ -6,6 +6,11 @@ Kaggle training notebooks keep an epoch's loss in an ``AverageMeter`` (PyTorch's
 return ``losses.avg`` from their ``train_fn``. In a loop over a sharded loader each rank's meter holds its share's
 average, which the notebook then prints and keeps as the epoch's: one rank's metric shown as the whole set's.
 ``LoopSumsRule`` makes the sums whole after the loop and derives the averages again.
+
+An ``AverageMeter`` the notebook imports (a Kaggle utility script's ``from utils import AverageMeter``, timm's
+``timm.utils.AverageMeter``) has no source here to read: it is taken to have the ImageNet example's shape
+(``IMPORTED``), which timm's has too; at run time only the attributes the object has are summed, so one without
+``sum`` or ``count`` is left as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +25,19 @@ class MeterShape:
 
     summed: tuple[str, ...]  # ``self.sum += …``, ``self.count += …``
     derived: tuple[tuple[str, str, str], ...]  # ``self.avg = self.sum / self.count``: (avg, sum, count)
+
+
+#: The name a meter the notebook imports goes by, and the shape it is taken to have.
+IMPORTED_NAME = "AverageMeter"
+IMPORTED = MeterShape(("sum", "count"), (("avg", "sum", "count"),))
+
+
+def shape_of(cls: str, meters: dict, own_classes: dict) -> MeterShape | None:
+    """The shape of the meter class ``cls`` an instance was made of: the notebook's own class's, or ``IMPORTED``
+    for an ``AverageMeter`` the notebook does not define; None for any other class."""
+    if cls in meters:
+        return meters[cls]
+    return IMPORTED if cls == IMPORTED_NAME and cls not in own_classes else None
 
 
 def meter_shape(node: ast.ClassDef) -> MeterShape | None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..ast_helpers import dotted_name, is_dead_if, is_literal, keyword, last_name
 from .loaders import loader_name, plain_sampler
-from .meters import meter_shape
+from .meters import IMPORTED_NAME, meter_shape
 from .models import is_optimizer, is_peft, model_of_parameters
 from .own_classes import OwnTraining, own_class, owner_called
 from .training import is_trainer_factory, makes_trainer
@@ -111,7 +111,7 @@ class _Scan:
                 self.facts.trainer_names.update(targets)
             if self.facts.own_classes.get(callee):  # an instance of the notebook's own class that trains
                 self.facts.own_instances.update(dict.fromkeys(targets, callee))
-            if callee in self.facts.meters and isinstance(call.func, ast.Name):
+            if callee in self.facts.meters or callee == IMPORTED_NAME:  # shapes judged in LoopSumsRule
                 self.facts.meter_instances.update(dict.fromkeys(targets, callee))
             if callee == "Accelerator":
                 self.facts.accelerators.update(targets)

@@ -10,6 +10,7 @@ from ..cst_helpers import code_of, cst
 from ..engine.rule import Rule
 from ..facts.index_loops import shardable_loop
 from ..facts.loaders import loader_name
+from ..facts.meters import shape_of
 
 
 class LoopSumsRule(Rule):
@@ -29,8 +30,10 @@ class LoopSumsRule(Rule):
     is the whole set's mean (also by a name bound to ``len(train_loader)``: summed, ``total / n_batches`` was twice
     the mean on two ranks). Only names the loop adds to and never sets, with something other than a constant
     (``step += 1`` stays each rank's count). In a notebook that calls DataParallel too: there every rank reads a
-    part of each batch (``data_parallel_batch``), so what a loop adds up is its part's, made whole the same way. A running-average object of the notebook's own class the loop updates
-    (``losses.update(loss.item(), n)`` on an ``AverageMeter``, ``facts/meters.py``) gets the same for the
+    part of each batch (``data_parallel_batch``), so what a loop adds up is its part's, made whole the same way.
+
+    A running-average object the loop updates (``losses.update(loss.item(), n)`` on an ``AverageMeter`` of the
+    notebook's own class, ``facts/meters.py``, or one it imports, taken to have that shape) gets the same for the
     attributes its ``update`` adds to (``sum``, ``count``), and what ``update`` derives from them (``avg``) is
     derived again: a ``train_fn`` returning ``losses.avg`` returned rank 0's share's average.
     """
@@ -142,7 +145,8 @@ def _meters(loop: ast.For, facts) -> dict:
     bound = {t.id for n in nodes for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
     bound |= {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
     updated = dict.fromkeys(name for name, method in calls if method == "update" and name in facts.meter_instances)
-    return {name: facts.meters[facts.meter_instances[name]] for name in updated if name not in bound
+    shapes = {name: shape_of(facts.meter_instances[name], facts.meters, facts.own_classes) for name in updated}
+    return {name: shape for name, shape in shapes.items() if shape is not None and name not in bound
             and all(method == "update" for owner, method in calls if owner == name)}
 
 
