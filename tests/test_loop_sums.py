@@ -35,6 +35,7 @@ TRAIN = """history, examples_seen = [], 0
 for epoch in range(2):
     summed = torch.zeros(())
     trn_loss, running, per_batch, correct, seen, batches, step = 0.0, 0.0, 0.0, 0, 0, 0, 0
+    stats = {"loss": 0.0, "batch_loss": 0.0}  # sums kept in a dict's items
     model.train()
     for i, (inputs, labels) in enumerate(train_loader):
         optimizer.zero_grad()
@@ -48,6 +49,8 @@ for epoch in range(2):
         examples_seen += labels.size(0)  # across epochs, never reset
         summed += loss.detach() * inputs.size(0)  # a tensor, added to in place
         per_batch += loss.item()
+        stats["loss"] += loss.item() * inputs.size(0)
+        stats["batch_loss"] += loss.item()
         batches += 1
         step += 1
     val_loss = 0.0
@@ -58,7 +61,8 @@ for epoch in range(2):
                     "by_index": running / (i + 1), "accuracy": correct / seen, "seen": seen, "step": step,
                     "batches": batches, "val_loss": val_loss / len(data_valid),
                     "examples_seen": examples_seen, "summed": summed.item() / len(data_train),
-                    "by_bound_count": per_batch / n_batches})
+                    "by_bound_count": per_batch / n_batches, "item_loss": stats["loss"] / len(data_train),
+                    "item_by_batches": stats["batch_loss"] / len(train_loader)})
     print(history[-1])
 json.dump(history, open("history.json", "w"))"""
 
@@ -73,12 +77,16 @@ def test_a_training_loops_sums_are_summed_over_the_ranks_and_those_divided_by_it
         "correct = _nbddp.over_ranks(correct, since=_nbddp_correct)", "seen = _nbddp.over_ranks(seen, since=_nbddp_seen)",
         "examples_seen = _nbddp.over_ranks(examples_seen, since=_nbddp_examples_seen)"]
     loop = lines.index(next(ln for ln in lines if "for i, (inputs, labels) in enumerate(train_loader):" in ln))
-    assert lines[loop - 7].strip() == "_nbddp_trn_loss = _nbddp.before_loop(trn_loss)"  # where each sum starts
-    assert lines[loop - 8].strip() == "model.train()"
+    assert lines[loop - 9].strip() == "_nbddp_trn_loss = _nbddp.before_loop(trn_loss)"  # where each sum starts
+    assert lines[loop - 10].strip() == "model.train()"
+    assert lines[loop - 2].strip() == "_nbddp_stats_loss = _nbddp.before_loop(stats['loss'])"  # as Python spells it
+    assert "stats['loss'] = _nbddp.over_ranks(stats['loss'], since=_nbddp_stats_loss)\n" in script.text
+    assert "stats['batch_loss'] = _nbddp.over_ranks(stats['batch_loss'], since=_nbddp_stats_batch_loss, mean=True)" \
+        in script.text
     assert "over_ranks(step" not in script.text and "over_ranks(batches" not in script.text  # counts of one's own
     assert "over_ranks(val_loss" not in script.text  # the validation loader is whole on every rank
-    assert any(c.rule == "loop_sums" and "adds to trn_loss, correct, seen, examples_seen, summed is summed over the ranks" in c.message
-               and "adds to running, per_batch is averaged" in c.message for c in script.changes)
+    assert any(c.rule == "loop_sums" and "adds to trn_loss, correct, seen, examples_seen, summed, stats['loss'] is summed over the ranks" in c.message
+               and "adds to running, per_batch, stats['batch_loss'] is averaged" in c.message for c in script.changes)
     assert "per_batch = _nbddp.over_ranks(per_batch, since=_nbddp_per_batch, mean=True)" in script.text
 
 
@@ -110,7 +118,8 @@ def test_two_ranks_print_and_write_the_epoch_losses_one_process_does(tmp_path, m
     assert result.ok, result.failure
     want, got = (json.loads((d / "history.json").read_text()) for d in (one, two))
     for epoch_want, epoch_got in zip(want, got, strict=True):
-        for key in ("trn_loss", "by_batches", "by_index", "accuracy", "val_loss", "summed", "by_bound_count"):
+        for key in ("trn_loss", "by_batches", "by_index", "accuracy", "val_loss", "summed", "by_bound_count",
+                    "item_loss", "item_by_batches"):
             assert epoch_got[key] == pytest.approx(epoch_want[key], rel=1e-6), key  # half of it before
         assert (epoch_got["seen"], epoch_want["seen"]) == (64, 64)
         assert epoch_got["examples_seen"] == epoch_want["examples_seen"]  # 64, then 128: not counted again
@@ -225,3 +234,16 @@ def test_two_ranks_return_the_epoch_averages_one_process_does_from_average_meter
     assert result.ok, result.failure
     want, got = (json.loads((d / "history.json").read_text()) for d in (one, two))
     assert [x for epoch in got for x in epoch] == pytest.approx([x for epoch in want for x in epoch], rel=1e-6)
+
+
+@pytest.mark.parametrize("loop, summed", [
+    ("for x, y in train_loader:\n    d['n'] += y.sum().item()", True),
+    ("for x, y in train_loader:\n    d['n'] = 0\n    d['n'] += y.sum().item()", False),  # set in the loop: a batch's own
+    ("for x, y in train_loader:\n    d.clear()\n    d['n'] += y.sum().item()", False),  # emptied in the loop
+    ("for x, y in train_loader:\n    d[k] += y.sum().item()", False),  # a key not written out
+])
+def test_a_dicts_item_the_loop_adds_to_is_summed_unless_the_loop_changes_the_dict_otherwise(loop, summed):
+    cells = [Cell(1, SETUP), Cell(2, TRAIN), Cell(3, "d, k = {'n': 0}, 'n'\n" + loop)]
+    text = convert_cells(cells, origin="nb.ipynb").text
+    assert ("d['n'] = _nbddp.over_ranks(d['n'], since=_nbddp_d_n)" in text) is summed
+    assert "over_ranks(d[k]" not in text

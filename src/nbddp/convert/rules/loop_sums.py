@@ -14,10 +14,10 @@ from ..facts.meters import shape_of
 
 
 class LoopSumsRule(Rule):
-    """Plain PyTorch: ``trn_loss += loss.item() * x.size(0)`` in a loop over a loader nbddp shards (or over the batch
-    positions or samples ``ShardLoopRule`` shares out): before the loop
-    ``_nbddp_trn_loss = _nbddp.before_loop(trn_loss)``, after it ``trn_loss = _nbddp.over_ranks(trn_loss,
-    since=_nbddp_trn_loss)``.
+    """Plain PyTorch: ``trn_loss += loss.item() * x.size(0)`` (or ``stats["loss"] += …``, a dict's item at a key
+    written out) in a loop over a loader nbddp shards (or over the batch positions or samples ``ShardLoopRule``
+    shares out): before the loop ``_nbddp_trn_loss = _nbddp.before_loop(trn_loss)``, after it ``trn_loss =
+    _nbddp.over_ranks(trn_loss, since=_nbddp_trn_loss)``.
 
     Each rank's loop reads its share of the batches (a DistributedSampler), so what it adds up is its share's:
     ``trn_loss / len(data_train)`` printed half the epoch's loss on two ranks, and an early stop or a best
@@ -66,8 +66,8 @@ class LoopSumsRule(Rule):
             return updated
         own_counts = _own_counts(tree, loader, self.facts)
         means = [name for name in sums if _divided_by(self._tree, name, own_counts)]
-        before = [cst.parse_statement(f"_nbddp_{name} = _nbddp.before_loop({name})\n") for name in sums]
-        after = [cst.parse_statement(f"{name} = _nbddp.over_ranks({name}, since=_nbddp_{name}"
+        before = [cst.parse_statement(f"{_start(name)} = _nbddp.before_loop({name})\n") for name in sums]
+        after = [cst.parse_statement(f"{name} = _nbddp.over_ranks({name}, since={_start(name)}"
                                      f"{', mean=True' if name in means else ''})\n") for name in sums]
         for name, shape in meters.items():
             before.append(cst.parse_statement(f"_nbddp_{name} = _nbddp.before_meter({name}, {shape.summed!r})\n"))
@@ -87,6 +87,11 @@ class LoopSumsRule(Rule):
                             "what one process adds up, the same on every rank")
         before[0] = before[0].with_changes(leading_lines=updated.leading_lines)
         return cst.FlattenSentinel([*before, updated.with_changes(leading_lines=[]), *after])
+
+
+def _start(summed: str) -> str:
+    """The name that holds where a sum stood as its loop began: ``_nbddp_trn_loss``, ``_nbddp_stats_loss``."""
+    return "_nbddp_" + re.sub(r"\W+", "_", summed).strip("_")
 
 
 def _shared_out(loop: ast.For, facts) -> str | None:
@@ -117,22 +122,44 @@ def _body_nodes(loop: ast.For):
 
 
 def _additions(loop: ast.For) -> list[ast.AugAssign]:
-    """The loop's ``name += …`` statements, in source order."""
+    """The loop's ``name += …`` and ``stats["loss"] += …`` statements (``_summed_text``), in source order."""
     added = [n for n in _body_nodes(loop) if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
-             and isinstance(n.target, ast.Name)]
+             and _summed_text(n.target) is not None]
     return sorted(added, key=lambda n: (n.lineno, n.col_offset))
 
 
+def _summed_text(target: ast.expr) -> str | None:
+    """What a sum is spelled as: a name, or a name's item at a written-out key (``stats["loss"]``); else None."""
+    if isinstance(target, ast.Name):
+        return target.id
+    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and \
+            isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, (str, int)):
+        return ast.unparse(target)
+    return None
+
+
 def _sums(loop: ast.For) -> list[str]:
-    """The names the loop adds to (``x += …``, not a constant) and never sets otherwise, in source order."""
+    """What the loop adds to (``x += …`` or ``stats["loss"] += …``, not a constant) and never sets otherwise, in
+    source order, as spelled. An item's mapping counts as set where the loop binds it, sets an item of it, or calls
+    a method of it (``stats.clear()``)."""
     nodes = list(_body_nodes(loop))
     set_ = {t.id for n in nodes if isinstance(n, (ast.Assign, ast.AnnAssign, ast.For, ast.With, ast.NamedExpr))
             for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
     set_ |= {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
     set_ |= {n.target.id for n in nodes if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
              and not isinstance(n.op, ast.Add)}
-    return list(dict.fromkeys(n.target.id for n in _additions(loop)
-                              if not isinstance(n.value, ast.Constant) and n.target.id not in set_))
+    added_to = {id(n.target) for n in _additions(loop)}
+    changed = {n.value.id for n in nodes if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del))
+               and isinstance(n.value, ast.Name) and id(n) not in added_to}
+    changed |= {n.func.value.id for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and isinstance(n.func.value, ast.Name)}
+    sums = []
+    for n in _additions(loop):
+        owner = n.target.id if isinstance(n.target, ast.Name) else n.target.value.id
+        if not isinstance(n.value, ast.Constant) and owner not in set_ and \
+                (isinstance(n.target, ast.Name) or owner not in changed):
+            sums.append(_summed_text(n.target))
+    return list(dict.fromkeys(sums))
 
 
 def _meters(loop: ast.For, facts) -> dict:
@@ -158,13 +185,14 @@ def _own_counts(loop: ast.For, loader: str, facts) -> set[str]:
     if isinstance(loop.iter, ast.Call) and last_name(loop.iter.func) == "enumerate" and \
             isinstance(loop.target, ast.Tuple) and isinstance(loop.target.elts[0], ast.Name):
         own.add(loop.target.elts[0].id)
-    own |= {n.target.id for n in _additions(loop) if isinstance(n.value, ast.Constant)}
+    own |= {_summed_text(n.target) for n in _additions(loop) if isinstance(n.value, ast.Constant)}
     return own
 
 
 def _divided_by(tree: ast.AST, name: str, own_counts: set[str]) -> bool:
     """Whether the code divides ``name`` by one of ``own_counts`` (``loss_sum / len(train_loader)``,
     ``total / (i + 1)``)."""
+    spelled = (ast.Name, ast.Subscript, ast.Call)  # how a sum and a count are written: compared as spelled
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
             divided, by = node.left, node.right
@@ -172,7 +200,7 @@ def _divided_by(tree: ast.AST, name: str, own_counts: set[str]) -> bool:
             divided, by = node.target, node.value
         else:
             continue
-        if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(divided)) and any(
-                ast.unparse(n) in own_counts for n in ast.walk(by) if isinstance(n, (ast.Name, ast.Call))):
+        if any(isinstance(n, spelled) and ast.unparse(n) == name for n in ast.walk(divided)) and any(
+                isinstance(n, spelled) and ast.unparse(n) in own_counts for n in ast.walk(by)):
             return True
     return False
