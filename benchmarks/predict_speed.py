@@ -357,7 +357,8 @@ def entry_name(run: dict) -> str:
 def ranks_started() -> str:
     """How nbddp's agent starts the ranks on this machine: forked from its own imports of torch, or each a fresh
     interpreter (every GPU run before forked ranks came to GPU machines, whose runs carry no such field)."""
-    sys.path.insert(0, str(ROOT / "src"))  # this tree's nbddp, as the runs' ``ENV`` has it
+    if str(ROOT / "src") not in sys.path:
+        sys.path.insert(0, str(ROOT / "src"))  # this tree's nbddp, as the runs' ``ENV`` has it
     from nbddp.agent import forked_ranks
 
     return "forked" if forked_ranks.enabled(ENV) else "fresh"

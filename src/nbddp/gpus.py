@@ -55,12 +55,17 @@ class Machine:
         return requested or self.gpus or 2
 
 
+def has_gpu_driver() -> bool:
+    """Whether a GPU driver's device file is here (``GPU_DEVICE_FILES``): without one, torch sees no GPU."""
+    return any(os.path.exists(dev) for dev in GPU_DEVICE_FILES)
+
+
 def read_machine(memory: bool = True, timeout_s: float = 60.0) -> Machine:
     """This machine's GPUs, asked once: ``nvidia-smi`` where it answers (a fraction of a second), else torch
     (the count through NVML, without a CUDA context; the free memory from a child process). ``memory=False``
     asks only the count. No GPU driver here: 0, with nothing asked."""
     forced = os.environ.get(GPU_COUNT_ENV, "").strip()
-    if not forced.isdigit() and not any(os.path.exists(dev) for dev in GPU_DEVICE_FILES):
+    if not forced.isdigit() and not has_gpu_driver():
         return Machine(0)  # importing torch (seconds, in every launcher) would only say 0
     visible = visible_gpus() if not forced.isdigit() or (memory and not _capped()) else None
     count = int(forced) if forced.isdigit() else len(visible) if visible is not None else _torch_count()

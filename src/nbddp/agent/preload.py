@@ -26,14 +26,6 @@ LATER = (("torch._dynamo", ()), ("torch._inductor.compile_fx", ("transformers", 
 INITIALIZES_CUDA = ("torch._inductor.compile_fx",)
 
 
-def machine_has_gpus() -> bool:
-    import os
-
-    from ..gpus import GPU_DEVICE_FILES
-
-    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
-
-
 def training_script(torchrun_argv: list[str]) -> str | None:
     """The script of torchrun's command line, as torchrun's own parser reads it."""
     try:
@@ -65,7 +57,11 @@ def preload_for(script: str | None, gpus: bool | None = None) -> tuple[str, ...]
             sets_torch = sets_torch or _names_torch(node)
     if sets_torch:
         return ()
-    leave = INITIALIZES_CUDA if (machine_has_gpus() if gpus is None else gpus) else ()
+    if gpus is None:
+        from ..gpus import has_gpu_driver
+
+        gpus = has_gpu_driver()
+    leave = INITIALIZES_CUDA if gpus else ()
     return tuple(name for name, needs in LATER if (not needs or imported & set(needs)) and name not in leave)
 
 

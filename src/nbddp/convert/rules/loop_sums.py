@@ -148,13 +148,13 @@ def _sums(loop: ast.For) -> list[str]:
     set_ |= {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
     set_ |= {n.target.id for n in nodes if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)
              and not isinstance(n.op, ast.Add)}
-    added_to = {id(n.target) for n in _additions(loop)}
+    additions = _additions(loop)
+    added_to = {id(n.target) for n in additions}
     changed = {n.value.id for n in nodes if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del))
                and isinstance(n.value, ast.Name) and id(n) not in added_to}
-    changed |= {n.func.value.id for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                and isinstance(n.func.value, ast.Name)}
+    changed |= {owner for owner, _ in _method_calls(nodes)}
     sums = []
-    for n in _additions(loop):
+    for n in additions:
         owner = n.target.id if isinstance(n.target, ast.Name) else n.target.value.id
         if not isinstance(n.value, ast.Constant) and owner not in set_ and \
                 (isinstance(n.target, ast.Name) or owner not in changed):
@@ -162,13 +162,18 @@ def _sums(loop: ast.For) -> list[str]:
     return list(dict.fromkeys(sums))
 
 
+def _method_calls(nodes) -> list[tuple[str, str]]:
+    """``(name, method)`` of each ``name.method(…)`` call among ``nodes``."""
+    return [(n.func.value.id, n.func.attr) for n in nodes if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)]
+
+
 def _meters(loop: ast.For, facts) -> dict:
     """The notebook's running-average objects the loop updates (``losses.update(loss.item(), n)`` on an instance
     of a ``facts/meters`` class) → their class's shape; not one the loop binds or calls any other method of
     (``losses.reset()``), whose sums would not run from the loop's start to its end."""
     nodes = list(_body_nodes(loop))
-    calls = [(n.func.value.id, n.func.attr) for n in nodes if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)]
+    calls = _method_calls(nodes)
     bound = {t.id for n in nodes for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
     bound |= {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
     updated = dict.fromkeys(name for name, method in calls if method == "update" and name in facts.meter_instances)
